@@ -1,0 +1,202 @@
+"""The tier interface: what every storage tier must do, and what it declares about itself.
+
+A tier stores two things: **blobs** (immutable, content-addressed byte strings named by a
+64-character lowercase hex id) and a **log** (an append-only sequence of opaque records).
+It is small, synchronous and batch friendly on purpose; the engine supplies concurrency
+(it calls one tier from several threads, so implementations must be thread-safe).
+
+The engine's call sequence into a tier, which an implementation may rely on:
+
+1. ``open_tier(url, **options)`` constructs the tier (the registry calls the class).
+2. Saving a version: ``has(ids)`` to skip what is there, then ``put``/``put_many`` for the
+   missing blobs, then ``append(record, blobs=...)``. A record is appended only after every
+   blob it references is durable in this tier (a tier with transactions may put the blobs
+   passed as ``blobs`` in the same transaction as the record).
+3. Restoring: ``read_log()`` once, then ``get`` per blob (possibly into a caller buffer).
+4. Repair: ``put(id, data, overwrite=True)`` replaces a copy found corrupt.
+5. Retention / GC: ``list()`` and ``delete(ids)``, only for blobs no kept record references.
+6. ``close()``; after it no call is made.
+
+Guarantees every tier gives (checked by :mod:`tiercheck.testing`):
+
+- ``put`` is atomic: after a crash a blob is either absent or complete. A reader never sees
+  a prefix. Putting an id that is present is a no-op unless ``overwrite`` is true.
+- ``append`` is atomic and ordered: after a crash ``read_log`` returns exactly the records
+  whose ``append`` returned, possibly plus the one in flight (whole or not at all), in
+  append order.
+- Errors are typed (:mod:`tiercheck.errors`): ``NotFound`` for a missing blob,
+  ``TierUnavailable`` when the tier cannot be reached (retryable), ``TierFull`` when out of
+  space, ``ReadOnlyTier`` for a write to a read-only tier, ``InvalidURL`` for a bad URL.
+  A tier does not check that a blob's content matches its id: the codec layer does that.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar
+
+from tiercheck.errors import InvalidURL, NotSupported, ReadOnlyTier, TierError
+
+__all__ = [
+    "BLOB_ID_RE",
+    "Buffer",
+    "Capabilities",
+    "FailureDomain",
+    "Tier",
+    "check_blob_id",
+    "invalid_url",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+BLOB_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FailureDomain(str, Enum):
+    """The widest failure a tier's content survives."""
+
+    NONE = "none"  # lost with the process (memory://)
+    PROCESS = "process"  # survives a crashed process (shm, lmdb)
+    NODE = "node"  # survives losing the node (peer memory)
+    CLUSTER = "cluster"  # survives losing the cluster (remote object storage)
+
+    @property
+    def order(self) -> int:
+        return ["none", "process", "node", "cluster"].index(self.value)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a tier declares about itself, so the engine never guesses.
+
+    ``speed_rank`` orders tiers for restore: lower is read first. Built-in values:
+    memory 0, shm 10, peer 20, lmdb 30, fsspec local 40, fsspec remote 50.
+    ``atomic_batch`` says that ``append(record, blobs=...)`` writes blobs and record in
+    one transaction. ``persistent`` says the content survives a reboot of its host.
+    """
+
+    survives: FailureDomain
+    shared: bool
+    persistent: bool
+    speed_rank: int
+    atomic_batch: bool = False
+
+
+def check_blob_id(blob_id: str, url: str = "") -> None:
+    """Raise ``TierError`` if ``blob_id`` is not 64 lowercase hex digits."""
+    if not isinstance(blob_id, str) or not BLOB_ID_RE.match(blob_id):
+        raise TierError(f"invalid blob id {blob_id!r}: expected 64 lowercase hex digits", url=url)
+
+
+class Tier(abc.ABC):
+    """Abstract storage tier. Subclasses implement the abstract methods.
+
+    Class attribute ``scheme`` names the URL scheme the class serves (informational; the
+    registry maps schemes to classes). Instances carry ``url``, ``capabilities`` and
+    ``read_only``.
+    """
+
+    scheme: ClassVar[str] = ""
+
+    def __init__(self, url: str, *, capabilities: Capabilities, read_only: bool = False) -> None:
+        self.url = url
+        self.capabilities = capabilities
+        self.read_only = read_only
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # --- blobs ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
+        """Store ``data`` under ``blob_id`` atomically.
+
+        Returns True if bytes were written, False if the id was present (and ``overwrite``
+        false). Raises ``ReadOnlyTier``, ``TierFull``, ``TierUnavailable``.
+        """
+
+    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
+        """Store several blobs; returns how many were written. Not atomic as a group."""
+        return sum(1 for blob_id, data in items if self.put(blob_id, data))
+
+    @abc.abstractmethod
+    def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
+        """Return the stored bytes of ``blob_id``.
+
+        With ``out`` (a writable byte buffer at least as large as the blob), the bytes are
+        written into its start and ``out[:size]`` is returned; otherwise a new buffer.
+        Raises ``NotFound`` (also when ``out`` is too small: ``ValueError``).
+        """
+
+    @abc.abstractmethod
+    def has(self, blob_ids: Iterable[str]) -> set[str]:
+        """Return the subset of ``blob_ids`` present in this tier."""
+
+    @abc.abstractmethod
+    def delete(self, blob_ids: Iterable[str]) -> int:
+        """Delete the given blobs; absent ids are ignored. Returns how many were removed."""
+
+    @abc.abstractmethod
+    def list(self) -> Iterator[str]:
+        """Iterate over every blob id in this tier (any order)."""
+
+    def size(self, blob_id: str) -> int:
+        """Stored size in bytes of ``blob_id``. Default reads the blob."""
+        return len(self.get(blob_id))
+
+    # --- log -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
+        """Append one opaque record to the log, atomically, after storing ``blobs``.
+
+        A tier with ``capabilities.atomic_batch`` writes blobs and record in one
+        transaction; others put the blobs first, then append.
+        """
+
+    @abc.abstractmethod
+    def read_log(self) -> list[bytes]:
+        """Every complete record, in append order. Torn or partial records are not returned."""
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
+        """Release resources. Further calls are undefined."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- helpers for subclasses ----------------------------------------------------
+
+    def _check_writable(self, what: str = "write") -> None:
+        if self.read_only:
+            raise ReadOnlyTier(f"cannot {what}: tier was opened read-only", url=self.url)
+
+    def _unsupported(self, what: str) -> NotSupported:
+        return NotSupported(f"{what} is not supported by {type(self).__name__}", url=self.url)
+
+    @staticmethod
+    def _copy_out(data: Buffer, out: memoryview | None, url: str, blob_id: str) -> memoryview:
+        """Helper for ``get``: copy ``data`` into ``out`` if given, else wrap it."""
+        if out is None:
+            return memoryview(data)
+        n = len(data)
+        if len(out) < n:
+            raise ValueError(
+                f"buffer of {len(out)} bytes too small for blob of {n} bytes ({url} {blob_id})"
+            )
+        out[:n] = data
+        return out[:n]
+
+
+def invalid_url(url: str, why: str) -> InvalidURL:
+    """Build an ``InvalidURL`` error with a uniform message."""
+    return InvalidURL(f"invalid tier URL {url!r}: {why}", url=url)

@@ -1,0 +1,136 @@
+"""Typed errors.
+
+Every error tiercheck raises on purpose derives from :class:`TiercheckError`. Callers
+classify failures by type, never by message: :class:`TierUnavailable` is the only one
+worth retrying. Messages say what was wrong (the tier URL, the blob id, the state key)
+and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyExists",
+    "BlobCorrupt",
+    "CheckpointError",
+    "CommitAborted",
+    "ConfigError",
+    "FormatVersionError",
+    "InvalidURL",
+    "NoRestorableVersion",
+    "NotFound",
+    "NotSupported",
+    "ReadOnlyTier",
+    "StateError",
+    "StoreLocked",
+    "TierError",
+    "TierFull",
+    "TierUnavailable",
+    "TiercheckError",
+    "UnknownScheme",
+    "UnsupportedValue",
+]
+
+
+class TiercheckError(Exception):
+    """Base class of every error tiercheck raises on purpose."""
+
+
+# --- tier errors -------------------------------------------------------------------
+
+
+class TierError(TiercheckError):
+    """A tier operation failed. ``url`` names the tier, ``key`` the blob or record."""
+
+    def __init__(self, message: str, *, url: str = "", key: str = "") -> None:
+        parts = [message]
+        if url:
+            parts.append(f"tier={url}")
+        if key:
+            parts.append(f"id={key}")
+        super().__init__(" | ".join(parts) if len(parts) > 1 else message)
+        self.url = url
+        self.key = key
+
+
+class NotFound(TierError, KeyError):
+    """The blob or record does not exist in this tier."""
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExists(TierError):
+    """A create-if-absent write found the key taken (e.g. two writers on one log)."""
+
+
+class BlobCorrupt(TierError):
+    """Stored bytes are damaged: bad header, truncated payload, or a hash mismatch."""
+
+
+class TierUnavailable(TierError):
+    """The tier cannot be reached right now (dead peer, endpoint down). Retryable."""
+
+
+class NotSupported(TierError):
+    """The tier does not support this operation."""
+
+
+class ReadOnlyTier(NotSupported):
+    """A write was asked of a tier opened read-only."""
+
+
+class TierFull(TierError):
+    """The tier has no space left (disk full, memory limit, map size limit)."""
+
+
+class InvalidURL(TierError, ValueError):
+    """A tier URL is malformed or names a location that cannot be used."""
+
+
+class UnknownScheme(InvalidURL):
+    """No tier is registered for the URL's scheme."""
+
+
+# --- format errors -----------------------------------------------------------------
+
+
+class FormatVersionError(TiercheckError):
+    """Data was written by a newer (or unknown) major format version than this reader."""
+
+
+# --- state / engine errors ---------------------------------------------------------
+
+
+class StateError(TiercheckError, ValueError):
+    """A state dict is malformed or does not match what is being restored into.
+
+    ``key`` is the flattened path of the offending entry, when there is one.
+    """
+
+    def __init__(self, message: str, *, key: str = "") -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+
+
+class UnsupportedValue(StateError, TypeError):
+    """A leaf of the state dict cannot be stored (e.g. a lambda, an open file)."""
+
+
+class ConfigError(TiercheckError, ValueError):
+    """A store configuration or policy is invalid."""
+
+
+class StoreLocked(TiercheckError):
+    """Another process holds the store root open for writing."""
+
+
+class CheckpointError(TiercheckError):
+    """A save failed in the background; raised on the handle and on the next save."""
+
+
+class CommitAborted(CheckpointError):
+    """The version was aborted (a rank failed to prepare, or a vote said no)."""
+
+
+class NoRestorableVersion(TiercheckError, LookupError):
+    """No version (or not the one asked for) can be restored from the surviving tiers."""
