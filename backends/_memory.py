@@ -1,0 +1,136 @@
+"""``memory://[NAME]``: blobs and log held in this process (tests and examples).
+
+Layout: a ``dict`` id -> ``bytes`` for blobs and a ``list`` of ``bytes`` for the log, behind
+one lock. Nothing touches disk; everything is lost with the process.
+
+Naming: ``memory://NAME`` opens the process-wide store called NAME, created on first use
+and kept until :meth:`MemoryTier.discard` or the end of the process, so two
+``open_tier("memory://x")`` calls (or a close and a reopen) see the same content.
+``memory://`` without a name is a private store that lives only as long as its tier.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tiercheck.backends.base import Buffer, Capabilities, FailureDomain, Tier, check_blob_id
+from tiercheck.backends.base import invalid_url as _invalid_url
+from tiercheck.errors import NotFound
+
+__all__ = ["MemoryTier"]
+
+_PREFIX = "memory://"
+
+
+@dataclass
+class _Store:
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    log: list[bytes] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# Named stores outlive their tiers on purpose (see module docstring).
+_named: dict[str, _Store] = {}
+_named_lock = threading.Lock()
+
+
+class MemoryTier(Tier):
+    """In-process tier. Thread-safe; survives nothing."""
+
+    scheme: ClassVar[str] = "memory"
+    CAPABILITIES: ClassVar[Capabilities] = Capabilities(
+        survives=FailureDomain.NONE, shared=False, persistent=False, speed_rank=0
+    )
+
+    def __init__(self, url: str, *, read_only: bool = False, **options: Any) -> None:
+        if options:
+            raise _invalid_url(url, f"unknown options for memory://: {sorted(options)}")
+        if not url.startswith(_PREFIX):
+            raise _invalid_url(url, "expected memory://[NAME]")
+        name = url[len(_PREFIX) :]
+        if any(c in name for c in "?#") or any(not c.isprintable() for c in name):
+            raise _invalid_url(url, "a memory tier name has no query, fragment or control chars")
+        super().__init__(url, capabilities=self.CAPABILITIES, read_only=read_only)
+        self.name = name
+        if not name:
+            self._store = _Store()
+        else:
+            with _named_lock:
+                self._store = _named.setdefault(name, _Store())
+
+    @classmethod
+    def discard(cls, name: str) -> bool:
+        """Forget the named store ``name``; returns whether it existed.
+
+        Tiers still open on it keep their content; a later ``memory://NAME`` starts empty.
+        """
+        with _named_lock:
+            return _named.pop(name, None) is not None
+
+    # --- blobs ---------------------------------------------------------------------
+
+    def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
+        check_blob_id(blob_id, self.url)
+        self._check_writable("put")
+        value = bytes(data)  # the caller may reuse its buffer
+        with self._store.lock:
+            if not overwrite and blob_id in self._store.blobs:
+                return False
+            self._store.blobs[blob_id] = value
+            return True
+
+    def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
+        check_blob_id(blob_id, self.url)
+        with self._store.lock:
+            data = self._store.blobs.get(blob_id)
+        if data is None:
+            raise NotFound("blob not found", url=self.url, key=blob_id)
+        return self._copy_out(data, out, self.url, blob_id)
+
+    def has(self, blob_ids: Iterable[str]) -> set[str]:
+        ids = list(blob_ids)
+        for blob_id in ids:
+            check_blob_id(blob_id, self.url)
+        with self._store.lock:
+            return {b for b in ids if b in self._store.blobs}
+
+    def delete(self, blob_ids: Iterable[str]) -> int:
+        ids = list(blob_ids)
+        for blob_id in ids:
+            check_blob_id(blob_id, self.url)
+        self._check_writable("delete")
+        with self._store.lock:
+            return sum(1 for b in ids if self._store.blobs.pop(b, None) is not None)
+
+    def list(self) -> Iterator[str]:
+        with self._store.lock:
+            ids = list(self._store.blobs)
+        return iter(ids)
+
+    def size(self, blob_id: str) -> int:
+        check_blob_id(blob_id, self.url)
+        with self._store.lock:
+            data = self._store.blobs.get(blob_id)
+        if data is None:
+            raise NotFound("blob not found", url=self.url, key=blob_id)
+        return len(data)
+
+    # --- log -----------------------------------------------------------------------
+
+    def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
+        self._check_writable("append")
+        items = [(b, bytes(d)) for b, d in blobs]
+        for blob_id, _ in items:
+            check_blob_id(blob_id, self.url)
+        value = bytes(record)
+        with self._store.lock:
+            for blob_id, data in items:
+                self._store.blobs.setdefault(blob_id, data)
+            self._store.log.append(value)
+
+    def read_log(self) -> list[bytes]:
+        with self._store.lock:
+            return list(self._store.log)
