@@ -11,6 +11,7 @@ and kept until :meth:`MemoryTier.discard` or the end of the process, so two
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -132,6 +133,6 @@ class MemoryTier(Tier):
                 self._store.blobs.setdefault(blob_id, data)
             self._store.log.append(value)
 
-    def read_log(self) -> list[bytes]:
+    def read_log(self) -> builtins.list[bytes]:
         with self._store.lock:
             return list(self._store.log)

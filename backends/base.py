@@ -33,6 +33,7 @@ Guarantees every tier gives (checked by :mod:`tiercheck.testing`):
 from __future__ import annotations
 
 import abc
+import builtins
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ class Tier(abc.ABC):
         """
 
     @abc.abstractmethod
-    def read_log(self) -> list[bytes]:
+    def read_log(self) -> builtins.list[bytes]:
         """Every complete record, in append order. Torn or partial records are not returned."""
 
     # --- lifecycle -----------------------------------------------------------------
