@@ -1,0 +1,225 @@
+"""The shm tier: conformance suite, segment reuse, recovery after a crash, ENOSPC."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tiercheck.backends import _shm
+from tiercheck.backends._shm import ShmTier
+from tiercheck.backends.base import Tier
+from tiercheck.backends.registry import open_tier
+from tiercheck.formats.framing import frame_record
+
+from tiercheck.errors import InvalidURL, ReadOnlyTier, TierFull
+from tiercheck.testing import TierConformance, blob
+
+
+def shm_root(tmp_path: Path) -> Path:
+    """A per-test root in real shared memory where there is one, else under tmp_path."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return Path("/dev/shm") / f"tiercheck-test-{uuid.uuid4().hex}"
+    return tmp_path / "shm"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    path = shm_root(tmp_path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class TestShmTier(TierConformance):
+    @pytest.fixture(autouse=True)
+    def _root(self, root: Path) -> None:
+        self.root = root
+
+    def make_tier(self, tmp_path: Path) -> Tier:
+        return open_tier("shm://store", root=self.root)
+
+    def reopen(self, tier: Tier) -> Tier:
+        tier.close()
+        return open_tier(tier.url, root=self.root)
+
+    def open_read_only(self, tier: Tier) -> Tier:
+        return open_tier(tier.url, root=self.root, read_only=True)
+
+
+def _open(root: Path, name: str = "t", **options: object) -> ShmTier:
+    tier = open_tier(f"shm://{name}", root=root, **options)
+    assert isinstance(tier, ShmTier)
+    return tier
+
+
+def _tmp_files(tier: ShmTier) -> list[str]:
+    return os.listdir(os.path.join(tier.path, "tmp"))
+
+
+def test_layout(root: Path) -> None:
+    with _open(root, "lay") as tier:
+        bid, data = blob(100)
+        tier.put(bid, data)
+        tier.append(b"r")
+        assert sorted(os.listdir(root / "lay")) == ["blobs", "log", "pool", "tmp"]
+        assert os.listdir(root / "lay" / "blobs") == [bid]
+        assert (root / "lay" / "log").read_bytes() == frame_record(b"r")
+
+
+def test_delete_then_put_reuses_segment(root: Path) -> None:
+    with _open(root) as tier:
+        a, data_a = blob(1 << 20, seed=1)
+        tier.put(a, data_a)
+        inode = os.stat(os.path.join(tier.path, "blobs", a)).st_ino
+        assert tier.delete([a]) == 1
+        assert tier.pool_bytes == 1 << 20
+        assert os.listdir(os.path.join(tier.path, "pool")) != []
+
+        b, data_b = blob((1 << 20) - 100, seed=2)  # a bit smaller: truncated segment
+        assert tier.put(b, data_b) is True
+        assert tier.segments_reused == 1
+        assert os.stat(os.path.join(tier.path, "blobs", b)).st_ino == inode
+        assert bytes(tier.get(b)) == data_b
+        assert tier.size(b) == len(data_b)
+        assert tier.pool_bytes == 0
+        assert os.listdir(os.path.join(tier.path, "pool")) == []
+        assert _tmp_files(tier) == []
+
+
+def test_pool_best_fit_and_growth(root: Path) -> None:
+    with _open(root) as tier:
+        small, big = blob(1000, seed=1), blob(100_000, seed=2)
+        tier.put(*small)
+        tier.put(*big)
+        tier.delete([small[0], big[0]])
+        # A 50 kB blob takes the 100 kB segment (smallest that fits), not the 1 kB one.
+        mid = blob(50_000, seed=3)
+        tier.put(*mid)
+        assert tier.pool_bytes == 1000
+        # A blob bigger than every segment still reuses one, and grows it.
+        huge = blob(300_000, seed=4)
+        tier.put(*huge)
+        assert tier.segments_reused == 2
+        assert bytes(tier.get(huge[0])) == huge[1]
+        assert bytes(tier.get(mid[0])) == mid[1]
+
+
+def test_pool_survives_reopen_and_limit(root: Path) -> None:
+    with _open(root) as tier:
+        items = [blob(4096, seed=i) for i in range(4)]
+        tier.put_many(items)
+        tier.delete(bid for bid, _ in items)
+    with _open(root, pool_limit=8192) as tier:
+        assert tier.pool_bytes == 4 * 4096  # pooled segments found again at open
+        tier.put(*blob(4096, seed=10))
+        assert tier.segments_reused == 1
+        assert tier.trim_pool(keep_bytes=4096) == 8192
+        assert len(os.listdir(os.path.join(tier.path, "pool"))) == 1
+        extra = [blob(4096, seed=20 + i) for i in range(3)]
+        tier.put_many(extra)
+        tier.delete(bid for bid, _ in extra)
+        assert tier.pool_bytes == 8192  # the limit: the third delete freed its memory
+
+
+def test_torn_log_tail_is_ignored_then_truncated(root: Path) -> None:
+    with _open(root) as tier:
+        tier.append(b"one")
+        tier.append(b"two")
+        log = Path(tier.path) / "log"
+    whole = log.read_bytes()
+    torn = frame_record(b"three, never acknowledged")[:-3]
+    log.write_bytes(whole + torn)
+    with _open(root, read_only=True) as ro:
+        assert ro.read_log() == [b"one", b"two"]
+    assert log.read_bytes() == whole + torn  # a reader does not repair
+    with _open(root) as tier:
+        assert log.read_bytes() == whole  # a writer does, before appending
+        tier.append(b"four")
+        assert tier.read_log() == [b"one", b"two", b"four"]
+
+
+def test_dead_writer_tmp_files_are_recycled(root: Path) -> None:
+    with _open(root) as tier:
+        bid, data = blob(5000)
+        tier.put(bid, data)
+        tmp = Path(tier.path) / "tmp"
+        blobs = Path(tier.path) / "blobs"
+    # A dead pid (pid_max is below 2**22) left a half-written segment and, separately,
+    # died between linking a blob into place and unlinking its temp name.
+    (tmp / "4194304.1.0").write_bytes(b"partial")
+    os.link(blobs / bid, tmp / "4194304.1.1")
+    with _open(root) as tier:
+        assert _tmp_files(tier) == []
+        assert tier.pool_bytes == len(b"partial")
+        assert bytes(tier.get(bid)) == data  # the linked blob was not pooled
+        other = blob(5000, seed=9)
+        tier.put(*other)
+        assert bytes(tier.get(bid)) == data
+
+
+def test_put_enospc_raises_tier_full_and_cleans_up(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _open(root) as tier:
+
+        def full(fd: int, data: memoryview, offset: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(_shm, "_write_all", full)
+        bid, data = blob(1000)
+        with pytest.raises(TierFull) as info:
+            tier.put(bid, data)
+        assert bid in str(info.value) and tier.url in str(info.value)
+        assert _tmp_files(tier) == []
+        assert tier.has([bid]) == set()
+        with pytest.raises(TierFull):
+            tier.append(b"rec")
+        monkeypatch.undo()
+        assert tier.read_log() == []
+        tier.append(b"rec")
+        assert tier.read_log() == [b"rec"]
+
+
+def test_append_failure_mid_write_leaves_no_torn_frame(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = _shm._write_all
+
+    def half_then_full(fd: int, data: memoryview, offset: int) -> None:
+        real(fd, data[: len(data) // 2], offset)
+        raise OSError(errno.ENOSPC, "full")
+
+    with _open(root) as tier:
+        tier.append(b"first")
+        monkeypatch.setattr(_shm, "_write_all", half_then_full)
+        with pytest.raises(TierFull):
+            tier.append(b"second record, long enough to tear" * 10)
+        monkeypatch.undo()
+        tier.append(b"third")
+        assert tier.read_log() == [b"first", b"third"]
+
+
+@pytest.mark.parametrize(
+    "url", ["shm://", "shm://a/b", "shm://../x", "shm://.hidden", "shm://a b", "shm://x?y"]
+)
+def test_bad_urls(url: str, root: Path) -> None:
+    with pytest.raises(InvalidURL):
+        open_tier(url, root=root)
+
+
+def test_read_only_needs_existing_store(root: Path) -> None:
+    with pytest.raises(InvalidURL):
+        _open(root, "absent", read_only=True)
+    assert not (root / "absent").exists()
+
+
+def test_read_only_trim_and_writes(root: Path) -> None:
+    _open(root).close()
+    with _open(root, read_only=True) as ro:
+        with pytest.raises(ReadOnlyTier):
+            ro.put(*blob(1))
+        assert ro.read_log() == []
