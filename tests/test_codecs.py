@@ -211,9 +211,7 @@ def test_decode_into_typed_out() -> None:
         elem_size=4,
     )
     dst = np.zeros_like(arr)
-    decode_blob(
-        blob, chunk_id(arr.tobytes()), base_lookup=lambda _: base.tobytes(), out=dst.data
-    )
+    decode_blob(blob, chunk_id(arr.tobytes()), base_lookup=lambda _: base.tobytes(), out=dst.data)
     assert np.array_equal(dst, arr)
 
 
@@ -284,7 +282,9 @@ def test_delta_is_xor_then_shuffle_then_zstd() -> None:
     raw = bytes(range(10, 20))  # 10 bytes, elem_size 4: two elements and a 2-byte tail
     base = bytes([1, 2, 3, 4, 5, 6])  # shorter: XOR over 6 bytes, the rest copied
     xored = bytes(r ^ b for r, b in zip(raw, base)) + raw[6:]
+    assert xored == bytes.fromhex("0B090F090B0910111213")
     shuffled = bytes(xored[i] for i in (0, 4, 1, 5, 2, 6, 3, 7, 8, 9))
+    assert shuffled == bytes.fromhex("0B0B09090F1009111213")
     blob = encode_blob(raw, Codec.DELTA, base=base, base_id=chunk_id(base), elem_size=4)
     hdr = read_header(blob)
     payload = blob[hdr.header_size :]
@@ -404,6 +404,32 @@ def test_unknown_codec() -> None:
     newer_minor = _rewrite_header(blob, codec=9, minor=FORMAT_MINOR + 1)
     with pytest.raises(FormatVersionError, match="codec 9"):
         decode_blob(newer_minor, chunk_id(raw))
+
+
+def test_zstd_frame_variants() -> None:
+    """SPEC 4.2: accept frames with or without content size and checksum; one frame only."""
+    import zstandard
+
+    raw = b"tiercheck " * 300
+
+    def blob_with(payload: bytes) -> bytes:
+        header = encode_blob(raw, Codec.ZSTD)[:BLOB_HEADER_SIZE]
+        return _rewrite_header(header, payload_length=len(payload)) + payload
+
+    frame = zstandard.ZstdCompressor().compress(raw)
+    for ok in (
+        frame,
+        zstandard.ZstdCompressor(write_content_size=False).compress(raw),
+        zstandard.ZstdCompressor(write_checksum=True).compress(raw),
+    ):
+        assert bytes(decode_blob(blob_with(ok), chunk_id(raw))) == raw
+    for bad in (frame + frame, frame + b"\0", frame[:-1], b"", b"not zstd at all"):
+        with pytest.raises(BlobCorrupt):
+            decode_blob(blob_with(bad), chunk_id(raw))
+
+
+def test_empty_chunk_id() -> None:
+    assert chunk_id(b"") == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
 
 
 def test_header_fields_are_checked() -> None:
