@@ -1,0 +1,961 @@
+"""The public entry point: :class:`Checkpointer`, its save handles and restore results.
+
+One ``Checkpointer`` owns a store root. ``save`` flattens and validates the state on the
+caller's thread (bad input fails here, before anything is written), then hands the rest to
+one background pipeline thread: stage (copy into the reused staging buffer), hash, place
+on every synchronous tier in parallel, decide, record, apply retention and GC, and queue
+asynchronous migrations. Failures there are raised by the handle and by the next ``save``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from tiercheck.chunking import Layout, plan_layout
+from tiercheck.cluster import Coordinator, LocalCoordinator, Vote
+from tiercheck.config import (
+    CONFIG_NAME,
+    StoreConfig,
+    TierSpec,
+    coerce_tiers,
+    default_config,
+    load_config,
+    save_config,
+)
+from tiercheck.entries import Leaf, encode_scalar, flatten
+from tiercheck.errors import (
+    CheckpointError,
+    CommitAborted,
+    ConfigError,
+    NoRestorableVersion,
+    NotFound,
+    StoreLocked,
+    TiercheckError,
+    TierUnavailable,
+)
+from tiercheck.fetch import ChunkFetcher, FetchStats
+from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
+from tiercheck.manifest_log import Catalog, TierLog, append_record, read_catalog
+from tiercheck.migration import migrate_shard
+from tiercheck.pipeline import build_manifest, commit_on, hash_stream, place_shard
+from tiercheck.placement import Policy
+from tiercheck.restore import bind, choose_version, fetch_into, materialize
+from tiercheck.retention import GCReport, GCState, collect_garbage, drop_versions, plan_drops
+from tiercheck.staging import StagingBuffer
+from tiercheck.tierset import TierSet, TierSlot
+
+__all__ = ["Checkpointer", "RestoreInfo", "SaveHandle", "SaveResult", "VersionSummary"]
+
+log = logging.getLogger("tiercheck")
+
+TierState = Literal["committed", "pending", "migrating", "failed", "skipped"]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a save did. ``tiers`` maps each tier to its state for this version."""
+
+    version: int | None
+    step: int
+    role: Role | None
+    base: int | None
+    logical_bytes: int
+    bytes_written: Mapping[str, int]
+    chunks_written: Mapping[str, int]
+    tiers: Mapping[str, TierState]
+    errors: Mapping[str, str]
+    timings: Mapping[str, float]
+    skipped: bool = False
+
+    @property
+    def committed_tiers(self) -> tuple[str, ...]:
+        return tuple(n for n, s in self.tiers.items() if s == "committed")
+
+
+class SaveHandle:
+    """Tracks one save. ``wait_staged`` -> state may change; ``wait`` -> committed at every
+    synchronous tier that could take it; ``wait_migrated`` -> asynchronous tiers too."""
+
+    def __init__(self, step: int, version: int | None, role: Role | None, base: int | None):
+        self.step = step
+        self.version = version
+        self.role = role
+        self.base = base
+        self.skipped = False
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._migrated = threading.Event()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._tiers: dict[str, TierState] = {}
+        self._errors: dict[str, str] = {}
+        self._bytes: dict[str, int] = {}
+        self._chunks: dict[str, int] = {}
+        self._timings: dict[str, float] = {}
+        self._logical = 0
+        self._pending_migrations = 0
+
+    # --- called by the engine ---------------------------------------------------------
+
+    def _set_tier(self, name: str, state: TierState, error: str | None = None) -> None:
+        with self._lock:
+            self._tiers[name] = state
+            if error:
+                self._errors[name] = error
+
+    def _time(self, what: str, seconds: float) -> None:
+        with self._lock:
+            self._timings[what] = seconds
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._staged.set()
+        self._done.set()
+        self._migrated.set()
+
+    # --- public -------------------------------------------------------------------------
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state has been copied; the caller may then mutate it."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"staging of step {self.step} did not finish in {timeout}s")
+        if self._error is not None and not self._done.is_set():
+            raise self._wrap()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until committed at the synchronous tiers; raise if the save failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} did not finish in {timeout}s")
+        if self._error is not None:
+            raise self._wrap()
+        return self.result_now()
+
+    result = wait
+
+    def wait_migrated(self, timeout: float | None = None) -> SaveResult:
+        """Block until asynchronous tiers have the version too (or gave up)."""
+        self.wait(timeout)
+        if not self._migrated.wait(timeout):
+            raise TimeoutError(f"migration of step {self.step} did not finish in {timeout}s")
+        return self.result_now()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _wrap(self) -> CheckpointError:
+        err = self._error
+        if isinstance(err, CheckpointError):
+            return err
+        out = CheckpointError(f"save of step {self.step} (version {self.version}) failed: {err}")
+        out.__cause__ = err
+        return out
+
+    def result_now(self) -> SaveResult:
+        """A snapshot of the save's state, whether finished or not."""
+        with self._lock:
+            return SaveResult(
+                version=self.version,
+                step=self.step,
+                role=self.role,
+                base=self.base,
+                logical_bytes=self._logical,
+                bytes_written=dict(self._bytes),
+                chunks_written=dict(self._chunks),
+                tiers=dict(self._tiers),
+                errors=dict(self._errors),
+                timings=dict(self._timings),
+                skipped=self.skipped,
+            )
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """What a restore did. ``state`` is the (same, updated) state object."""
+
+    version: int
+    step: int
+    role: Role
+    metadata: Mapping[str, Any]
+    source: str
+    chunks_from: Mapping[str, int]
+    bytes_read: Mapping[str, int]
+    repaired: tuple[tuple[str, str], ...]
+    corrupt: tuple[tuple[str, str], ...]
+    seconds: float
+    state: Any = field(repr=False, default=None)
+
+
+@dataclass(frozen=True)
+class VersionSummary:
+    """One row of the history."""
+
+    id: int
+    step: int
+    role: Role
+    base: int | None
+    time: float
+    metadata: Mapping[str, Any]
+    logical_bytes: int
+    stored_bytes: int
+    tiers: Mapping[str, str]
+    restorable: bool
+
+
+@dataclass
+class _Job:
+    handle: SaveHandle
+    info_step: int
+    version: int
+    role: Role
+    base: int | None
+    leaves: list[Leaf]
+    layout: Layout
+    tree: Any
+    metadata: dict[str, Any]
+    t_call: float
+
+
+class Checkpointer:
+    """A checkpoint store rooted at ``root``.
+
+    ``Checkpointer(root)`` opens the store described by ``root/tiercheck.toml``, creating the
+    embedded default (shm, LMDB and a ``file://`` remote tier under the root) if there is
+    none. ``tiers`` and ``policy`` set them explicitly (and are written to the config);
+    ``config`` reads another TOML file. ``read_only`` opens for inspection without taking
+    the writer lock. ``allow_pickle`` lets unsupported leaves be stored (and loaded) with
+    pickle; leave it off for checkpoints you do not trust.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        tiers: Sequence[str | TierSpec | tuple[str, str]] | None = None,
+        policy: Policy | None = None,
+        config: str | os.PathLike[str] | None = None,
+        read_only: bool = False,
+        allow_pickle: bool = False,
+        coordinator: Coordinator | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.read_only = read_only
+        self.allow_pickle = allow_pickle
+        self.coordinator: Coordinator = coordinator or LocalCoordinator()
+        self.rank = self.coordinator.rank
+        self.world_size = self.coordinator.world_size
+        self._lock_fd: int | None = None
+        self._closed = False
+        self.config = self._resolve_config(tiers, policy, config)
+        self.policy = self.config.policy
+        if not read_only:
+            self._take_lock()
+        try:
+            self.tierset = TierSet(self.config.tiers, self.policy, read_only=read_only)
+        except BaseException:
+            self._release_lock()
+            raise
+        cores = os.cpu_count() or 2
+        n = threads or max(4, 2 * cores)
+        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="tiercheck-io")
+        self._tier_pool = ThreadPoolExecutor(
+            max_workers=max(2, len(self.tierset.slots)), thread_name_prefix="tiercheck-tier"
+        )
+        self._pipeline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-save")
+        self._hash_threads = self.policy.hash_threads or None
+        self._staging = StagingBuffer()
+        self._meta = threading.RLock()
+        self._outstanding = threading.Semaphore(2)
+        self._inflight: list[_Job] = []
+        self._pending_error: BaseException | None = None
+        self._gc = GCState()
+        self._catalog = read_catalog(self.tierset.tiers())
+        self._next_id = self._catalog.max_version_id() + 1
+        self._last_base: tuple[int, tuple[Any, ...], tuple[ChunkRef, ...]] | None = None
+        self._since_base = 0
+        self._migrations: queue.Queue[tuple[VersionInfo, str, SaveHandle | None] | None] = (
+            queue.Queue()
+        )
+        self._pending_migrations: list[tuple[VersionInfo, str, SaveHandle | None]] = []
+        self._pinned: dict[int, int] = {}
+        self._migrator: threading.Thread | None = None
+        if not read_only:
+            self._migrator = threading.Thread(
+                target=self._migration_loop, name="tiercheck-migrate", daemon=True
+            )
+            self._migrator.start()
+
+    # --- configuration and locking ------------------------------------------------------
+
+    def _resolve_config(
+        self,
+        tiers: Sequence[str | TierSpec | tuple[str, str]] | None,
+        policy: Policy | None,
+        config: str | os.PathLike[str] | None,
+    ) -> StoreConfig:
+        path = self.root / CONFIG_NAME
+        if config is not None:
+            cfg = load_config(Path(config))
+        elif tiers is None and path.exists():
+            cfg = load_config(path)
+        elif tiers is None:
+            if self.read_only:
+                raise ConfigError(f"{self.root} is not a tiercheck store (no {CONFIG_NAME})")
+            cfg = default_config(self.root)
+        else:
+            cfg = StoreConfig(coerce_tiers(tiers), Policy())
+        if policy is not None:
+            cfg = StoreConfig(cfg.tiers, policy)
+        if not self.read_only:
+            self.root.mkdir(parents=True, exist_ok=True)
+            save_config(path, cfg)
+        return cfg
+
+    def _take_lock(self) -> None:
+        path = self.root / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLocked(
+                f"{self.root} is open for writing by another process; open it with "
+                "read_only=True to inspect it, or stop the other writer"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # --- saving ---------------------------------------------------------------------------
+
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """Allocate the staging buffer for ``state`` now, so the first save pays nothing."""
+        _, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+        layout = plan_layout(leaves, self.policy.chunk_size)
+        needs_cuda = any(lf.kind == "tensor" and lf.value.is_cuda for lf in leaves)
+        with self._meta:
+            self._staging.ensure(layout.stream_bytes + (1 << 20), pinned=needs_cuda)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Make ``optimizer.step()`` wait until the last save has been staged.
+
+        Returns a function that removes the hook.
+        """
+
+        def hook(*_: Any) -> None:
+            self.wait_staged()
+
+        handle = optimizer.register_step_pre_hook(hook)
+        return handle.remove
+
+    def wait_staged(self) -> None:
+        """Block until every save so far has been staged."""
+        with self._meta:
+            jobs = list(self._inflight)
+        for job in jobs:
+            job.handle.wait_staged()
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+        if self.read_only:
+            raise CheckpointError(f"{self.root} was opened read-only")
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        role: Role | None = None,
+    ) -> SaveHandle:
+        """Start saving ``state`` as the checkpoint of ``step``; return at once.
+
+        The state is flattened and validated here (bad input raises a typed error before
+        anything is written); copying and everything after it happen in the background.
+        Do not mutate the state before ``handle.wait_staged()`` (or use :meth:`guard`).
+        ``role`` forces a base or diff version. Raises the previous save's background
+        failure, if it has not been raised yet.
+        """
+        t_call = time.perf_counter()
+        self._check_writable()
+        with self._meta:
+            err, self._pending_error = self._pending_error, None
+        if err is not None:
+            raise CheckpointError(f"a previous save failed: {err}") from err
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if role not in (None, "base", "diff"):
+            raise ValueError(f"role must be 'base', 'diff' or None, got {role!r}")
+        meta = dict(metadata or {})
+        encode_scalar(meta, "<metadata>", allow_pickle=False)
+        tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+        layout = plan_layout(leaves, self.policy.chunk_size)
+        if self.policy.on_busy == "skip":
+            if not self._outstanding.acquire(blocking=False):
+                handle = SaveHandle(step, None, None, None)
+                handle.skipped = True
+                handle._staged.set()
+                handle._done.set()
+                handle._migrated.set()
+                log.info("save of step %d skipped: the previous save is still running", step)
+                return handle
+        else:
+            self._outstanding.acquire()
+        with self._meta:
+            version = self.coordinator.next_version_id(self._next_id - 1)
+            self._next_id = version + 1
+            sig = layout.signature()
+            if role is None:
+                want_base = (
+                    self._last_base is None
+                    or self._last_base[1] != sig
+                    or self._since_base + 1 >= self.policy.base_every
+                )
+                role = "base" if want_base else "diff"
+            elif role == "diff" and (self._last_base is None or self._last_base[1] != sig):
+                role = "base"  # a diff needs a base with the same layout
+            base = None if role == "base" or self._last_base is None else self._last_base[0]
+            handle = SaveHandle(step, version, role, base)
+            job = _Job(handle, step, version, role, base, leaves, layout, tree, meta, t_call)
+            self._inflight.append(job)
+        handle._logical = layout.stream_bytes
+        handle._time("blocked", time.perf_counter() - t_call)
+        self._pipeline.submit(self._run_job, job)
+        return handle
+
+    def _run_job(self, job: _Job) -> None:
+        handle = job.handle
+        try:
+            self._save_job(job)
+        except BaseException as exc:
+            log.error("save of step %d failed: %s", job.info_step, exc)
+            with self._meta:
+                self._pending_error = exc
+            handle._fail(exc)
+        finally:
+            with self._meta:
+                if job in self._inflight:
+                    self._inflight.remove(job)
+            self._outstanding.release()
+
+    def _save_job(self, job: _Job) -> None:
+        handle = job.handle
+        t0 = job.t_call
+        if not self._staging.acquire():
+            raise CheckpointError("staging buffer unavailable")
+        try:
+            event = self._staging.stage(job.leaves, job.layout)
+            if event is not None:
+                event.synchronize()
+            job.leaves = []  # drop references to the caller's tensors
+            handle._time("staged", time.perf_counter() - t0)
+            handle._staged.set()
+            view = self._staging.view(job.layout.stream_bytes)
+            chunks = hash_stream(view, job.layout, self._hash_threads)
+            handle._time("hashed", time.perf_counter() - t0)
+            manifest, mbytes, mid = build_manifest(
+                version=job.version,
+                rank=self.rank,
+                world_size=self.world_size,
+                layout=job.layout,
+                chunks=chunks,
+                tree=job.tree,
+            )
+            sync = [
+                s
+                for s in self.tierset.open()
+                if s.policy is not None and s.policy.mode == "sync" and s.policy.wants(job.role)
+            ]
+            for s in self.tierset.slots:
+                handle._set_tier(s.name, "pending")
+            base_chunks = None
+            if job.role == "diff" and self._last_base is not None:
+                base_chunks = self._last_base[2]
+            fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
+
+            def base_lookup(cid: str) -> bytes:
+                return bytes(fetcher.fetch(cid)[0])
+
+            futures = [
+                self._tier_pool.submit(
+                    place_shard,
+                    slot,
+                    pool=self._pool,
+                    view=view,
+                    layout=job.layout,
+                    manifest=manifest,
+                    manifest_bytes=mbytes,
+                    manifest_id=mid,
+                    step=job.info_step,
+                    role=job.role,
+                    base=job.base,
+                    base_chunks=base_chunks,
+                    base_lookup=base_lookup,
+                    zstd_level=self.policy.zstd_level,
+                )
+                for slot in sync
+            ]
+            results = [f.result() for f in futures]
+        finally:
+            self._staging.release()
+        prepared = [r for r in results if r.ok]
+        for r in results:
+            handle._bytes[r.tier] = r.bytes_written
+            handle._chunks[r.tier] = r.chunks_written
+            handle._time(f"prepared:{r.tier}", r.seconds)
+            if not r.ok:
+                handle._set_tier(r.tier, "failed", r.error)
+        with self._meta:
+            for r in prepared:
+                self._catalog.logs.setdefault(r.tier, TierLog(r.tier)).prepared.setdefault(
+                    job.version, {}
+                )
+        vote = Vote(
+            rank=self.rank,
+            ok=bool(prepared),
+            manifest=mid,
+            tiers=tuple(r.tier for r in prepared),
+            reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
+            or ("no synchronous tier wants this version" if not results else ""),
+        )
+        decision = self.coordinator.decide(job.version, vote)
+        prepared_slots = [self.tierset.get(r.tier) for r in prepared]
+        if not decision.commit:
+            for slot in prepared_slots:
+                assert slot.tier is not None
+                try:
+                    append_record(slot.tier, AbortRecord(job.version, decision.reason))
+                except TiercheckError as exc:
+                    log.warning("could not record abort in %s: %s", slot.name, exc)
+            raise CommitAborted(f"version {job.version} aborted: {decision.reason}")
+        info = VersionInfo(
+            id=job.version,
+            step=job.info_step,
+            role=job.role,
+            base=job.base,
+            world_size=self.world_size,
+            shards=decision.shards,
+            time=time.time(),
+            logical_bytes=job.layout.stream_bytes,
+            metadata=job.metadata,
+        )
+        errors = list(self._tier_pool.map(lambda s: commit_on(s, info), prepared_slots))
+        committed = []
+        for slot, error in zip(prepared_slots, errors):
+            if error is None:
+                committed.append(slot)
+                handle._set_tier(slot.name, "committed")
+                handle._time(f"committed:{slot.name}", time.perf_counter() - t0)
+            else:
+                handle._set_tier(slot.name, "failed", error)
+        if not committed:
+            raise CheckpointError(
+                f"version {job.version} could not be committed in any tier: {handle._errors}"
+            )
+        with self._meta:
+            for slot in committed:
+                tl = self._catalog.logs.setdefault(slot.name, TierLog(slot.name))
+                tl.committed[info.id] = info
+            if job.role == "base":
+                self._last_base = (job.version, job.layout.signature(), chunks)
+                self._since_base = 0
+            else:
+                self._since_base += 1
+        handle._time("committed", time.perf_counter() - t0)
+        handle._done.set()
+        self._queue_migrations(info, handle, committed)
+        self._apply_retention()
+
+    # --- migration ------------------------------------------------------------------------
+
+    def _queue_migrations(
+        self, info: VersionInfo, handle: SaveHandle | None, committed: Sequence[TierSlot]
+    ) -> None:
+        targets = [
+            s
+            for s in self.tierset.open()
+            if s.policy is not None
+            and s.policy.mode == "async"
+            and s.policy.wants(info.role)
+            and s not in committed
+        ]
+        if handle is not None:
+            handle._pending_migrations = len(targets)
+            for s in targets:
+                handle._set_tier(s.name, "migrating")
+            for s in self.tierset.slots:
+                if handle._tiers.get(s.name) == "pending":
+                    handle._set_tier(s.name, "skipped")
+            if not targets:
+                handle._migrated.set()
+        with self._meta:
+            for s in targets:
+                self._pinned[info.id] = self._pinned.get(info.id, 0) + 1
+                self._migrations.put((info, s.name, handle))
+
+    def _migration_loop(self) -> None:
+        while True:
+            job = self._migrations.get()
+            if job is None:
+                return
+            info, name, handle = job
+            slot = self.tierset.get(name)
+            try:
+                self._migrate(info, slot)
+            except TierUnavailable as exc:
+                log.warning("migration of version %d to %s postponed: %s", info.id, name, exc)
+                with self._meta:
+                    self._pending_migrations.append(job)
+                if handle is not None:
+                    handle._set_tier(name, "migrating", str(exc))
+                self._migrations.task_done()
+                continue
+            except Exception as exc:
+                log.error("migration of version %d to %s failed: %s", info.id, name, exc)
+                with self._meta:
+                    self._pending_error = CheckpointError(
+                        f"migration of version {info.id} to tier {name} failed: {exc}"
+                    )
+                    self._unpin(info.id)
+                if handle is not None:
+                    handle._set_tier(name, "failed", str(exc))
+                    self._migration_done(handle)
+                self._migrations.task_done()
+                continue
+            with self._meta:
+                tl = self._catalog.logs.setdefault(name, TierLog(name))
+                tl.committed[info.id] = info
+                self._unpin(info.id)
+            if handle is not None:
+                handle._set_tier(name, "committed")
+                self._migration_done(handle)
+            self._migrations.task_done()
+            self._apply_retention()
+
+    def _unpin(self, version: int) -> None:
+        left = self._pinned.get(version, 0) - 1
+        if left > 0:
+            self._pinned[version] = left
+        else:
+            self._pinned.pop(version, None)
+
+    @staticmethod
+    def _migration_done(handle: SaveHandle) -> None:
+        with handle._lock:
+            handle._pending_migrations -= 1
+            done = handle._pending_migrations <= 0
+        if done:
+            handle._migrated.set()
+
+    def _migrate(self, info: VersionInfo, slot: TierSlot) -> None:
+        with self._meta:
+            holders = [
+                self.tierset.get(n)
+                for n, tl in self._catalog.logs.items()
+                if tl.holds(info.id) and n != slot.name
+            ]
+            base_info = self._catalog.versions.get(info.base) if info.base is not None else None
+        sources = sorted([s for s in holders if s.tier is not None], key=lambda s: s.speed_rank)
+        sources += [s for s in self.tierset.by_speed() if s not in sources and s is not slot]
+        fetcher = ChunkFetcher(sources, repair=True, zstd_level=self.policy.zstd_level)
+        base_mid = base_info.shards[self.rank] if base_info is not None else None
+        migrate_shard(
+            info,
+            self.rank,
+            slot,
+            sources,
+            fetcher,
+            self._pool,
+            zstd_level=self.policy.zstd_level,
+            base_manifest_id=base_mid,
+        )
+
+    def retry_migrations(self) -> int:
+        """Queue again the migrations postponed because their tier was unreachable."""
+        with self._meta:
+            jobs, self._pending_migrations = self._pending_migrations, []
+        for job in jobs:
+            self._migrations.put(job)
+        return len(jobs)
+
+    def wait_migrations(self, timeout: float | None = None) -> bool:
+        """Block until queued migrations finished (or were postponed); True if none pending."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.flush()
+        while self._migrations.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            with self._migrations.all_tasks_done:
+                self._migrations.all_tasks_done.wait(0.05)
+        with self._meta:
+            return not self._pending_migrations
+
+    # --- retention and GC -----------------------------------------------------------------
+
+    def _in_flight_ids(self) -> set[str]:
+        return set()
+
+    def _apply_retention(self) -> None:
+        with self._meta:
+            pinned = set(self._pinned)
+            logs = {n: tl for n, tl in self._catalog.logs.items()}
+        for slot in self.tierset.open():
+            tl = logs.get(slot.name)
+            if tl is None or slot.policy is None:
+                continue
+            try:
+                drops = plan_drops(tl, slot.policy, pinned)
+                if drops:
+                    with self._meta:
+                        drop_versions(slot, drops, tl)
+                    log.debug("retention dropped %s from %s", drops, slot.name)
+                self._collect(slot, tl, dry_run=False)
+            except TiercheckError as exc:
+                log.warning("retention/gc on tier %s failed: %s", slot.name, exc)
+
+    def _collect(self, slot: TierSlot, tl: TierLog, *, dry_run: bool) -> GCReport:
+        fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
+        with self._meta:
+            in_flight = self._in_flight_ids()
+        return collect_garbage(
+            slot,
+            tl,
+            fetcher.manifest,
+            in_flight=in_flight,
+            state=self._gc,
+            grace=self.policy.gc_grace_seconds,
+            dry_run=dry_run,
+        )
+
+    def gc(self, *, dry_run: bool = False) -> list[GCReport]:
+        """Sweep unreferenced blobs past the grace period from every tier."""
+        self.flush()
+        self._check_writable() if not dry_run else None
+        catalog = self.refresh()
+        reports = []
+        for slot in self.tierset.open():
+            tl = catalog.logs.get(slot.name)
+            if tl is not None:
+                reports.append(self._collect(slot, tl, dry_run=dry_run))
+        return reports
+
+    # --- reading --------------------------------------------------------------------------
+
+    def refresh(self) -> Catalog:
+        """Re-read every tier's log (e.g. after another process wrote or a tier was lost)."""
+        catalog = read_catalog(self.tierset.tiers())
+        with self._meta:
+            self._catalog = catalog
+            self._next_id = max(self._next_id, catalog.max_version_id() + 1)
+        return catalog
+
+    def restore(
+        self,
+        state: dict[str, Any] | None = None,
+        *,
+        version: int | None = None,
+        step: int | None = None,
+        strict: bool = True,
+        repair: bool = True,
+        tiers: Sequence[str] | None = None,
+    ) -> RestoreInfo:
+        """Restore the newest restorable version (or ``version``/``step``) into ``state``.
+
+        Tensors are written into the caller's tensors where dtype and shape match; modules
+        and optimizers get ``load_state_dict``. Each chunk comes from the fastest tier that
+        holds an intact copy; damaged copies are repaired when ``repair``. ``tiers``
+        restricts the tiers read. Raises :class:`NoRestorableVersion` or
+        :class:`StateError`.
+        """
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+        t0 = time.perf_counter()
+        self.flush()
+        catalog = self.refresh()
+        if tiers is not None:
+            unknown = set(tiers) - {s.name for s in self.tierset.slots}
+            if unknown:
+                raise ConfigError(f"unknown tier names {sorted(unknown)}")
+            catalog = Catalog({n: tl for n, tl in catalog.logs.items() if n in tiers}, {})
+        explicit = version is not None or step is not None
+        first = choose_version(catalog, version=version, step=step)
+        candidates = (
+            [first]
+            if explicit
+            else [
+                catalog.versions[v]
+                for v in sorted(catalog.restorable_versions(), reverse=True)
+                if v <= first.id
+            ]
+        )
+        last_error: Exception | None = None
+        for info in candidates:
+            try:
+                return self._restore_version(catalog, info, state, strict, repair, t0)
+            except (NotFound, TierUnavailable) as exc:
+                last_error = exc
+            except TiercheckError as exc:
+                if type(exc).__name__ != "BlobCorrupt":
+                    raise
+                last_error = exc
+            log.warning(
+                "version %d could not be restored (%s); trying an older one", info.id, last_error
+            )
+        raise NoRestorableVersion(f"no version could be restored; last error: {last_error}")
+
+    def _restore_version(
+        self,
+        catalog: Catalog,
+        info: VersionInfo,
+        state: dict[str, Any] | None,
+        strict: bool,
+        repair: bool,
+        t0: float,
+    ) -> RestoreInfo:
+        if self.rank >= len(info.shards):
+            raise NoRestorableVersion(
+                f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
+            )
+        holders = catalog.holders(info.id)
+        allowed = set(catalog.logs)
+        order = sorted(
+            [self.tierset.get(n) for n in holders if self.tierset.get(n).tier is not None],
+            key=lambda s: s.speed_rank,
+        )
+        order += [s for s in self.tierset.by_speed() if s not in order and s.name in allowed]
+        fetcher = ChunkFetcher(
+            order, repair=repair and not self.read_only, zstd_level=self.policy.zstd_level
+        )
+        manifest = fetcher.manifest(info.shards[self.rank], order=order)
+        target = state if state is not None else {}
+        binding = bind(manifest, target, strict=strict and state is not None)
+        fetch_into(manifest, binding, fetcher, order, self._pool, expect=holders)
+        restored = materialize(manifest, binding, target, allow_pickle=self.allow_pickle)
+        stats: FetchStats = fetcher.stats
+        source = (
+            stats.chunks_from.most_common(1)[0][0]
+            if stats.chunks_from
+            else (order[0].name if order else "")
+        )
+        return RestoreInfo(
+            version=info.id,
+            step=info.step,
+            role=info.role,
+            metadata=dict(info.metadata),
+            source=source,
+            chunks_from=dict(stats.chunks_from),
+            bytes_read=dict(stats.bytes_read),
+            repaired=tuple(stats.repaired),
+            corrupt=tuple(stats.corrupt),
+            seconds=time.perf_counter() - t0,
+            state=restored,
+        )
+
+    def history(self) -> list[VersionSummary]:
+        """Every committed version, oldest first, with where it is held."""
+        self.flush()
+        catalog = self.refresh() if self.read_only or self._closed is False else self._catalog
+        with self._meta:
+            pending = {(info.id, name) for info, name, _ in self._pending_migrations}
+            pinned = dict(self._pinned)
+        out = []
+        for vid, info in catalog.versions.items():
+            tiers: dict[str, str] = {}
+            stored = 0
+            for slot in self.tierset.slots:
+                tl = catalog.logs.get(slot.name)
+                if tl is None:
+                    tiers[slot.name] = "unreachable"
+                elif tl.holds(vid):
+                    tiers[slot.name] = "committed"
+                    stored += tl.bytes_written(vid)
+                elif vid in tl.dropped:
+                    tiers[slot.name] = "dropped"
+                elif (vid, slot.name) in pending or (
+                    vid in pinned
+                    and slot.policy is not None
+                    and slot.policy.mode == "async"
+                    and slot.policy.wants(info.role)
+                ):
+                    tiers[slot.name] = "migrating"
+                else:
+                    tiers[slot.name] = "missing"
+            out.append(
+                VersionSummary(
+                    id=vid,
+                    step=info.step,
+                    role=info.role,
+                    base=info.base,
+                    time=info.time,
+                    metadata=dict(info.metadata),
+                    logical_bytes=info.logical_bytes,
+                    stored_bytes=stored,
+                    tiers=tiers,
+                    restorable=catalog.restorable(vid),
+                )
+            )
+        return out
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Block until every save submitted so far has finished (not migrations)."""
+        if self._closed:
+            return
+        barrier: Future[None] = self._pipeline.submit(lambda: None)
+        barrier.result()
+
+    def close(self, *, wait_migrations: bool = True, timeout: float | None = None) -> None:
+        """Finish pending saves (and migrations, unless told not to), close tiers, unlock."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+            if wait_migrations and self._migrator is not None:
+                self.wait_migrations(timeout)
+        finally:
+            self._closed = True
+            if self._migrator is not None:
+                self._migrations.put(None)
+                self._migrator.join(timeout=timeout)
+            self._pipeline.shutdown(wait=True)
+            self._tier_pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+            self.tierset.close()
+            self._release_lock()
+        with self._meta:
+            err, self._pending_error = self._pending_error, None
+        if err is not None and not isinstance(err, CheckpointError):
+            log.error("a background save failed before close: %s", err)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self._release_lock()
+            except Exception:
+                pass

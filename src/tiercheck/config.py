@@ -1,0 +1,194 @@
+"""Store configuration: ``tiercheck.toml`` at a store root names the tiers and the policy.
+
+A new root with no configuration gets the embedded default: host shared memory named after
+the root, an LMDB tier under the root and a ``file://`` "remote" tier under the root
+(declared to survive the cluster, so it receives migrated base versions). The file is
+plain TOML so people can read and edit it::
+
+    format = 1
+
+    [policy]
+    base_every = 10
+    chunk_size = 4194304
+
+    [[tier]]
+    name = "shm"
+    url = "shm://tiercheck-3f2a9c1e0b7d"
+    versions = "all"        # optional placement overrides (see tiercheck.TierPolicy)
+
+    [[tier]]
+    name = "remote"
+    url = "file:///data/ckpt/remote"
+    options = { survives = "cluster", shared = true }
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import blake3
+import tomllib
+
+from tiercheck.errors import ConfigError
+from tiercheck.placement import Policy, TierPolicy
+
+__all__ = [
+    "CONFIG_NAME",
+    "StoreConfig",
+    "TierSpec",
+    "default_config",
+    "load_config",
+    "save_config",
+]
+
+CONFIG_NAME = "tiercheck.toml"
+CONFIG_FORMAT = 1
+
+_POLICY_KEYS = {f.name for f in fields(Policy)} - {"tiers"}
+_TIER_POLICY_KEYS = {f.name for f in fields(TierPolicy)}
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A tier of a store: a short ``name`` (used in policies and history), its URL, and the
+    options passed to the tier class."""
+
+    name: str
+    url: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"tier name {self.name!r} must be letters, digits, '-' or '_'")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    tiers: tuple[TierSpec, ...]
+    policy: Policy
+
+
+def default_config(root: Path) -> StoreConfig:
+    """The embedded default tiers for ``root``."""
+    root = root.resolve()
+    tag = blake3.blake3(str(root).encode()).hexdigest()[:12]
+    return StoreConfig(
+        tiers=(
+            TierSpec("shm", f"shm://tiercheck-{tag}"),
+            TierSpec("lmdb", f"lmdb://{root / 'lmdb'}"),
+            TierSpec(
+                "remote",
+                f"file://{root / 'remote'}",
+                {"survives": "cluster", "shared": True},
+            ),
+        ),
+        policy=Policy(),
+    )
+
+
+def coerce_tiers(tiers: Sequence[str | TierSpec | tuple[str, str]]) -> tuple[TierSpec, ...]:
+    """Accept URLs, ``(name, url)`` pairs or specs; name bare URLs after their scheme."""
+    specs: list[TierSpec] = []
+    for item in tiers:
+        if isinstance(item, TierSpec):
+            specs.append(item)
+        elif isinstance(item, tuple):
+            specs.append(TierSpec(item[0], item[1]))
+        elif isinstance(item, str):
+            scheme = item.split("://", 1)[0].replace("+", "-") if "://" in item else "tier"
+            name = scheme
+            n = 2
+            while any(s.name == name for s in specs):
+                name = f"{scheme}{n}"
+                n += 1
+            specs.append(TierSpec(name, item))
+        else:
+            raise ConfigError(f"a tier must be a URL, (name, url) or TierSpec, got {item!r}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tier names must be unique, got {names}")
+    if not specs:
+        raise ConfigError("a store needs at least one tier")
+    return tuple(specs)
+
+
+def load_config(path: Path) -> StoreConfig:
+    """Read a ``tiercheck.toml``; raise ``ConfigError`` naming the file on any problem."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"no store configuration at {path}") from None
+    except (tomllib.TOMLDecodeError, OSError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    fmt = data.get("format", CONFIG_FORMAT)
+    if fmt != CONFIG_FORMAT:
+        raise ConfigError(f"{path}: configuration format {fmt!r} is not supported (expected 1)")
+    policy_data = data.get("policy", {})
+    unknown = set(policy_data) - _POLICY_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown policy keys {sorted(unknown)}")
+    specs: list[TierSpec] = []
+    tier_policies: dict[str, TierPolicy] = {}
+    for raw in data.get("tier", []):
+        if not isinstance(raw, dict) or "name" not in raw or "url" not in raw:
+            raise ConfigError(f"{path}: every [[tier]] needs a name and a url")
+        extra = set(raw) - {"name", "url", "options"} - _TIER_POLICY_KEYS
+        if extra:
+            raise ConfigError(f"{path}: tier {raw['name']!r} has unknown keys {sorted(extra)}")
+        specs.append(TierSpec(raw["name"], raw["url"], dict(raw.get("options", {}))))
+        # TOML has no null: "all" stands for None (keep everything)
+        overrides = {
+            k: (None if raw[k] == "all" else raw[k]) for k in _TIER_POLICY_KEYS if k in raw
+        }
+        if overrides:
+            tier_policies[raw["name"]] = TierPolicy(**overrides)
+    return StoreConfig(coerce_tiers(specs), Policy(**policy_data, tiers=tier_policies))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, Mapping):
+        inner = ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None)
+        return "{ " + inner + " }" if inner else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} to TOML")
+
+
+def save_config(path: Path, config: StoreConfig) -> None:
+    """Write ``config`` to ``path`` atomically (temp file + fsync + rename)."""
+    lines = ["# tiercheck store configuration", f"format = {CONFIG_FORMAT}", "", "[policy]"]
+    for name in sorted(_POLICY_KEYS):
+        lines.append(f"{name} = {_toml_value(getattr(config.policy, name))}")
+    for spec in config.tiers:
+        lines += [
+            "",
+            "[[tier]]",
+            f"name = {_toml_value(spec.name)}",
+            f"url = {_toml_value(spec.url)}",
+        ]
+        tp = config.policy.tiers.get(spec.name)
+        if tp is not None:
+            for name in sorted(_TIER_POLICY_KEYS):
+                value = getattr(tp, name)
+                lines.append(f"{name} = {_toml_value('all' if value is None else value)}")
+        if spec.options:
+            lines.append(f"options = {_toml_value(spec.options)}")
+    text = "\n".join(lines) + "\n"
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,113 @@
+"""Migration: copying a committed version to a slower tier after the commit.
+
+A migration reads the version's chunks from the fastest tier holding it (verified, with
+fallback), re-encodes them for the target tier's codec, writes what the target lacks,
+then the manifest, then ``prepare`` and ``commit`` records, in that order, so the target's
+log never names a version whose blobs are not all there. A target that is unreachable
+(:class:`~tiercheck.errors.TierUnavailable`) keeps the job pending; it is retried later,
+and nothing already committed elsewhere is affected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from tiercheck.errors import NotFound, TierError
+from tiercheck.fetch import ChunkFetcher
+from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob
+from tiercheck.formats.manifest import CommitRecord, PrepareRecord, VersionInfo, unpack_manifest
+from tiercheck.manifest_log import append_record
+from tiercheck.tierset import TierSlot
+
+__all__ = ["MigrationResult", "migrate_shard"]
+
+
+@dataclass
+class MigrationResult:
+    version: int
+    tier: str
+    chunks_written: int
+    bytes_written: int
+    seconds: float
+
+
+def migrate_shard(
+    info: VersionInfo,
+    rank: int,
+    target: TierSlot,
+    sources: Sequence[TierSlot],
+    fetcher: ChunkFetcher,
+    pool: Executor,
+    *,
+    zstd_level: int,
+    base_manifest_id: str | None = None,
+    commit: bool = True,
+) -> MigrationResult:
+    """Copy rank ``rank``'s shard of ``info`` into ``target``; record prepare (and commit)."""
+    t0 = time.perf_counter()
+    tier = target.tier
+    assert tier is not None and target.policy is not None
+    manifest_id = info.shards[rank]
+    manifest_raw = bytes(fetcher.fetch(manifest_id, order=sources)[0])
+    manifest = unpack_manifest(manifest_raw)
+    first: dict[str, int] = {}
+    for i, ref in enumerate(manifest.chunks):
+        first.setdefault(ref.id, i)
+    present = tier.has([*first, manifest_id])
+    missing = [c for c in first if c not in present]
+    codec = target.policy.codec
+    base_chunks = None
+    if codec == "delta" and info.role == "diff" and base_manifest_id is not None:
+        try:
+            base_chunks = fetcher.manifest(base_manifest_id, order=sources).chunks
+        except (NotFound, TierError):
+            base_chunks = None
+    deltas: dict[str, str] = {}
+
+    def copy(cid: str) -> int:
+        raw, _ = fetcher.fetch(cid, order=sources)
+        index = first[cid]
+        if codec == "raw":
+            blob = encode_blob(raw, Codec.RAW)
+        elif base_chunks is not None and index < len(base_chunks):
+            base_id = base_chunks[index].id
+            base_raw, _ = fetcher.fetch(base_id, order=sources)
+            used, blob = delta_or_raw(raw, base_raw, base_id, 1, zstd_level)
+            if used is Codec.DELTA:
+                deltas[cid] = base_id
+            else:
+                blob = encode_blob(raw, Codec.ZSTD, level=zstd_level)
+        else:
+            blob = encode_blob(raw, Codec.ZSTD, level=zstd_level)
+        tier.put(cid, blob)
+        return len(blob)
+
+    written = list(pool.map(copy, missing))
+    nbytes = sum(written)
+    blobs = []
+    if manifest_id not in present:
+        mblob = encode_blob(manifest_raw, Codec.ZSTD, level=zstd_level)
+        blobs.append((manifest_id, mblob))
+        nbytes += len(mblob)
+    append_record(
+        tier,
+        PrepareRecord(
+            version=info.id,
+            rank=rank,
+            step=info.step,
+            role=info.role,
+            base=info.base,
+            manifest=manifest_id,
+            chunks_written=len(written),
+            bytes_written=nbytes,
+            time=time.time(),
+            deltas=deltas,
+        ),
+        blobs=blobs,
+    )
+    if commit:
+        append_record(tier, CommitRecord(info))
+    return MigrationResult(info.id, target.name, len(written), nbytes, time.perf_counter() - t0)

@@ -1,0 +1,212 @@
+"""The save pipeline after staging: hash -> encode -> place (prepare) -> decide -> record.
+
+Everything here runs on tiercheck's background threads. Per version and tier the order is
+always: blobs the tier lacks, then the manifest blob, then the ``prepare`` record; the
+``commit`` record comes only after the coordinator's decision. A tier that fails drops
+out of this version (a lower commit level) without failing the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiercheck.chunking import Layout
+from tiercheck.entries import torch_dtype
+from tiercheck.errors import NotFound, TierError
+from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob
+from tiercheck.formats.ids import chunk_id, chunk_ids
+from tiercheck.formats.manifest import (
+    ChunkRef,
+    CommitRecord,
+    PrepareRecord,
+    Role,
+    ShardManifest,
+    VersionInfo,
+    pack_manifest,
+)
+from tiercheck.manifest_log import append_record
+from tiercheck.tierset import TierSlot
+
+__all__ = [
+    "PlaceResult",
+    "build_manifest",
+    "commit_on",
+    "hash_stream",
+    "place_shard",
+]
+
+log = logging.getLogger("tiercheck")
+
+BaseLookup = Callable[[str], bytes]
+
+
+def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
+    """Chunk ids of every window of the staged stream, hashed on ``threads`` cores."""
+    windows = layout.windows
+    ids = chunk_ids([view[o : o + n] for o, n in windows], threads=threads)
+    return tuple(ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, windows))
+
+
+def build_manifest(
+    *,
+    version: int,
+    rank: int,
+    world_size: int,
+    layout: Layout,
+    chunks: tuple[ChunkRef, ...],
+    tree: Any,
+) -> tuple[ShardManifest, bytes, str]:
+    """The shard manifest, its encoded bytes and its id (BLAKE3 of those bytes)."""
+    manifest = ShardManifest(
+        version=version,
+        rank=rank,
+        world_size=world_size,
+        chunk_size=layout.chunk_size,
+        stream_bytes=layout.stream_bytes,
+        entries=layout.entries,
+        chunks=chunks,
+        tree=tree,
+    )
+    data = pack_manifest(manifest)
+    return manifest, data, chunk_id(data)
+
+
+@dataclass
+class PlaceResult:
+    """How one tier took one shard."""
+
+    tier: str
+    ok: bool
+    chunks_written: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    exception: BaseException | None = None
+    deltas: dict[str, str] = field(default_factory=dict)
+
+
+def _elem_size(layout: Layout, offset: int) -> int:
+    """Element size of the entry holding byte ``offset`` (for the delta byte-shuffle)."""
+    for e in layout.entries:
+        if e.offset <= offset < e.offset + e.nbytes:
+            if e.kind == "tensor":
+                return torch.empty((), dtype=torch_dtype(e.dtype)).element_size()
+            if e.kind == "ndarray":
+                import numpy as np
+
+                return int(np.dtype(e.dtype).itemsize)
+            return 1
+    return 1
+
+
+def place_shard(
+    slot: TierSlot,
+    *,
+    pool: Executor,
+    view: memoryview,
+    layout: Layout,
+    manifest: ShardManifest,
+    manifest_bytes: bytes,
+    manifest_id: str,
+    step: int,
+    role: Role,
+    base: int | None,
+    base_chunks: Sequence[ChunkRef] | None,
+    base_lookup: BaseLookup | None,
+    zstd_level: int,
+    clock: Callable[[], float] = time.time,
+) -> PlaceResult:
+    """Write the chunks ``slot`` lacks, then the manifest, then the prepare record.
+
+    ``base_chunks`` (the base version's chunks, same layout) enables delta encoding for a
+    diff version on a tier whose codec is ``delta``.
+    """
+    t0 = time.perf_counter()
+    tier = slot.tier
+    assert tier is not None and slot.policy is not None
+    codec = slot.policy.codec
+    result = PlaceResult(slot.name, ok=False)
+    try:
+        first: dict[str, int] = {}
+        for i, ref in enumerate(manifest.chunks):
+            first.setdefault(ref.id, i)
+        present = tier.has([*first, manifest_id])
+        missing = [cid for cid in first if cid not in present]
+
+        def encode(index: int) -> tuple[str, bytes, str | None]:
+            ref = manifest.chunks[index]
+            raw = view[ref.offset : ref.offset + ref.length]
+            if codec == "raw":
+                return ref.id, encode_blob(raw, Codec.RAW), None
+            if (
+                codec == "delta"
+                and role == "diff"
+                and base_chunks is not None
+                and base_lookup is not None
+                and index < len(base_chunks)
+            ):
+                base_id = base_chunks[index].id
+                try:
+                    base_raw = base_lookup(base_id)
+                except (NotFound, TierError) as exc:
+                    log.debug("no base for delta of %s: %s", ref.id, exc)
+                else:
+                    elem = _elem_size(layout, ref.offset)
+                    used, blob = delta_or_raw(raw, base_raw, base_id, elem, zstd_level)
+                    if used is Codec.DELTA:
+                        return ref.id, blob, base_id
+            return ref.id, encode_blob(raw, Codec.ZSTD, level=zstd_level), None
+
+        def write(index: int) -> tuple[int, str | None, str]:
+            cid, blob, base_id = encode(index)
+            tier.put(cid, blob)
+            return len(blob), base_id, cid
+
+        for nbytes, base_id, cid in pool.map(write, [first[c] for c in missing]):
+            result.chunks_written += 1
+            result.bytes_written += nbytes
+            if base_id is not None:
+                result.deltas[cid] = base_id
+        manifest_blob = b""
+        if manifest_id not in present:
+            manifest_blob = encode_blob(manifest_bytes, Codec.ZSTD, level=zstd_level)
+            result.bytes_written += len(manifest_blob)
+        record = PrepareRecord(
+            version=manifest.version,
+            rank=manifest.rank,
+            step=step,
+            role=role,
+            base=base,
+            manifest=manifest_id,
+            chunks_written=result.chunks_written,
+            bytes_written=result.bytes_written,
+            time=clock(),
+            deltas=result.deltas,
+        )
+        blobs = [(manifest_id, manifest_blob)] if manifest_blob else []
+        append_record(tier, record, blobs=blobs)
+        result.ok = True
+    except Exception as exc:  # a failing tier lowers the commit level; reported, not raised
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.exception = exc
+        log.warning("tier %s failed to take version %s: %s", slot.name, manifest.version, exc)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def commit_on(slot: TierSlot, info: VersionInfo) -> str | None:
+    """Append the commit record to ``slot``; return an error string instead of raising."""
+    assert slot.tier is not None
+    try:
+        append_record(slot.tier, CommitRecord(info))
+    except Exception as exc:  # the other tiers' commit still stands
+        log.warning("tier %s failed to record commit of %s: %s", slot.name, info.id, exc)
+        return f"{type(exc).__name__}: {exc}"
+    return None

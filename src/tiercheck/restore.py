@@ -1,0 +1,328 @@
+"""Restore: choose a version, plan where each chunk comes from, fetch, verify, load in place.
+
+1. :func:`choose_version` picks the newest committed version every needed tier can serve
+   (a diff only if its base is restorable too), or the one asked for.
+2. :func:`bind` walks the caller's state beside the saved tree and finds, for each saved
+   tensor, the caller's tensor to write into (same dtype and shape). Structure mismatches
+   outside stateful objects raise :class:`~tiercheck.errors.StateError` naming the key;
+   stateful objects (modules, optimizers) are checked by their own ``load_state_dict``.
+3. :func:`fetch_into` reads every chunk in parallel from the fastest tier holding the
+   version, falling back tier by tier and repairing bad copies (:mod:`tiercheck.fetch`).
+   A chunk that lies inside one destination is decoded straight into it.
+4. :func:`materialize` puts the values in place: dict and list members are replaced,
+   stateful objects get ``load_state_dict``; tensors were already written.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiercheck.entries import decode_scalar, is_stateful, torch_dtype
+from tiercheck.errors import NoRestorableVersion, StateError
+from tiercheck.fetch import ChunkFetcher
+from tiercheck.formats.manifest import Entry, ShardManifest, VersionInfo
+from tiercheck.manifest_log import Catalog
+from tiercheck.tierset import TierSlot
+
+__all__ = ["Binding", "bind", "choose_version", "fetch_into", "materialize"]
+
+
+def choose_version(
+    catalog: Catalog, *, version: int | None = None, step: int | None = None
+) -> VersionInfo:
+    """The version to restore: the one asked for, or the newest restorable one."""
+    versions = catalog.versions
+    if version is not None or step is not None:
+        if version is not None:
+            info = versions.get(version)
+            label = f"version {version}"
+        else:
+            matches = [i for i in versions.values() if i.step == step]
+            info = matches[-1] if matches else None
+            label = f"step {step}"
+        if info is None:
+            raise NoRestorableVersion(f"{label} is not a committed version of this store")
+        if not catalog.restorable(info.id):
+            raise NoRestorableVersion(
+                f"{label} is committed but cannot be restored from the reachable tiers "
+                f"(held by: {catalog.holders(info.id) or 'none'}; "
+                f"unreachable: {sorted(catalog.unreachable) or 'none'})"
+            )
+        return info
+    for vid in sorted(versions, reverse=True):
+        if catalog.restorable(vid):
+            return versions[vid]
+    raise NoRestorableVersion(
+        "no restorable version: "
+        + (
+            "the store has no committed version"
+            if not versions
+            else f"{len(versions)} committed version(s), none held by a reachable tier"
+        )
+    )
+
+
+@dataclass
+class Binding:
+    """Destinations for each entry of a manifest."""
+
+    targets: dict[int, Any] = field(default_factory=dict)  # entry index -> caller tensor/array
+    dests: dict[int, memoryview] = field(default_factory=dict)  # entry index -> byte view
+    values: dict[int, Any] = field(default_factory=dict)  # entry index -> fresh tensor/array
+    stateful: dict[int, dict[str, Any]] = field(default_factory=dict)  # id(tree node) -> sd
+
+
+def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _fits(entry: Entry, target: Any) -> bool:
+    if entry.kind == "tensor" and isinstance(target, torch.Tensor):
+        return (
+            str(target.dtype).removeprefix("torch.") == entry.dtype
+            and tuple(target.shape) == entry.shape
+        )
+    if entry.kind == "ndarray" and isinstance(target, np.ndarray):
+        return target.dtype.str == entry.dtype and target.shape == entry.shape
+    return False
+
+
+def _mismatch(entry: Entry, target: Any) -> str:
+    if isinstance(target, torch.Tensor):
+        have = f"tensor {str(target.dtype).removeprefix('torch.')} {tuple(target.shape)}"
+    elif isinstance(target, np.ndarray):
+        have = f"ndarray {target.dtype.str} {target.shape}"
+    else:
+        have = type(target).__qualname__
+    return f"saved {entry.kind} {entry.dtype} {entry.shape} does not match the state's {have}"
+
+
+_MISSING = object()
+
+
+def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding:
+    """Match the saved tree against ``state``; allocate destinations for every entry."""
+    b = Binding()
+    entries = manifest.entries
+
+    def walk(node: Any, target: Any, key: str, checked: bool) -> None:
+        if not isinstance(node, dict) or len(node) != 1:
+            raise StateError("malformed tree in manifest", key=key)
+        ((tag, sub),) = node.items()
+        if tag == "e":
+            entry = entries[sub]
+            if target is not _MISSING and _fits(entry, target):
+                b.targets[sub] = target
+            elif (
+                checked
+                and target is not _MISSING
+                and entry.kind in ("tensor", "ndarray")
+                and isinstance(target, (torch.Tensor, np.ndarray))
+            ):
+                raise StateError(_mismatch(entry, target), key=key)
+            return
+        if tag == "o":
+            if target is not _MISSING and is_stateful(target):
+                sd = target.state_dict()
+                b.stateful[id(node)] = sd
+                walk(sub, sd, key, False)
+            elif checked and target is not _MISSING:
+                raise StateError(
+                    f"saved an object with state_dict(), the state has {type(target).__qualname__}",
+                    key=key,
+                )
+            else:
+                walk(sub, _MISSING, key, False)
+            return
+        if tag == "d":
+            is_dict = isinstance(target, dict)
+            if checked and target is not _MISSING and not is_dict:
+                raise StateError(
+                    f"saved a dict, the state has {type(target).__qualname__}", key=key
+                )
+            saved_keys = {k for k, _ in sub}
+            if checked and strict and is_dict:
+                extra = [k for k in target if k not in saved_keys]
+                if extra:
+                    raise StateError(
+                        f"the state has key {extra[0]!r} that the checkpoint does not "
+                        "(pass strict=False to leave such keys alone)",
+                        key=f"{key}/{extra[0]}" if key else str(extra[0]),
+                    )
+            for k, child in sub:
+                child_key = f"{key}/{k}" if key else str(k)
+                child_target = target.get(k, _MISSING) if is_dict else _MISSING
+                if checked and strict and is_dict and child_target is _MISSING:
+                    raise StateError(
+                        "the checkpoint has this key but the state does not "
+                        "(pass strict=False to add it)",
+                        key=child_key,
+                    )
+                walk(child, child_target, child_key, checked)
+            return
+        if tag in ("l", "t"):
+            seq = target if isinstance(target, (list, tuple)) else None
+            if checked and target is not _MISSING and seq is None:
+                raise StateError(
+                    f"saved a {'tuple' if tag == 't' else 'list'}, the state has "
+                    f"{type(target).__qualname__}",
+                    key=key,
+                )
+            if checked and strict and seq is not None and len(seq) != len(sub):
+                raise StateError(f"saved {len(sub)} items, the state has {len(seq)}", key=key)
+            for i, child in enumerate(sub):
+                t = seq[i] if seq is not None and i < len(seq) else _MISSING
+                walk(child, t, f"{key}/{i}" if key else str(i), checked)
+            return
+        raise StateError(f"unknown tree node {tag!r} in manifest", key=key)
+
+    walk(manifest.tree, state, "", True)
+
+    for i, entry in enumerate(entries):
+        target = b.targets.get(i)
+        if entry.kind == "tensor":
+            dtype = torch_dtype(entry.dtype)
+            if (
+                isinstance(target, torch.Tensor)
+                and target.device.type == "cpu"
+                and target.is_contiguous()
+            ):
+                b.dests[i] = _byte_view_of_tensor(target)
+                continue
+            fresh = torch.empty(entry.shape, dtype=dtype)
+            b.values[i] = fresh
+            b.dests[i] = _byte_view_of_tensor(fresh)
+        elif entry.kind == "ndarray":
+            if (
+                isinstance(target, np.ndarray)
+                and target.flags.c_contiguous
+                and target.flags.writeable
+            ):
+                b.dests[i] = memoryview(target.reshape(-1).view(np.uint8)).cast("B")
+                continue
+            arr = np.empty(entry.shape, dtype=np.dtype(entry.dtype))
+            b.values[i] = arr
+            b.dests[i] = memoryview(arr.reshape(-1).view(np.uint8)).cast("B")
+        else:
+            buf = bytearray(entry.nbytes)
+            b.values[i] = buf
+            b.dests[i] = memoryview(buf)
+    return b
+
+
+def fetch_into(
+    manifest: ShardManifest,
+    binding: Binding,
+    fetcher: ChunkFetcher,
+    order: Sequence[TierSlot],
+    pool: Executor,
+    *,
+    expect: Sequence[str] = (),
+) -> None:
+    """Fetch every chunk of ``manifest`` and scatter it into the binding's destinations."""
+    entries = sorted(range(len(manifest.entries)), key=lambda i: manifest.entries[i].offset)
+    starts = [manifest.entries[i].offset for i in entries]
+    local = threading.local()
+    import bisect
+
+    def one(ref_index: int) -> None:
+        ref = manifest.chunks[ref_index]
+        lo, hi = ref.offset, ref.offset + ref.length
+        k = max(bisect.bisect_right(starts, lo) - 1, 0)
+        overlaps = []
+        while k < len(entries):
+            e = manifest.entries[entries[k]]
+            if e.offset >= hi:
+                break
+            if e.nbytes and e.offset + e.nbytes > lo:
+                overlaps.append(entries[k])
+            k += 1
+        if len(overlaps) == 1:
+            e = manifest.entries[overlaps[0]]
+            if e.offset <= lo and e.offset + e.nbytes >= hi:
+                dst = binding.dests[overlaps[0]][lo - e.offset : hi - e.offset]
+                fetcher.fetch(ref.id, dst, order=order, expect=expect)
+                return
+        scratch = getattr(local, "buf", None)
+        if scratch is None or len(scratch) < ref.length:
+            scratch = local.buf = bytearray(max(ref.length, manifest.chunk_size))
+        raw, _ = fetcher.fetch(ref.id, memoryview(scratch), order=order, expect=expect)
+        for idx in overlaps:
+            e = manifest.entries[idx]
+            a, z = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+            binding.dests[idx][a - e.offset : z - e.offset] = raw[a - lo : z - lo]
+
+    list(pool.map(one, range(len(manifest.chunks))))
+
+
+def materialize(
+    manifest: ShardManifest, binding: Binding, state: Any, *, allow_pickle: bool = False
+) -> Any:
+    """Put restored values into ``state`` (in place where possible) and return it."""
+    entries = manifest.entries
+
+    def value_of(i: int, target: Any) -> Any:
+        entry = entries[i]
+        if entry.kind in ("tensor", "ndarray"):
+            if i in binding.values:
+                fresh = binding.values[i]
+                bound = binding.targets.get(i)
+                if isinstance(bound, torch.Tensor):  # a CUDA or strided target
+                    with torch.no_grad():
+                        bound.copy_(fresh)
+                    return bound
+                if isinstance(bound, np.ndarray):
+                    np.copyto(bound, fresh)
+                    return bound
+                return fresh
+            return binding.targets[i]
+        return decode_scalar(entry.kind, binding.dests[i], entry.key, allow_pickle)
+
+    def build(node: Any, target: Any, key: str) -> Any:
+        ((tag, sub),) = node.items()
+        if tag == "e":
+            return value_of(sub, target)
+        if tag == "o":
+            sd = binding.stateful.get(id(node))
+            restored = build(sub, sd if sd is not None else _MISSING, key)
+            if target is not _MISSING and is_stateful(target):
+                try:
+                    target.load_state_dict(restored)
+                except Exception as exc:
+                    raise StateError(f"load_state_dict failed: {exc}", key=key) from exc
+                return target
+            return restored
+        if tag == "d":
+            if isinstance(target, dict):
+                for k, child in sub:
+                    target[k] = build(child, target.get(k, _MISSING), f"{key}/{k}")
+                return target
+            return {k: build(child, _MISSING, f"{key}/{k}") for k, child in sub}
+        if tag in ("l", "t"):
+            items = [
+                build(
+                    child,
+                    target[i]
+                    if isinstance(target, (list, tuple)) and i < len(target)
+                    else _MISSING,
+                    f"{key}/{i}",
+                )
+                for i, child in enumerate(sub)
+            ]
+            if tag == "l" and isinstance(target, list) and len(target) == len(items):
+                target[:] = items
+                return target
+            return tuple(items) if tag == "t" else items
+        raise StateError(f"unknown tree node {tag!r}", key=key)
+
+    return build(manifest.tree, state if state is not None else _MISSING, "")

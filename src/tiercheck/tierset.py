@@ -1,0 +1,83 @@
+"""The opened tiers of a store, with their names, specs and placement, in restore order."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from tiercheck.backends.base import Tier
+from tiercheck.backends.registry import open_tier
+from tiercheck.config import TierSpec
+from tiercheck.errors import InvalidURL, TierError
+from tiercheck.placement import Policy, TierPolicy
+
+__all__ = ["TierSet", "TierSlot"]
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass
+class TierSlot:
+    """One configured tier. ``tier`` is None when it could not be opened (``error`` says why)."""
+
+    spec: TierSpec
+    tier: Tier | None
+    policy: TierPolicy | None
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def speed_rank(self) -> int:
+        return self.tier.capabilities.speed_rank if self.tier is not None else 1 << 30
+
+
+class TierSet:
+    """Opens every tier of a store; a tier that fails to open is kept as unavailable,
+    except that a malformed URL or unknown scheme is a configuration error and raises."""
+
+    def __init__(self, specs: Sequence[TierSpec], policy: Policy, *, read_only: bool = False):
+        self.slots: list[TierSlot] = []
+        for spec in specs:
+            options = dict(spec.options)
+            if read_only:
+                options["read_only"] = True
+            try:
+                tier = open_tier(spec.url, **options)
+            except InvalidURL:
+                raise
+            except (TierError, OSError) as exc:
+                log.warning("tier %s (%s) is unavailable: %s", spec.name, spec.url, exc)
+                self.slots.append(TierSlot(spec, None, None, str(exc)))
+                continue
+            self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
+
+    def __iter__(self) -> Iterator[TierSlot]:
+        return iter(self.slots)
+
+    def open(self) -> list[TierSlot]:
+        """Slots whose tier is open."""
+        return [s for s in self.slots if s.tier is not None]
+
+    def by_speed(self) -> list[TierSlot]:
+        return sorted(self.open(), key=lambda s: s.speed_rank)
+
+    def get(self, name: str) -> TierSlot:
+        for s in self.slots:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def tiers(self) -> dict[str, Tier]:
+        return {s.name: s.tier for s in self.slots if s.tier is not None}
+
+    def close(self) -> None:
+        for s in self.slots:
+            if s.tier is not None:
+                try:
+                    s.tier.close()
+                except Exception as exc:  # closing must not mask the caller's outcome
+                    log.warning("closing tier %s failed: %s", s.name, exc)
