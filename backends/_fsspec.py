@@ -1,0 +1,900 @@
+"""Any fsspec URL as a tier: ``file:///abs/path``, ``s3://bucket/prefix``, ``gs://...``, and
+``fsspec+PROTO://...`` (forces fsspec, e.g. ``fsspec+memory://root`` is fsspec's in-memory
+file system, unlike the native ``memory://`` tier).
+
+Layout under the root (the URL's path)::
+
+    tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1}
+    blobs/<id[:2]>/<id>          one object per blob, written once (repairs overwrite)
+    log/<seq:016d>.rec           one object per log record, seq = 0, 1, 2, ... in append order
+
+Each log object holds one record framed with :mod:`tiercheck.formats.framing`, so a damaged
+or torn object is detected (and skipped with a warning) rather than parsed. The marker is
+created by the first writable open; an open refuses a root whose marker is not
+tiercheck's or names a newer layout. Local temporary files (``.*.tmp``) are never listed.
+
+**Log commit.** ``append`` claims the next sequence number by *create-if-absent*, so two
+writers can never both own one number: the loser sees the object exist, re-lists the log
+and retries with the next free number (so ``append`` never raises ``AlreadyExists`` in
+practice; it does after 1000 lost races in a row). How each store creates if absent:
+
+- local file system (``file://``): the record is written to a temporary file and fsynced,
+  then ``os.link``-ed to its final name (``link`` fails if the name exists) and the
+  directory fsynced. Where hard links are not supported the record is written with
+  ``O_CREAT | O_EXCL``; a crash may then leave a torn object, which framing detects.
+- S3 (``s3://``): ``PutObject`` with ``If-None-Match: *`` (AWS since 2024, moto >= 5).
+  An endpoint that answers "not implemented" falls back to check-then-put, with a warning.
+- fsspec's memory file system: check-then-put under a process-wide lock (the store lives in
+  this process, so that is atomic).
+- any other protocol: ``pipe_file(mode="create")`` of the fsspec implementation. fsspec's
+  default is check-then-put: two writers racing for one number can both succeed, and the
+  later object replaces the earlier record. Use such a store from one writer at a time
+  (the engine's store lock gives that).
+
+**Blob puts.** Local: temporary file, fsync, ``rename``, fsync of the directory. Object
+stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *`` on S3 for
+a put without ``overwrite``, which saves the existence check). Other fsspec file systems
+write in place: a crash may leave a partial blob, which the codec layer detects by hash.
+
+**Capabilities** (each overridable by the options of the same name):
+
+=====================  ===========  ======  ==========  ==========
+store                  survives     shared  persistent  speed_rank
+=====================  ===========  ======  ==========  ==========
+local ``file://``      process      no      yes         40
+local, ``shared=True`` node         yes     yes         40
+``fsspec+memory://``   none         no      no          5
+anything else          cluster      yes     yes         50
+=====================  ===========  ======  ==========  ==========
+
+A local path on a shared mount (NFS, Lustre) should be opened with ``shared=True`` (and
+``survives="cluster"`` if the file system outlives the cluster).
+
+**Options:** ``storage_options`` (dict passed to fsspec, e.g. ``endpoint_url``, ``key``,
+``secret``, ``client_kwargs`` for s3fs), ``read_only``, ``survives``, ``shared``,
+``persistent``, ``speed_rank``.
+
+**Errors:** a missing bucket raises ``InvalidURL`` at open; connection failures and
+timeouts ``TierUnavailable``; no space ``TierFull``; a missing blob ``NotFound``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import builtins
+import errno
+import json
+import logging
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, ClassVar, NoReturn
+from urllib.parse import urlsplit
+
+from tiercheck.backends.base import (
+    BLOB_ID_RE,
+    Buffer,
+    Capabilities,
+    FailureDomain,
+    Tier,
+    check_blob_id,
+    invalid_url,
+)
+from tiercheck.formats.framing import frame_record, unframe_record
+
+from tiercheck.errors import (
+    AlreadyExists,
+    FormatVersionError,
+    InvalidURL,
+    NotFound,
+    TierError,
+    TierFull,
+    TierUnavailable,
+    UnknownScheme,
+)
+
+__all__ = ["FsspecTier"]
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+_MARKER = "tier.json"
+_MARKER_KIND = "tiercheck-fsspec"
+_LOG_NAME_RE = re.compile(r"^(\d{16})\.rec$")
+_MAX_APPEND_RACES = 1000
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+# Protocols whose first path component is a bucket (checked at open).
+_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+_S3_PROTOCOLS = frozenset({"s3", "s3a"})
+# How many requests an async store (s3fs, gcsfs) is given at once for has/read_log, and
+# how many threads put_many uses on a remote store.
+_ASYNC_BATCH = 64
+_REMOTE_THREADS = 16
+_UNAVAILABLE_ERRNOS = frozenset(
+    {
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ETIMEDOUT,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.EPIPE,
+        errno.EBUSY,  # s3fs: SlowDown / ServiceUnavailable
+        getattr(errno, "EREMOTEIO", 121),  # s3fs: InternalError (HTTP 500)
+    }
+)
+_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG})
+# fsspec's memory file system is one process-wide dict: a process-wide lock makes its
+# check-then-put atomic.
+_MEMORY_CREATE_LOCK = threading.Lock()
+
+
+def _byte_view(data: Buffer) -> memoryview:
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store cannot be reached (retryable), by type, not message."""
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _UNAVAILABLE_ERRNOS:
+        return True
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+    except ImportError:  # pragma: no cover - botocore comes with s3fs
+        pass
+    else:
+        if isinstance(exc, (BotoConnectionError, HTTPClientError)):
+            return True
+    try:
+        from aiohttp import ClientConnectionError
+    except ImportError:  # pragma: no cover - aiohttp comes with s3fs / gcsfs
+        pass
+    else:
+        if isinstance(exc, ClientConnectionError):
+            return True
+    from fsspec.exceptions import FSTimeoutError
+
+    return isinstance(exc, FSTimeoutError)
+
+
+def _translate(exc: BaseException, url: str, key: str, what: str) -> TierError | None:
+    """The typed error for a store exception, or None if it is not one we classify."""
+    if isinstance(exc, TierError):
+        return exc
+    if _is_unavailable(exc):
+        return TierUnavailable(f"{what} failed, store unreachable: {exc}", url=url, key=key)
+    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+        return TierFull(f"{what} failed, no space left: {exc}", url=url, key=key)
+    if isinstance(exc, PermissionError):
+        return TierError(f"{what} failed, permission denied: {exc}", url=url, key=key)
+    return None
+
+
+def _raise_typed(exc: BaseException, url: str, key: str, what: str) -> NoReturn:
+    typed = _translate(exc, url, key, what)
+    if typed is None or typed is exc:
+        raise exc
+    raise typed from exc
+
+
+# --- stores: the few primitives the tier needs, per kind of file system -------------
+
+
+class _Store(abc.ABC):
+    """Byte objects addressed by '/'-separated paths relative to nothing (absolute keys)."""
+
+    #: whether :meth:`create` is atomic against a concurrent writer
+    exclusive_create: bool
+
+    @abc.abstractmethod
+    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
+        """Write ``path`` atomically; with ``if_absent``, return False if it exists.
+
+        ``if_absent`` may race (both writers write): fine for content-addressed blobs.
+        """
+
+    @abc.abstractmethod
+    def create(self, path: str, data: memoryview) -> None:
+        """Write ``path`` only if absent; raise ``FileExistsError`` if it exists."""
+
+    @abc.abstractmethod
+    def read(self, path: str, out: memoryview | None) -> memoryview:
+        """The bytes of ``path`` (into ``out`` if given); ``FileNotFoundError`` if absent."""
+
+    def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
+        """The bytes of each path, None for one that vanished."""
+        result: list[bytes | None] = []
+        for path in paths:
+            try:
+                result.append(bytes(self.read(path, None)))
+            except FileNotFoundError:
+                result.append(None)
+        return result
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size of ``path``; ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    def exists_many(self, paths: Sequence[str]) -> list[bool]:
+        """Whether each path exists."""
+
+    @abc.abstractmethod
+    def remove_many(self, paths: Sequence[str]) -> None:
+        """Remove paths (that were just seen present); absent ones are ignored."""
+
+    @abc.abstractmethod
+    def names(self, directory: str) -> list[str]:
+        """Base names of the files directly in ``directory`` ([] if it does not exist)."""
+
+    @abc.abstractmethod
+    def files_below(self, directory: str) -> Iterator[str]:
+        """Paths, relative to ``directory``, of every file below it."""
+
+
+class _LocalStore(_Store):
+    """A local (or mounted) POSIX file system through ``os``, with fsync for durability."""
+
+    exclusive_create = True
+
+    def __init__(self) -> None:
+        self._made: set[str] = set()
+        self._made_lock = threading.Lock()
+        self._can_link = True
+
+    def _ensure_dir(self, directory: str) -> None:
+        if directory in self._made:
+            return
+        missing: list[str] = []
+        d = directory
+        while not os.path.isdir(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue
+            _fsync_dir(os.path.dirname(d))
+        with self._made_lock:
+            self._made.add(directory)
+
+    def _write_temp(self, directory: str, name: str, data: memoryview) -> str:
+        self._ensure_dir(directory)
+        tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
+        if if_absent and os.path.exists(path):
+            return False
+        directory, name = os.path.split(path)
+        tmp = self._write_temp(directory, name, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        _fsync_dir(directory)
+        return True
+
+    def create(self, path: str, data: memoryview) -> None:
+        directory, name = os.path.split(path)
+        if os.path.exists(path):
+            raise FileExistsError(errno.EEXIST, "exists", path)
+        if self._can_link:
+            tmp = self._write_temp(directory, name, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                self._can_link = False  # e.g. a FUSE or FAT mount without hard links
+            else:
+                _fsync_dir(directory)
+                return
+            finally:
+                _unlink_quietly(tmp)
+        self._ensure_dir(directory)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(directory)
+
+    def read(self, path: str, out: memoryview | None) -> memoryview:
+        with open(path, "rb", buffering=0) as f:
+            n = os.fstat(f.fileno()).st_size
+            if out is None:
+                target = memoryview(bytearray(n))
+            elif len(out) < n:
+                raise ValueError(f"buffer of {len(out)} bytes too small for blob of {n} bytes")
+            else:
+                target = out[:n]
+            pos = 0
+            while pos < n:
+                got = f.readinto(target[pos:])
+                if not got:
+                    raise OSError(errno.EIO, f"{path} shrank while being read")
+                pos += got
+            return target
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def exists_many(self, paths: Sequence[str]) -> list[bool]:
+        return [os.path.isfile(p) for p in paths]
+
+    def remove_many(self, paths: Sequence[str]) -> None:
+        dirs: set[str] = set()
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            dirs.add(os.path.dirname(path))
+        for d in dirs:
+            _fsync_dir(d)
+
+    def names(self, directory: str) -> list[str]:
+        try:
+            with os.scandir(directory) as it:
+                return [e.name for e in it if e.is_file(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+
+    def files_below(self, directory: str) -> Iterator[str]:
+        for dirpath, _dirs, files in os.walk(directory):
+            rel = os.path.relpath(dirpath, directory)
+            for name in files:
+                yield name if rel == "." else f"{rel}/{name}"
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    pos = 0
+    while pos < len(data):
+        pos += os.write(fd, data[pos:])
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _FsspecStore(_Store):
+    """Any fsspec file system; batches go through the event loop of an async one."""
+
+    def __init__(self, fs: Any, protocol: str) -> None:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        self.fs = fs
+        self.protocol = protocol
+        self._memory = isinstance(fs, MemoryFileSystem)
+        self._s3 = protocol in _S3_PROTOCOLS
+        # s3fs sends If-None-Match: * for mode="create"; off again if the endpoint refuses.
+        self._conditional_put = self._s3
+        self.exclusive_create = self._memory or self._s3
+
+    # -- helpers --
+
+    def _gather(self, coros: Sequence[Any]) -> list[Any]:
+        """Run coroutines of the async file system, at most ``_ASYNC_BATCH`` at a time."""
+        from fsspec.asyn import sync
+
+        async def run() -> list[Any]:
+            out: list[Any] = []
+            for i in range(0, len(coros), _ASYNC_BATCH):
+                out.extend(
+                    await asyncio.gather(*coros[i : i + _ASYNC_BATCH], return_exceptions=True)
+                )
+            return out
+
+        result: list[Any] = sync(self.fs.loop, run)
+        return result
+
+    def _pipe(self, path: str, data: bytes, *, create: bool) -> None:
+        if not create:
+            self.fs.pipe_file(path, data)
+            return
+        if self._memory:
+            with _MEMORY_CREATE_LOCK:
+                if self.fs.exists(path):
+                    raise FileExistsError(errno.EEXIST, "exists", path)
+                self.fs.pipe_file(path, data)
+            return
+        if self._s3 and not self._conditional_put:
+            if self.fs.exists(path):
+                raise FileExistsError(errno.EEXIST, "exists", path)
+            self.fs.pipe_file(path, data)
+            return
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except OSError as exc:
+            if not (self._s3 and exc.errno == errno.ENOSYS):
+                raise
+            log.warning(
+                "%s: the S3 endpoint does not support conditional writes (If-None-Match); "
+                "falling back to check-then-put, so concurrent log writers may race",
+                self.fs,
+            )
+            self._conditional_put = False
+            self.exclusive_create = False
+            self._pipe(path, data, create=True)
+
+    # -- primitives --
+
+    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
+        payload = bytes(data)  # the caller may reuse its buffer; stores may keep a reference
+        if if_absent and self._conditional_put:
+            try:
+                self._pipe(path, payload, create=True)
+            except FileExistsError:
+                return False
+            return True
+        if if_absent and self.fs.exists(path):
+            return False
+        self._pipe(path, payload, create=False)
+        return True
+
+    def create(self, path: str, data: memoryview) -> None:
+        self._pipe(path, bytes(data), create=True)
+
+    def read(self, path: str, out: memoryview | None) -> memoryview:
+        data = self.fs.cat_file(path)
+        if out is None:
+            return memoryview(data)
+        if len(out) < len(data):
+            raise ValueError(f"buffer of {len(out)} bytes too small for blob of {len(data)} bytes")
+        out[: len(data)] = data
+        return out[: len(data)]
+
+    def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
+        if not self.fs.async_impl or len(paths) < 2:
+            return super().read_many(paths)
+        results = self._gather([self.fs._cat_file(p) for p in paths])
+        out: list[bytes | None] = []
+        for r in results:
+            if isinstance(r, FileNotFoundError):
+                out.append(None)
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                out.append(bytes(r))
+        return out
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def exists_many(self, paths: Sequence[str]) -> list[bool]:
+        if not self.fs.async_impl or len(paths) < 2:
+            return [bool(self.fs.exists(p)) for p in paths]
+        results = self._gather([self.fs._exists(p) for p in paths])
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return [bool(r) for r in results]
+
+    def remove_many(self, paths: Sequence[str]) -> None:
+        try:
+            self.fs.rm(list(paths))  # one bulk request on object stores
+        except FileNotFoundError:
+            for path in paths:
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    continue
+
+    def names(self, directory: str) -> list[str]:
+        self.fs.invalidate_cache(directory)
+        try:
+            entries = self.fs.ls(directory, detail=True)
+        except FileNotFoundError:
+            return []
+        return [
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "file"
+        ]
+
+    def files_below(self, directory: str) -> Iterator[str]:
+        self.fs.invalidate_cache(directory)
+        try:
+            found = self.fs.find(directory)
+        except FileNotFoundError:
+            return
+        prefix = self.fs._strip_protocol(directory).rstrip("/") + "/"
+        for path in found:
+            path = str(path)
+            if path.startswith(prefix):
+                yield path[len(prefix) :]
+
+
+# --- the tier ------------------------------------------------------------------------
+
+
+def _parse_bool(value: Any, name: str, url: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise invalid_url(url, f"option {name} must be a bool, got {value!r}")
+
+
+class FsspecTier(Tier):
+    """Blobs and log as objects under a root of any fsspec file system (see module doc)."""
+
+    scheme: ClassVar[str] = "fsspec"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        read_only: bool = False,
+        survives: FailureDomain | str | None = None,
+        shared: bool | None = None,
+        persistent: bool | None = None,
+        speed_rank: int | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise invalid_url(url, f"unknown options for the fsspec tier: {sorted(unknown)}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise invalid_url(url, "storage_options must be a dict")
+        protocol, self._root, self._store = _open_store(url, dict(storage_options or {}))
+        self.protocol = protocol
+        local = isinstance(self._store, _LocalStore)
+        memory = isinstance(self._store, _FsspecStore) and self._store._memory
+        caps = _default_capabilities(
+            local=local, memory=memory, shared=_parse_bool(shared, "shared", url)
+        )
+        try:
+            caps = Capabilities(
+                survives=FailureDomain(survives) if survives is not None else caps.survives,
+                shared=caps.shared,
+                persistent=(
+                    caps.persistent
+                    if _parse_bool(persistent, "persistent", url) is None
+                    else bool(persistent)
+                ),
+                speed_rank=caps.speed_rank if speed_rank is None else int(speed_rank),
+            )
+        except ValueError as exc:
+            raise invalid_url(url, f"bad capability option: {exc}") from None
+        super().__init__(url, capabilities=caps, read_only=bool(read_only))
+        self._lock = threading.Lock()
+        self._next_seq: int | None = None
+        self._sep = os.sep if local else "/"
+        self._blob_dir = self._join(self._root, "blobs")
+        self._log_dir = self._join(self._root, "log")
+        self._check_marker()
+
+    # --- paths ---------------------------------------------------------------------
+
+    def _join(self, *parts: str) -> str:
+        return self._sep.join(p.rstrip(self._sep) if i == 0 else p for i, p in enumerate(parts))
+
+    def _blob_path(self, blob_id: str) -> str:
+        check_blob_id(blob_id, self.url)  # also keeps a crafted id from leaving the root
+        return self._join(self._blob_dir, blob_id[:2], blob_id)
+
+    def _log_path(self, seq: int) -> str:
+        return self._join(self._log_dir, f"{seq:016d}.rec")
+
+    # --- error mapping -------------------------------------------------------------
+
+    def _call(self, what: str, key: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (TierError, ValueError, FileExistsError):
+            raise
+        except FileNotFoundError as exc:
+            raise NotFound(f"{what}: not found", url=self.url, key=key) from exc
+        except Exception as exc:
+            _raise_typed(exc, self.url, key, what)
+
+    # --- marker --------------------------------------------------------------------
+
+    def _check_marker(self) -> None:
+        path = self._join(self._root, _MARKER)
+        try:
+            raw = bytes(self._call("open", _MARKER, lambda: self._store.read(path, None)))
+        except NotFound:
+            if self.read_only:
+                return
+            body = json.dumps({"tier": _MARKER_KIND, "layout": LAYOUT_VERSION}).encode()
+            try:
+                self._call(
+                    "create marker", _MARKER, lambda: self._store.create(path, memoryview(body))
+                )
+            except FileExistsError:
+                pass  # another writer created it first
+            else:
+                return
+            raw = bytes(self._call("open", _MARKER, lambda: self._store.read(path, None)))
+        try:
+            marker = json.loads(raw)
+            kind, layout = marker["tier"], int(marker["layout"])
+        except (ValueError, KeyError, TypeError):
+            raise invalid_url(
+                self.url, f"{_MARKER} under the root is not a tiercheck marker; pick another root"
+            ) from None
+        if kind != _MARKER_KIND:
+            raise invalid_url(self.url, f"the root holds a {kind!r} store, not {_MARKER_KIND!r}")
+        if layout > LAYOUT_VERSION:
+            raise FormatVersionError(
+                f"tier {self.url} has layout {layout}; this tiercheck reads up to "
+                f"{LAYOUT_VERSION}: upgrade tiercheck"
+            )
+
+    # --- blobs ---------------------------------------------------------------------
+
+    def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
+        path = self._blob_path(blob_id)
+        self._check_writable("put")
+        view = _byte_view(data)
+        written: bool = self._call(
+            "put", blob_id, lambda: self._store.put(path, view, if_absent=not overwrite)
+        )
+        return written
+
+    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
+        batch = [(self._blob_path(bid), _byte_view(data), bid) for bid, data in items]
+        self._check_writable("put")
+        store = self._store
+        if isinstance(store, _LocalStore) or len(batch) < 2:
+            count = 0
+            for path, view, bid in batch:
+                if self._call("put", bid, partial(store.put, path, view, if_absent=True)):
+                    count += 1
+            return count
+
+        # A remote store is latency bound: overlap the requests (s3fs and gcsfs are safe to
+        # call from several threads; each call runs on the file system's event loop).
+        def one(item: tuple[str, memoryview, str]) -> bool:
+            path, view, bid = item
+            written: bool = self._call("put", bid, lambda: store.put(path, view, if_absent=True))
+            return written
+
+        with ThreadPoolExecutor(max_workers=min(_REMOTE_THREADS, len(batch))) as pool:
+            return sum(1 for written in pool.map(one, batch) if written)
+
+    def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
+        path = self._blob_path(blob_id)
+        try:
+            view: memoryview = self._call("get", blob_id, lambda: self._store.read(path, out))
+        except NotFound:
+            raise NotFound("blob not found", url=self.url, key=blob_id) from None
+        except ValueError as exc:
+            raise ValueError(f"{exc} ({self.url} {blob_id})") from None
+        return view
+
+    def size(self, blob_id: str) -> int:
+        path = self._blob_path(blob_id)
+        try:
+            n: int = self._call("size", blob_id, lambda: self._store.size(path))
+        except NotFound:
+            raise NotFound("blob not found", url=self.url, key=blob_id) from None
+        return n
+
+    def has(self, blob_ids: Iterable[str]) -> set[str]:
+        ids = list(blob_ids)
+        paths = [self._blob_path(b) for b in ids]
+        if not ids:
+            return set()
+        found: builtins.list[bool] = self._call("has", "", lambda: self._store.exists_many(paths))
+        return {b for b, there in zip(ids, found) if there}
+
+    def delete(self, blob_ids: Iterable[str]) -> int:
+        ids = list(dict.fromkeys(blob_ids))
+        paths = [self._blob_path(b) for b in ids]
+        self._check_writable("delete")
+        if not ids:
+            return 0
+        present = [
+            p
+            for p, there in zip(
+                paths, self._call("delete", "", lambda: self._store.exists_many(paths))
+            )
+            if there
+        ]
+        if present:
+            self._call("delete", "", lambda: self._store.remove_many(present))
+        return len(present)
+
+    def list(self) -> Iterator[str]:
+        rels: builtins.list[str] = self._call(
+            "list", "", lambda: list(self._store.files_below(self._blob_dir))
+        )
+        ids = []
+        for rel in rels:
+            prefix, _, name = rel.replace(os.sep, "/").partition("/")
+            if BLOB_ID_RE.match(name) and prefix == name[:2]:
+                ids.append(name)
+        return iter(ids)
+
+    # --- log -----------------------------------------------------------------------
+
+    def _log_seqs(self) -> builtins.list[int]:
+        names: builtins.list[str] = self._call(
+            "read log", "", lambda: self._store.names(self._log_dir)
+        )
+        return sorted(int(m.group(1)) for m in map(_LOG_NAME_RE.match, names) if m)
+
+    def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
+        self._check_writable("append")
+        framed = memoryview(frame_record(bytes(record)))
+        items = list(blobs)
+        for bid, _ in items:
+            check_blob_id(bid, self.url)
+        if items:
+            self.put_many(items)
+        with self._lock:
+            seq = self._next_seq
+        if seq is None:
+            seqs = self._log_seqs()
+            seq = seqs[-1] + 1 if seqs else 0
+        for _ in range(_MAX_APPEND_RACES):
+            path = self._log_path(seq)
+            try:
+                self._call("append", f"log/{seq:016d}", partial(self._store.create, path, framed))
+            except FileExistsError:
+                # Another writer (or thread) claimed seq: continue after the newest record.
+                seqs = self._log_seqs()
+                seq = max(seq + 1, seqs[-1] + 1 if seqs else 0)
+                continue
+            with self._lock:
+                if self._next_seq is None or self._next_seq <= seq:
+                    self._next_seq = seq + 1
+            return
+        raise AlreadyExists(
+            f"append lost {_MAX_APPEND_RACES} races for a log sequence number in a row",
+            url=self.url,
+        )
+
+    def read_log(self) -> builtins.list[bytes]:
+        seqs = self._log_seqs()
+        paths = [self._log_path(s) for s in seqs]
+        raws: builtins.list[bytes | None] = self._call(
+            "read log", "", lambda: self._store.read_many(paths)
+        )
+        records: builtins.list[bytes] = []
+        for seq, raw in zip(seqs, raws):
+            if raw is None:
+                continue
+            payload = unframe_record(raw)
+            if payload is None:
+                log.warning(
+                    "%s: log record %016d is torn or damaged (%d bytes); skipped",
+                    self.url,
+                    seq,
+                    len(raw),
+                )
+                continue
+            records.append(payload)
+        with self._lock:
+            nxt = seqs[-1] + 1 if seqs else 0
+            if self._next_seq is None or self._next_seq < nxt:
+                self._next_seq = nxt
+        return records
+
+
+def _default_capabilities(*, local: bool, memory: bool, shared: bool | None) -> Capabilities:
+    if memory:
+        return Capabilities(
+            survives=FailureDomain.NONE, shared=bool(shared), persistent=False, speed_rank=5
+        )
+    if local:
+        return Capabilities(
+            survives=FailureDomain.NODE if shared else FailureDomain.PROCESS,
+            shared=bool(shared),
+            persistent=True,
+            speed_rank=40,
+        )
+    return Capabilities(
+        survives=FailureDomain.CLUSTER,
+        shared=True if shared is None else shared,
+        persistent=True,
+        speed_rank=50,
+    )
+
+
+def _open_store(url: str, storage_options: dict[str, Any]) -> tuple[str, str, _Store]:
+    """Parse ``url``; return (protocol, root path in the store, store)."""
+    if any(c in url for c in "?#") or any(not c.isprintable() for c in url):
+        raise invalid_url(url, "no query, fragment or control characters in a tier URL")
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep:
+        raise invalid_url(url, "expected PROTOCOL://PATH")
+    protocol = scheme[len("fsspec+") :] if scheme.startswith("fsspec+") else scheme
+    if not protocol:
+        raise invalid_url(url, "fsspec+ needs a protocol, e.g. fsspec+memory://root")
+    if protocol in _LOCAL_PROTOCOLS:
+        if storage_options:
+            raise invalid_url(url, f"storage_options are not used by {protocol}://")
+        parts = urlsplit(f"file://{rest}")
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise invalid_url(url, "expected an absolute path: file:///abs/path")
+        root = os.path.normpath(parts.path)
+        if root in ("/", "//"):
+            raise invalid_url(url, "refusing to use / as a tier root")
+        return protocol, root, _LocalStore()
+
+    import fsspec
+
+    if not rest.strip("/"):
+        raise invalid_url(url, f"expected {protocol}://ROOT, e.g. s3://bucket/prefix")
+    if protocol not in ("memory",):
+        # Listings must be fresh: another writer may have added log records.
+        storage_options.setdefault("use_listings_cache", False)
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise UnknownScheme(f"fsspec knows no protocol {protocol!r}", url=url) from None
+    except ImportError as exc:
+        raise invalid_url(
+            url, f"protocol {protocol!r} needs a package that is missing: {exc}"
+        ) from None
+    try:
+        fs = cls(**storage_options)
+    except TypeError as exc:
+        raise invalid_url(url, f"bad storage_options for {protocol}://: {exc}") from None
+    root = str(cls._strip_protocol(f"{protocol}://{rest}")).rstrip("/")
+    if not root or root == "/":
+        raise invalid_url(url, "refusing to use the store's top level as a tier root")
+    store = _FsspecStore(fs, protocol)
+    if protocol in _BUCKET_PROTOCOLS:
+        _check_bucket(url, store, root.split("/", 1)[0])
+    return protocol, root, store
+
+
+def _check_bucket(url: str, store: _FsspecStore, bucket: str) -> None:
+    try:
+        store.fs.invalidate_cache(bucket)
+        store.fs.info(bucket)
+    except FileNotFoundError:
+        raise InvalidURL(
+            f"bucket {bucket!r} does not exist; create it or fix the URL", url=url
+        ) from None
+    except PermissionError:
+        raise InvalidURL(
+            f"access to bucket {bucket!r} denied; check the credentials in storage_options "
+            "or the environment",
+            url=url,
+        ) from None
+    except Exception as exc:
+        if _is_unavailable(exc):
+            raise TierUnavailable(
+                f"cannot reach the store to open bucket {bucket!r}: {exc}", url=url
+            ) from exc
+        raise
