@@ -1,0 +1,464 @@
+"""``lmdb:///abs/path``: blobs and log in an LMDB environment on local disk (NVMe).
+
+On-disk layout: ``PATH`` is an LMDB environment directory::
+
+    PATH/
+      data.mdb   two named databases:
+                   "blobs"  key: the blob id as 32 raw bytes, value: the blob bytes
+                   "log"    key: sequence number as big-endian u64 (0, 1, 2, ...),
+                            value: one framed record (tiercheck.formats.framing)
+      lock.mdb   LMDB's reader table and writer lock
+
+URL: only the absolute form ``lmdb:///abs/path`` (empty host, percent-encoding allowed) is
+accepted. ``lmdb://relative`` would put a path in the host part of the URL, where it is
+easy to misread and resolves against whatever the working directory is; it is refused
+with ``InvalidURL``.
+
+Options: ``read_only`` (open with ``readonly=True, lock=False``: meant for inspecting a
+store no process is writing, e.g. after a crash), ``sync`` (default True: every commit is
+fsync'ed, content survives power loss; False trades the last transactions on power loss
+for speed, never integrity), ``map_size`` (initial map size, default 1 GiB) and
+``max_size`` (cap on map growth; default none).
+
+Transactions: every write is one LMDB write transaction, so a blob or a log record is
+either entirely there or not at all, and ``append(record, blobs=...)`` commits blobs and
+record together (``atomic_batch``). ``writemap`` is not used: with a writable map, a disk
+that fills up turns into SIGBUS on a page fault instead of an error from the commit, and
+``TierFull`` could not be raised.
+
+Map growth: LMDB refuses a write that does not fit in the map (``MapFullError``). The
+tier then doubles the map (``set_mapsize``, which needs every transaction of this process
+on the environment to be finished: a process-wide read/write gate per environment makes
+growth wait for readers) and retries, up to ``max_size``; past it the write raises
+``TierFull``. A map grown by another process is adopted on ``MapResizedError``.
+
+LMDB forbids opening one environment twice in a process, so environments are shared
+through a process-wide cache keyed by real path, with a reference count. Environment
+settings (``sync``, ``map_size``) come from the first open in the process.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import lmdb
+from tiercheck.backends.base import (
+    Buffer,
+    Capabilities,
+    FailureDomain,
+    Tier,
+    check_blob_id,
+    invalid_url,
+)
+from tiercheck.formats.framing import frame_record, unframe_record
+
+from tiercheck.errors import NotFound, TierError, TierFull
+
+__all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
+
+DEFAULT_MAP_SIZE = 1 << 30
+# Bytes of blob data per write transaction in put_many: LMDB (without writemap) holds a
+# transaction's dirty pages in heap memory until commit.
+_BATCH_BYTES = 256 << 20
+_SEQ = struct.Struct(">Q")
+_T = TypeVar("_T")
+
+
+class _Gate:
+    """Shared/exclusive gate, exclusive-preferring: transactions enter shared, map growth
+    (which needs no transaction alive in this process) enters exclusive."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if not self._shared:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+@dataclass
+class _Env:
+    """One open environment, shared by every tier on its path in this process."""
+
+    path: str
+    env: lmdb.Environment
+    blobs: Any  # lmdb's database handle (untyped)
+    log: Any
+    readonly: bool
+    refs: int = 1
+    gate: _Gate = field(default_factory=_Gate)
+    # LMDB has one writer at a time anyway; queueing writers here keeps them out of the
+    # gate while a map growth waits for it.
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_envs: dict[str, _Env] = {}
+_envs_lock = threading.Lock()
+
+
+def _parse_url(url: str) -> str:
+    """Return the absolute filesystem path named by ``lmdb:///abs/path``."""
+    if not isinstance(url, str):
+        raise invalid_url(str(url), "expected lmdb:///absolute/path")
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "lmdb":
+        raise invalid_url(url, "expected lmdb:///absolute/path")
+    if parts.netloc:
+        raise invalid_url(url, "lmdb URLs take an absolute path and no host: lmdb:///absolute/path")
+    if parts.query or parts.fragment:
+        raise invalid_url(url, "lmdb URLs take no query or fragment")
+    path = unquote(parts.path)
+    if not path.startswith("/") or path.rstrip("/") == "" or "\x00" in path:
+        raise invalid_url(url, "expected lmdb:///absolute/path (a directory, not /)")
+    return os.path.normpath(path)
+
+
+def _acquire_env(url: str, path: str, *, read_only: bool, sync: bool, map_size: int) -> _Env:
+    key = os.path.realpath(path)
+    with _envs_lock:
+        cached = _envs.get(key)
+        if cached is not None:
+            if cached.readonly and not read_only:
+                raise TierError(
+                    f"the LMDB environment at {key} is open read-only in this process; "
+                    "close those tiers before opening it for writing",
+                    url=url,
+                )
+            cached.refs += 1
+            return cached
+        try:
+            if read_only:
+                env = lmdb.open(key, readonly=True, lock=False, max_dbs=2, subdir=True)
+                try:
+                    blobs = env.open_db(b"blobs", create=False)
+                    log = env.open_db(b"log", create=False)
+                except lmdb.NotFoundError:
+                    env.close()
+                    raise invalid_url(url, f"{key} is not a tiercheck LMDB store") from None
+            else:
+                os.makedirs(key, exist_ok=True)
+                env = lmdb.open(
+                    key,
+                    map_size=map_size,
+                    max_dbs=2,
+                    subdir=True,
+                    sync=sync,
+                    metasync=sync,
+                    readahead=True,
+                )
+                blobs = env.open_db(b"blobs")
+                log = env.open_db(b"log")
+        except lmdb.DiskError as exc:
+            raise TierFull(f"no space left opening LMDB at {key}: {exc}", url=url) from exc
+        except (lmdb.Error, OSError) as exc:
+            raise invalid_url(url, f"cannot open LMDB environment at {key}: {exc}") from exc
+        entry = _Env(path=key, env=env, blobs=blobs, log=log, readonly=read_only)
+        _envs[key] = entry
+        return entry
+
+
+def _release_env(entry: _Env) -> None:
+    with _envs_lock:
+        entry.refs -= 1
+        if entry.refs == 0:
+            del _envs[entry.path]
+            entry.env.close()
+
+
+class LmdbTier(Tier):
+    """Tier in an LMDB environment. See the module docstring for layout and guarantees."""
+
+    scheme: ClassVar[str] = "lmdb"
+    CAPABILITIES: ClassVar[Capabilities] = Capabilities(
+        survives=FailureDomain.PROCESS,
+        shared=False,
+        persistent=True,
+        speed_rank=30,
+        atomic_batch=True,
+    )
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        read_only: bool = False,
+        sync: bool = True,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_size: int | None = None,
+        **options: Any,
+    ) -> None:
+        if options:
+            raise invalid_url(url, f"unknown options for lmdb://: {sorted(options)}")
+        path = _parse_url(url)
+        if map_size <= 0 or (max_size is not None and max_size <= 0):
+            raise ValueError(f"map_size and max_size must be positive ({url})")
+        if max_size is not None:
+            map_size = min(map_size, max_size)
+        super().__init__(url, capabilities=self.CAPABILITIES, read_only=read_only)
+        self.path = path
+        self.max_size = max_size
+        self._env: _Env | None = _acquire_env(
+            url, path, read_only=read_only, sync=sync, map_size=map_size
+        )
+        self._close_lock = threading.Lock()
+
+    @property
+    def map_size(self) -> int:
+        """Current size of the LMDB memory map in bytes."""
+        size: int = self._e().env.info()["map_size"]
+        return size
+
+    def close(self) -> None:
+        """Release this tier's reference to the environment. Idempotent."""
+        with self._close_lock:
+            env, self._env = self._env, None
+        if env is not None:
+            _release_env(env)
+
+    # --- transactions --------------------------------------------------------------
+
+    def _e(self) -> _Env:
+        env = self._env
+        if env is None:
+            raise TierError("tier is closed", url=self.url)
+        return env
+
+    def _lmdb_error(self, exc: lmdb.Error, what: str, blob_id: str) -> TierError:
+        if isinstance(exc, lmdb.DiskError):
+            return TierFull(
+                f"disk full during {what} at {self.path}: {exc}; free disk space",
+                url=self.url,
+                key=blob_id,
+            )
+        return TierError(f"LMDB {what} failed at {self.path}: {exc}", url=self.url, key=blob_id)
+
+    def _adopt_map_size(self, e: _Env) -> None:
+        # Another process grew the map; size 0 means "the size now in the file".
+        with e.gate.exclusive():
+            e.env.set_mapsize(0)
+
+    def _grow(self, e: _Env, what: str, blob_id: str) -> None:
+        with e.gate.exclusive():
+            current: int = e.env.info()["map_size"]
+            if self.max_size is not None and current >= self.max_size:
+                raise TierFull(
+                    f"LMDB map at {self.path} is at max_size={self.max_size} bytes "
+                    f"during {what}; raise max_size or delete old versions",
+                    url=self.url,
+                    key=blob_id,
+                )
+            new = current * 2
+            if self.max_size is not None:
+                new = min(new, self.max_size)
+            e.env.set_mapsize(new)
+
+    def _read(self, fn: Callable[[lmdb.Transaction, _Env], _T], what: str, blob_id: str) -> _T:
+        e = self._e()
+        while True:
+            try:
+                with e.gate.shared(), e.env.begin(buffers=True) as txn:
+                    return fn(txn, e)
+            except lmdb.MapResizedError:
+                self._adopt_map_size(e)
+            except lmdb.Error as exc:
+                raise self._lmdb_error(exc, what, blob_id) from exc
+
+    def _write(self, fn: Callable[[lmdb.Transaction, _Env], _T], what: str, blob_id: str) -> _T:
+        """Run ``fn`` in one write transaction and commit, growing the map as needed."""
+        self._check_writable(what)
+        e = self._e()
+        with e.write_lock:
+            while True:
+                try:
+                    with e.gate.shared(), e.env.begin(write=True) as txn:
+                        return fn(txn, e)
+                except lmdb.MapFullError:
+                    self._grow(e, what, blob_id)  # the failed transaction was aborted
+                except lmdb.MapResizedError:
+                    self._adopt_map_size(e)
+                except lmdb.Error as exc:
+                    raise self._lmdb_error(exc, what, blob_id) from exc
+
+    # --- blobs ---------------------------------------------------------------------
+
+    def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
+        check_blob_id(blob_id, self.url)
+        self._check_writable("put")
+        key = bytes.fromhex(blob_id)
+        if not overwrite and self._has_keys([key], blob_id):
+            return False  # skip a write transaction (and its fsync) for a no-op
+        view = memoryview(data).cast("B")
+
+        def txn_put(txn: lmdb.Transaction, e: _Env) -> bool:
+            written: bool = txn.put(key, view, db=e.blobs, overwrite=overwrite)
+            return written
+
+        return self._write(txn_put, "put", blob_id)
+
+    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
+        """Store several blobs in a few transactions (up to 256 MiB each); returns how
+        many were written. Each transaction is atomic; the whole call is not."""
+        self._check_writable("put")
+        written = 0
+        batch: builtins.list[tuple[bytes, memoryview]] = []
+        nbytes = 0
+        for blob_id, data in items:
+            check_blob_id(blob_id, self.url)
+            view = memoryview(data).cast("B")
+            batch.append((bytes.fromhex(blob_id), view))
+            nbytes += len(view)
+            if nbytes >= _BATCH_BYTES:
+                written += self._put_batch(batch)
+                batch, nbytes = [], 0
+        if batch:
+            written += self._put_batch(batch)
+        return written
+
+    def _put_batch(self, batch: builtins.list[tuple[bytes, memoryview]]) -> int:
+        def txn_put(txn: lmdb.Transaction, e: _Env) -> int:
+            return sum(1 for key, view in batch if txn.put(key, view, db=e.blobs, overwrite=False))
+
+        return self._write(txn_put, "put_many", batch[0][0].hex())
+
+    def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
+        check_blob_id(blob_id, self.url)
+        key = bytes.fromhex(blob_id)
+
+        def txn_get(txn: lmdb.Transaction, e: _Env) -> memoryview:
+            buf = txn.get(key, db=e.blobs)
+            if buf is None:
+                raise NotFound("blob not found", url=self.url, key=blob_id)
+            # ``buf`` points into the map and is valid only inside this transaction:
+            # copy it out (straight into ``out`` when given) before the txn ends.
+            if out is None:
+                return memoryview(bytes(buf))
+            return self._copy_out(buf, out, self.url, blob_id)
+
+        return self._read(txn_get, "get", blob_id)
+
+    def _has_keys(self, keys: builtins.list[bytes], blob_id: str = "") -> set[bytes]:
+        def txn_has(txn: lmdb.Transaction, e: _Env) -> set[bytes]:
+            return {k for k in keys if txn.get(k, db=e.blobs) is not None}
+
+        return self._read(txn_has, "has", blob_id)
+
+    def has(self, blob_ids: Iterable[str]) -> set[str]:
+        ids = builtins.list(blob_ids)
+        for blob_id in ids:
+            check_blob_id(blob_id, self.url)
+        return {k.hex() for k in self._has_keys([bytes.fromhex(b) for b in ids])}
+
+    def delete(self, blob_ids: Iterable[str]) -> int:
+        ids = builtins.list(blob_ids)
+        for blob_id in ids:
+            check_blob_id(blob_id, self.url)
+        self._check_writable("delete")
+        if not ids:
+            return 0
+        keys = [bytes.fromhex(b) for b in ids]
+
+        def txn_delete(txn: lmdb.Transaction, e: _Env) -> int:
+            return sum(1 for k in keys if txn.delete(k, db=e.blobs))
+
+        return self._write(txn_delete, "delete", ids[0])
+
+    def list(self) -> Iterator[str]:
+        # Collected inside the transaction: a generator paused mid-transaction would
+        # block map growth until the caller finished iterating.
+        def txn_list(txn: lmdb.Transaction, e: _Env) -> builtins.list[str]:
+            cursor = txn.cursor(db=e.blobs)
+            return [bytes(k).hex() for k in cursor.iternext(keys=True, values=False)]
+
+        return iter(self._read(txn_list, "list", ""))
+
+    def size(self, blob_id: str) -> int:
+        check_blob_id(blob_id, self.url)
+        key = bytes.fromhex(blob_id)
+
+        def txn_size(txn: lmdb.Transaction, e: _Env) -> int:
+            buf = txn.get(key, db=e.blobs)
+            if buf is None:
+                raise NotFound("blob not found", url=self.url, key=blob_id)
+            return len(buf)
+
+        return self._read(txn_size, "size", blob_id)
+
+    # --- log -----------------------------------------------------------------------
+
+    def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
+        """Append ``record``; blobs and record are committed in one transaction."""
+        self._check_writable("append")
+        items: builtins.list[tuple[bytes, memoryview]] = []
+        for blob_id, data in blobs:
+            check_blob_id(blob_id, self.url)
+            items.append((bytes.fromhex(blob_id), memoryview(data).cast("B")))
+        frame = frame_record(bytes(record))
+
+        def txn_append(txn: lmdb.Transaction, e: _Env) -> None:
+            for key, view in items:
+                txn.put(key, view, db=e.blobs, overwrite=False)
+            cursor = txn.cursor(db=e.log)
+            seq = _SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
+            txn.put(_SEQ.pack(seq), frame, db=e.log, append=True)
+
+        try:
+            self._write(txn_append, "append", "")
+        except TierError as exc:
+            if not isinstance(exc.__cause__, lmdb.TxnFullError):
+                raise
+            # Too many blobs for one transaction: blobs first in batches, then the
+            # record alone; still "blobs before record", no longer one transaction.
+            self.put_many((k.hex(), v) for k, v in items)
+            items.clear()
+            self._write(txn_append, "append", "")
+
+    def read_log(self) -> builtins.list[bytes]:
+        """Every record in sequence order. A record whose frame fails its checksum
+        (damage, not a torn write: LMDB commits are atomic) is skipped."""
+
+        def txn_read(txn: lmdb.Transaction, e: _Env) -> builtins.list[bytes]:
+            cursor = txn.cursor(db=e.log)
+            records = []
+            for value in cursor.iternext(keys=False, values=True):
+                payload = unframe_record(value)
+                if payload is not None:
+                    records.append(payload)
+            return records
+
+        return self._read(txn_read, "read_log", "")

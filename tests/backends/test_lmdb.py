@@ -1,0 +1,208 @@
+"""The LMDB tier: conformance suite, map growth, max_size, URLs, read-only opening."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote
+
+import lmdb
+import pytest
+from tiercheck.backends import _lmdb
+from tiercheck.backends._lmdb import LmdbTier
+from tiercheck.backends.base import Tier
+from tiercheck.backends.registry import open_tier
+
+from tiercheck.errors import InvalidURL, ReadOnlyTier, TierError, TierFull
+from tiercheck.testing import TierConformance, blob
+
+
+def _url(path: Path) -> str:
+    return "lmdb://" + quote(str(path))
+
+
+def _open(path: Path, **options: object) -> LmdbTier:
+    tier = open_tier(_url(path), **options)
+    assert isinstance(tier, LmdbTier)
+    return tier
+
+
+class TestLmdbTier(TierConformance):
+    def make_tier(self, tmp_path: Path) -> Tier:
+        return open_tier(_url(tmp_path / "store"))
+
+
+class TestLmdbTierNoSyncTinyMap(TierConformance):
+    """The whole suite again with growth from a tiny map on nearly every write."""
+
+    def make_tier(self, tmp_path: Path) -> Tier:
+        return open_tier(_url(tmp_path / "store"), sync=False, map_size=64 * 1024)
+
+
+def test_capabilities_and_layout(tmp_path: Path) -> None:
+    with _open(tmp_path / "db") as tier:
+        assert tier.capabilities.atomic_batch is True
+        assert tier.capabilities.persistent is True
+        assert tier.capabilities.speed_rank == 30
+        tier.append(b"r")
+    assert sorted(os.listdir(tmp_path / "db")) == ["data.mdb", "lock.mdb"]
+    env = lmdb.open(str(tmp_path / "db"), readonly=True, lock=False, max_dbs=2)
+    try:
+        with env.begin() as txn:
+            log = env.open_db(b"log", txn=txn, create=False)
+            assert list(txn.cursor(db=log)) == [(b"\x00" * 8, _frame(b"r"))]
+    finally:
+        env.close()
+
+
+def _frame(payload: bytes) -> bytes:
+    from tiercheck.formats.framing import frame_record
+
+    return frame_record(payload)
+
+
+def test_map_grows_past_tiny_initial_size(tmp_path: Path) -> None:
+    with _open(tmp_path / "db", map_size=64 * 1024) as tier:
+        start = tier.map_size
+        items = [blob(1 << 20, seed=i) for i in range(8)]
+        for bid, data in items:
+            assert tier.put(bid, data) is True
+        tier.append(b"x" * (1 << 20), blobs=[blob(3 << 20, seed=99)])
+        assert tier.map_size >= 11 << 20
+        assert tier.map_size > start
+        for bid, data in items:
+            assert bytes(tier.get(bid)) == data
+        assert tier.read_log() == [b"x" * (1 << 20)]
+
+
+def test_max_size_raises_tier_full(tmp_path: Path) -> None:
+    with _open(tmp_path / "db", map_size=256 * 1024, max_size=4 << 20) as tier:
+        kept = []
+        with pytest.raises(TierFull) as info:
+            for i in range(100):
+                bid, data = blob(512 * 1024, seed=i)
+                tier.put(bid, data)
+                kept.append((bid, data))
+        assert tier.map_size == 4 << 20
+        assert 0 < len(kept) < 8
+        failed_id = blob(512 * 1024, seed=len(kept))[0]
+        assert failed_id in str(info.value) and tier.url in str(info.value)
+        # Still usable: earlier blobs read back; deleting makes room again.
+        for bid, data in kept:
+            assert bytes(tier.get(bid)) == data
+        with pytest.raises(TierFull):
+            tier.append(b"r", blobs=[blob(1 << 20, seed=1000)])
+        assert tier.read_log() == []
+        assert tier.has([blob(1 << 20, seed=1000)[0]]) == set()
+        tier.delete([bid for bid, _ in kept])
+        # LMDB reuses pages freed by a transaction only after the next one commits
+        # (the previous snapshot stays intact), so one small write comes first.
+        tier.append(b"after delete")
+        tier.put(*blob(512 * 1024, seed=500))
+
+
+class _DiskFullEnv:
+    """Wraps an environment so that every write transaction's put fails with ENOSPC."""
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self._env = env
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._env, name)
+
+    @contextmanager
+    def begin(self, **kwargs: object) -> Iterator[object]:
+        with self._env.begin(**kwargs) as txn:
+            yield _DiskFullTxn(txn) if kwargs.get("write") else txn
+
+
+class _DiskFullTxn:
+    def __init__(self, txn: lmdb.Transaction) -> None:
+        self._txn = txn
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._txn, name)
+
+    def put(self, *args: object, **kwargs: object) -> bool:
+        raise lmdb.DiskError("mdb_put: No space left on device")
+
+
+def test_disk_full_is_tier_full(tmp_path: Path) -> None:
+    with _open(tmp_path / "db") as tier:
+        env = tier._e()
+        real = env.env
+        env.env = _DiskFullEnv(real)  # type: ignore[assignment]
+        try:
+            bid, data = blob(100)
+            with pytest.raises(TierFull) as info:
+                tier.put(bid, data)
+            assert bid in str(info.value) and tier.url in str(info.value)
+            with pytest.raises(TierFull):
+                tier.append(b"r", blobs=[(bid, data)])
+        finally:
+            env.env = real
+        assert tier.has([bid]) == set()
+        assert tier.read_log() == []
+
+
+def test_put_many_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_lmdb, "_BATCH_BYTES", 10_000)
+    with _open(tmp_path / "db") as tier:
+        items = [blob(4000, seed=i) for i in range(10)]
+        assert tier.put_many(items) == 10
+        assert tier.put_many(items) == 0
+        assert set(tier.list()) == {bid for bid, _ in items}
+
+
+def test_one_environment_per_path(tmp_path: Path) -> None:
+    a = _open(tmp_path / "db")
+    b = open_tier(_url(tmp_path / "db" / ".." / "db"))  # same directory, other spelling
+    assert isinstance(b, LmdbTier)
+    assert a._env is b._env
+    bid, data = blob(10)
+    a.put(bid, data)
+    assert bytes(b.get(bid)) == data
+    a.close()
+    a.close()  # idempotent
+    assert bytes(b.get(bid)) == data  # the environment stays open for b
+    b.close()
+    assert os.path.realpath(tmp_path / "db") not in _lmdb._envs
+
+
+def test_read_only_env_blocks_writable_open(tmp_path: Path) -> None:
+    _open(tmp_path / "db").close()
+    with _open(tmp_path / "db", read_only=True) as ro:
+        with pytest.raises(ReadOnlyTier):
+            ro.append(b"r")
+        with pytest.raises(TierError):
+            _open(tmp_path / "db")
+    with _open(tmp_path / "db") as tier:
+        tier.append(b"r")
+
+
+def test_read_only_missing_store(tmp_path: Path) -> None:
+    with pytest.raises(InvalidURL):
+        _open(tmp_path / "absent", read_only=True)
+    assert not (tmp_path / "absent").exists()
+
+
+@pytest.mark.parametrize(
+    "url", ["lmdb://relative/path", "lmdb://", "lmdb:///", "lmdb:///x?y=1", "lmdb:///x#f"]
+)
+def test_bad_urls(url: str) -> None:
+    with pytest.raises(InvalidURL):
+        open_tier(url)
+
+
+def test_path_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"not a directory")
+    with pytest.raises(InvalidURL):
+        _open(tmp_path / "f" / "db")
+
+
+def test_percent_encoded_path(tmp_path: Path) -> None:
+    with _open(tmp_path / "with space") as tier:
+        tier.append(b"r")
+    assert (tmp_path / "with space" / "data.mdb").exists()
