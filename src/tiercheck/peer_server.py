@@ -1,0 +1,899 @@
+"""The peer-memory daemon: keeps other nodes' blobs and log records in this node's memory.
+
+``tiercheck peer serve`` (and ``python -m tiercheck.peer_server``) runs it; ranks on other
+nodes reach it through the ``peer://host:port[/namespace]`` tier. Every client names a
+namespace (its rank or store name) in its hello, so several ranks replicate into one
+daemon without colliding. The wire protocol is in ``docs/peer-protocol.md``.
+
+Concurrency: one thread per connection, blocking sockets. A rank's client keeps a few
+connections open, so a daemon serves tens of connections, not thousands; a blocked
+``recv_into`` releases the GIL, and blocking I/O lets a blob be received straight into
+the buffer that then stores it, which an asyncio stream (it buffers and copies) would
+not. ``max_connections`` bounds the thread count. The store takes one lock for dict
+updates only; no bytes are copied under it.
+
+Robustness: a client that sends a wrong token, a frame over the limit (refused from its
+length, before the body is read), bytes that are not a msgpack map of the expected shape,
+or half a frame, loses its connection (with an error frame where it can still be read,
+and an error in the log); the daemon keeps serving everyone else. A request is applied
+only after its whole frame has arrived, so a log append is all or nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import json
+import logging
+import os
+import re
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercheck.backends._peer_protocol import (
+    DEFAULT_MAX_FRAME,
+    HANDSHAKE_MAX_FRAME,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    TOKEN_ENV,
+    FrameTooLarge,
+    PeerClosed,
+    ProtocolError,
+    auth_mac,
+    decode_body,
+    load_token_file,
+    recv_exact,
+    send_frame,
+    token_from_env,
+)
+from tiercheck.backends.base import BLOB_ID_RE
+from tiercheck.errors import ConfigError
+
+__all__ = [
+    "PeerServer",
+    "format_address",
+    "main",
+    "main_serve",
+    "main_status",
+    "parse_address",
+    "parse_size",
+    "peer_status",
+    "serve",
+]
+
+log = logging.getLogger("tiercheck.peer_server")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_MAX_NAMESPACE = 255
+_MAX_LIST_PAGE = 100_000
+_MAX_IDS = 100_000
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size: ``4096``, ``512MiB``, ``2GiB``, ``1G`` (binary), ``1GB`` (decimal).
+
+    A bare unit letter (``K``, ``M``, ``G``, ``T``) and the ``KiB`` forms are powers of 1024;
+    ``KB``, ``MB``, ``GB``, ``TB`` are powers of 1000.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.match(text)
+        if not m:
+            raise ValueError(f"invalid size {text!r}: expected e.g. 4096, 512MiB, 2GiB, 1G")
+        number, unit, suffix = m.group(1), m.group(2).upper(), m.group(3).lower()
+        if not unit and suffix not in ("", "b"):
+            raise ValueError(f"invalid size {text!r}: expected e.g. 4096, 512MiB, 2GiB, 1G")
+        exponent = "KMGT".index(unit) + 1 if unit else 0
+        base = 1000 if suffix == "b" and unit else 1024
+        value = int(float(number) * base**exponent)
+    if value < 0:
+        raise ValueError(f"invalid size {text!r}: negative")
+    return value
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Parse ``HOST:PORT`` or ``[V6HOST]:PORT``; an empty host means all interfaces."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"invalid address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:7480")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port_text)
+
+
+def format_address(host: str, port: int) -> str:
+    """``HOST:PORT``, with brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# --- the store -----------------------------------------------------------------------
+
+
+class _Refused(Exception):
+    """A request the daemon answers with an error frame. ``close`` ends the connection."""
+
+    def __init__(self, code: str, message: str, *, close: bool = False, **extra: Any) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.close = close
+        self.extra = extra
+
+
+@dataclass(frozen=True)
+class _Reply:
+    fields: dict[str, Any]
+    data: memoryview | None = None
+
+
+@dataclass
+class _Namespace:
+    blobs: dict[str, memoryview] = field(default_factory=dict)
+    log: list[bytes] = field(default_factory=list)
+    blob_bytes: int = 0
+    log_bytes: int = 0
+
+
+class _Store:
+    """Blobs and log records per namespace, under one memory limit (payload bytes)."""
+
+    def __init__(self, memory_limit: int) -> None:
+        self.memory_limit = memory_limit
+        self.used = 0
+        self._lock = threading.Lock()
+        self._spaces: dict[str, _Namespace] = {}
+
+    def _space(self, ns: str) -> _Namespace:
+        space = self._spaces.get(ns)
+        if space is None:
+            space = self._spaces[ns] = _Namespace()
+        return space
+
+    def _reserve(self, n: int, what: str) -> None:
+        if self.used + n > self.memory_limit:
+            raise _Refused(
+                "TierFull",
+                f"peer memory full: {what} needs {n} bytes, {self.used} of "
+                f"{self.memory_limit} bytes in use; raise --memory-limit or delete old versions",
+            )
+
+    def put(self, ns: str, blob_id: str, data: memoryview, overwrite: bool) -> bool:
+        with self._lock:
+            space = self._space(ns)
+            old = space.blobs.get(blob_id)
+            if old is not None and not overwrite:
+                return False
+            delta = data.nbytes - (old.nbytes if old is not None else 0)
+            self._reserve(delta, f"blob {blob_id}")
+            space.blobs[blob_id] = data
+            space.blob_bytes += delta
+            self.used += delta
+            return True
+
+    def get(self, ns: str, blob_id: str) -> memoryview | None:
+        with self._lock:
+            space = self._spaces.get(ns)
+            return space.blobs.get(blob_id) if space else None
+
+    def has(self, ns: str, ids: list[str]) -> list[str]:
+        with self._lock:
+            space = self._spaces.get(ns)
+            return [i for i in ids if i in space.blobs] if space else []
+
+    def delete(self, ns: str, ids: list[str]) -> int:
+        removed = 0
+        with self._lock:
+            space = self._spaces.get(ns)
+            if space is None:
+                return 0
+            for blob_id in ids:
+                data = space.blobs.pop(blob_id, None)
+                if data is not None:
+                    removed += 1
+                    space.blob_bytes -= data.nbytes
+                    self.used -= data.nbytes
+        return removed
+
+    def list_page(self, ns: str, after: str | None, limit: int) -> tuple[list[str], bool]:
+        with self._lock:
+            space = self._spaces.get(ns)
+            ids = list(space.blobs) if space else []
+        ids.sort()
+        if after is not None:
+            ids = [i for i in ids if i > after]
+        return ids[:limit], len(ids) > limit
+
+    def append(self, ns: str, record: bytes) -> int:
+        with self._lock:
+            self._reserve(len(record), "log record")
+            space = self._space(ns)
+            space.log.append(record)
+            space.log_bytes += len(record)
+            self.used += len(record)
+            return len(space.log) - 1
+
+    def read_log(self, ns: str, start: int, max_bytes: int) -> tuple[list[bytes], bool]:
+        with self._lock:
+            space = self._spaces.get(ns)
+            records = space.log[start:] if space else []
+        page: list[bytes] = []
+        size = 0
+        for record in records:
+            # 8 bytes of msgpack tag per record, so tiny records cannot swell the reply.
+            if page and size + len(record) + 8 > max_bytes:
+                return page, True
+            page.append(record)
+            size += len(record) + 8
+        return page, False
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            spaces = {
+                name: {
+                    "blobs": len(s.blobs),
+                    "bytes": s.blob_bytes,
+                    "records": len(s.log),
+                    "log_bytes": s.log_bytes,
+                }
+                for name, s in sorted(self._spaces.items())
+            }
+            used = self.used
+        return {
+            "blobs": sum(s["blobs"] for s in spaces.values()),
+            "bytes": used,
+            "memory_used": used,
+            "memory_limit": self.memory_limit,
+            "namespaces": spaces,
+        }
+
+
+# --- request arguments ---------------------------------------------------------------
+
+
+def _blob_id(value: object) -> str:
+    if not isinstance(value, str) or not BLOB_ID_RE.match(value):
+        raise _Refused("BadRequest", f"invalid blob id {value!r}", close=True)
+    return value
+
+
+def _blob_ids(value: object) -> list[str]:
+    if not isinstance(value, list) or len(value) > _MAX_IDS:
+        raise _Refused("BadRequest", f"'ids' must be a list of at most {_MAX_IDS}", close=True)
+    return [_blob_id(v) for v in value]
+
+
+def _require_data(data: memoryview | None, op: str) -> memoryview:
+    if data is None:
+        raise _Refused("BadRequest", f"{op} needs 'data'", close=True)
+    return data
+
+
+def _int_arg(fields: dict[str, Any], name: str, default: int) -> int:
+    value = fields.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _Refused("BadRequest", f"{name!r} must be a non-negative integer", close=True)
+    return value
+
+
+# --- the server ----------------------------------------------------------------------
+
+
+class PeerServer:
+    """The daemon, runnable in-process: ``port = PeerServer(...).start()``, then ``stop()``.
+
+    ``token`` is the shared secret clients prove with HMAC-SHA256 of a per-connection nonce;
+    None turns authentication off (say so explicitly: :func:`serve` refuses it unless
+    ``insecure_no_auth``). ``memory_limit`` bounds the payload bytes held (blobs and log
+    records of all namespaces); ``max_frame`` bounds one frame.
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        *,
+        memory_limit: int,
+        token: bytes | None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        max_connections: int = 256,
+        handshake_timeout: float = 10.0,
+        frame_timeout: float = 60.0,
+    ) -> None:
+        if memory_limit <= 0:
+            raise ConfigError(f"memory limit must be positive, got {memory_limit}")
+        if max_frame < HANDSHAKE_MAX_FRAME:
+            raise ConfigError(f"max frame must be at least {HANDSHAKE_MAX_FRAME} bytes")
+        if token is not None and not token:
+            raise ConfigError("the token is empty")
+        self._host, self._port = parse_address(listen)
+        self._token = token
+        self.max_frame = max_frame
+        self.max_connections = max_connections
+        self._handshake_timeout = handshake_timeout
+        self._frame_timeout = frame_timeout
+        self._store = _Store(memory_limit)
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}
+        self._next_conn = 0
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._started_at = time.monotonic()
+        self.address = ""
+        self._ops: dict[str, Callable[[str, dict[str, Any], memoryview | None], _Reply]] = {
+            "ping": self._op_ping,
+            "put": self._op_put,
+            "put_many": self._op_put_many,
+            "get": self._op_get,
+            "size": self._op_size,
+            "has": self._op_has,
+            "delete": self._op_delete,
+            "list": self._op_list,
+            "append": self._op_append,
+            "read_log": self._op_read_log,
+            "stats": self._op_stats,
+        }
+
+    # --- lifecycle ---
+
+    def start(self) -> int:
+        """Bind, start accepting on a background thread, and return the bound port."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self._host or "0.0.0.0", self._port))
+            listener.listen(128)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        host, port = listener.getsockname()[:2]
+        port = int(port)
+        self._port = port
+        self.address = format_address(str(host), port)
+        self._started_at = time.monotonic()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"peer-accept-{port}", daemon=True
+        )
+        self._accept_thread.start()
+        log.info(
+            "serving on %s (memory limit %d bytes, max frame %d bytes, auth %s)",
+            self.address,
+            self._store.memory_limit,
+            self.max_frame,
+            "on" if self._token is not None else "OFF",
+        )
+        return port
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, close every connection and wait (bounded) for their threads."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout)
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns.values())
+        for sock, _ in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout
+        for _, thread in conns:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._wake_r.close()
+        self._wake_w.close()
+        log.info("stopped %s", self.address)
+
+    def __enter__(self) -> PeerServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """What the daemon holds and how much memory it uses (the ``stats`` reply)."""
+        with self._lock:
+            connections = len(self._conns)
+        return {
+            "server": "tiercheck-peer",
+            "version": PROTOCOL_VERSION,
+            "address": self.address,
+            "auth": self._token is not None,
+            "max_frame": self.max_frame,
+            "connections": connections,
+            "uptime_s": round(time.monotonic() - self._started_at, 3),
+            **self._store.stats(),
+        }
+
+    # --- accepting ---
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while not self._stopping.is_set():
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r:
+                        return
+                    try:
+                        sock, peer = self._listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as exc:
+                        # Out of descriptors or similar: back off instead of spinning.
+                        log.error("accept failed on %s: %s", self.address, exc)
+                        self._stopping.wait(0.1)
+                        continue
+                    self._admit(sock, peer)
+
+    def _admit(self, sock: socket.socket, peer: Any) -> None:
+        name = format_address(str(peer[0]), int(peer[1]))
+        sock.setblocking(True)
+        with self._lock:
+            busy = len(self._conns) >= self.max_connections
+            if not busy:
+                conn_id = self._next_conn
+                self._next_conn += 1
+                thread = threading.Thread(
+                    target=self._serve_connection,
+                    args=(conn_id, sock, name),
+                    name=f"peer-conn-{name}",
+                    daemon=True,
+                )
+                self._conns[conn_id] = (sock, thread)
+        if busy:
+            log.error("%s: refused, %d connections open", name, self.max_connections)
+            self._refuse(sock, _Refused("Busy", "too many connections; retry later", close=True))
+            sock.close()
+            return
+        thread.start()
+
+    # --- one connection ---
+
+    def _serve_connection(self, conn_id: int, sock: socket.socket, name: str) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self._handshake_timeout)
+            ns = self._handshake(sock, name)
+            sock.settimeout(self._frame_timeout)
+            while True:
+                request = self._read_request(sock, self.max_frame, idle_ok=True)
+                if request is None:
+                    log.debug("%s: disconnected", name)
+                    return
+                self._answer(sock, ns, *request)
+        except _Refused as exc:
+            log.error("%s: %s; closing the connection", name, exc)
+            self._refuse(sock, exc)
+        except FrameTooLarge as exc:
+            log.error("%s: %s; closing the connection", name, exc)
+            self._refuse(sock, _Refused("FrameTooLarge", str(exc), close=True))
+        except PeerClosed as exc:
+            if exc.mid_frame:
+                log.error("%s: %s; request dropped", name, exc)
+            else:
+                log.debug("%s: %s", name, exc)
+        except ProtocolError as exc:
+            log.error("%s: %s; closing the connection", name, exc)
+            self._refuse(sock, _Refused("BadFrame", str(exc), close=True))
+        except TimeoutError:
+            log.error("%s: timed out in the middle of a frame or handshake", name)
+        except OSError as exc:
+            if not self._stopping.is_set():
+                log.error("%s: %s", name, exc)
+        except Exception:  # a bug must cost one connection, never the daemon
+            log.exception("%s: internal error; closing the connection", name)
+        finally:
+            sock.close()
+            with self._lock:
+                self._conns.pop(conn_id, None)
+
+    def _read_request(
+        self, sock: socket.socket, limit: int, *, idle_ok: bool
+    ) -> tuple[dict[str, Any], memoryview | None] | None:
+        """One request frame, or None at a clean end of connection between frames."""
+        header = memoryview(bytearray(4))
+        done = 0
+        while done < 4:
+            try:
+                n = sock.recv_into(header[done:])
+            except TimeoutError:
+                # Idle between frames is fine; a stalled half frame or handshake is not.
+                if idle_ok and done == 0 and not self._stopping.is_set():
+                    continue
+                raise
+            if n == 0:
+                if done == 0:
+                    return None
+                raise PeerClosed(done, 4, mid_frame=True)
+            done += n
+        length = int.from_bytes(header, "big")
+        if length > limit:
+            raise FrameTooLarge(length, limit)
+        if length == 0:
+            raise ProtocolError("empty frame")
+        body = bytearray(length)
+        recv_exact(sock, memoryview(body))
+        return decode_body(body)
+
+    def _handshake(self, sock: socket.socket, name: str) -> str:
+        nonce = os.urandom(NONCE_BYTES)
+        send_frame(
+            sock,
+            {
+                "op": "challenge",
+                "version": PROTOCOL_VERSION,
+                "server": "tiercheck-peer",
+                "auth": self._token is not None,
+                "nonce": nonce,
+            },
+        )
+        request = self._read_request(sock, HANDSHAKE_MAX_FRAME, idle_ok=False)
+        if request is None:
+            raise PeerClosed(0, 4, mid_frame=False)
+        hello, _ = request
+        if hello.get("op") != "hello":
+            raise _Refused("BadRequest", "the first request must be a hello", close=True)
+        if hello.get("version") != PROTOCOL_VERSION:
+            raise _Refused(
+                "ProtocolVersion",
+                f"protocol version {hello.get('version')!r} is not supported "
+                f"(daemon speaks {PROTOCOL_VERSION})",
+                close=True,
+            )
+        ns = hello.get("namespace")
+        if not isinstance(ns, str) or not 0 < len(ns) <= _MAX_NAMESPACE or not ns.isprintable():
+            raise _Refused(
+                "BadRequest",
+                f"namespace must be 1 to {_MAX_NAMESPACE} printable characters, got {ns!r}",
+                close=True,
+            )
+        if self._token is not None:
+            mac = hello.get("mac")
+            if not isinstance(mac, bytes) or not hmac.compare_digest(
+                mac, auth_mac(self._token, nonce)
+            ):
+                raise _Refused(
+                    "AuthFailed", "authentication failed: wrong or missing token", close=True
+                )
+        send_frame(
+            sock,
+            {
+                "ok": True,
+                "version": PROTOCOL_VERSION,
+                "namespace": ns,
+                "max_frame": self.max_frame,
+                "memory_limit": self._store.memory_limit,
+            },
+        )
+        log.debug("%s: hello, namespace %r", name, ns)
+        return ns
+
+    def _answer(
+        self, sock: socket.socket, ns: str, fields: dict[str, Any], data: memoryview | None
+    ) -> None:
+        op = fields.get("op")
+        if not isinstance(op, str):
+            raise _Refused("BadRequest", "a request needs a string 'op'", close=True)
+        handler = self._ops.get(op)
+        try:
+            if handler is None:
+                raise _Refused("Unsupported", f"unknown request {op!r}")
+            reply = handler(ns, fields, data)
+        except _Refused as exc:
+            if exc.close:
+                raise
+            send_frame(sock, {"ok": False, "error": exc.code, "message": exc.message, **exc.extra})
+            return
+        send_frame(sock, {"ok": True, **reply.fields}, reply.data)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, exc: _Refused) -> None:
+        """Send a closing error frame so the client can read why, then end the connection.
+
+        Half-closing and draining what the client was still sending avoids a reset that
+        could discard the error frame before the client reads it.
+        """
+        try:
+            sock.settimeout(1.0)
+            send_frame(
+                sock,
+                {"ok": False, "error": exc.code, "message": exc.message, "close": True},
+            )
+            sock.shutdown(socket.SHUT_WR)
+            drained = 0
+            while drained < (4 << 20):
+                n = len(sock.recv(65536))
+                if n == 0:
+                    break
+                drained += n
+        except OSError:
+            pass
+
+    # --- requests ---
+
+    def _op_ping(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        return _Reply({})
+
+    def _op_put(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        blob_id = _blob_id(fields.get("id"))
+        payload = _require_data(data, "put").toreadonly()
+        written = self._store.put(ns, blob_id, payload, bool(fields.get("overwrite", False)))
+        return _Reply({"written": written})
+
+    def _op_put_many(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        ids = _blob_ids(fields.get("ids"))
+        sizes = fields.get("sizes")
+        payload = _require_data(data, "put_many")
+        if (
+            not isinstance(sizes, list)
+            or len(sizes) != len(ids)
+            or not all(isinstance(s, int) and s >= 0 for s in sizes)
+            or sum(sizes) != payload.nbytes
+        ):
+            raise _Refused("BadRequest", "put_many 'sizes' do not match 'ids' and data", close=True)
+        written = 0
+        pos = 0
+        for blob_id, size in zip(ids, sizes):
+            # Copy each small blob out so one kept blob does not pin the whole frame.
+            piece = memoryview(bytes(payload[pos : pos + size]))
+            pos += size
+            try:
+                written += self._store.put(ns, blob_id, piece, False)
+            except _Refused as exc:
+                exc.extra["written"] = written
+                raise
+        return _Reply({"written": written})
+
+    def _op_get(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        blob_id = _blob_id(fields.get("id"))
+        blob = self._store.get(ns, blob_id)
+        if blob is None:
+            raise _Refused("NotFound", f"blob {blob_id} not found in namespace {ns!r}")
+        return _Reply({}, blob)
+
+    def _op_size(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        blob_id = _blob_id(fields.get("id"))
+        blob = self._store.get(ns, blob_id)
+        if blob is None:
+            raise _Refused("NotFound", f"blob {blob_id} not found in namespace {ns!r}")
+        return _Reply({"size": blob.nbytes})
+
+    def _op_has(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        return _Reply({"ids": self._store.has(ns, _blob_ids(fields.get("ids")))})
+
+    def _op_delete(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        return _Reply({"removed": self._store.delete(ns, _blob_ids(fields.get("ids")))})
+
+    def _op_list(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        after = fields.get("after")
+        if after is not None and not isinstance(after, str):
+            raise _Refused("BadRequest", "'after' must be a string", close=True)
+        # A page of ids (about 67 bytes each in msgpack) must fit in one reply frame.
+        page_max = min(_MAX_LIST_PAGE, self.max_frame // 80)
+        limit = min(_int_arg(fields, "limit", page_max), page_max)
+        ids, more = self._store.list_page(ns, after, max(limit, 1))
+        return _Reply({"ids": ids, "more": more})
+
+    def _op_append(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        record = bytes(_require_data(data, "append"))
+        return _Reply({"index": self._store.append(ns, record)})
+
+    def _op_read_log(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        start = _int_arg(fields, "start", 0)
+        records, more = self._store.read_log(ns, start, self.max_frame // 2)
+        return _Reply({"records": records, "next": start + len(records), "more": more})
+
+    def _op_stats(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+        return _Reply({"stats": self.stats()})
+
+
+# --- running it ----------------------------------------------------------------------
+
+
+def serve(
+    listen: str,
+    *,
+    memory_limit: int,
+    token: bytes | None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    insecure_no_auth: bool = False,
+    max_connections: int = 256,
+    announce: Callable[[str], None] | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Run the daemon until SIGTERM/SIGINT (or until ``stop`` is set, when given).
+
+    A token is required unless ``insecure_no_auth``. ``announce`` is called with the bound
+    ``HOST:PORT`` once clients can connect. Without ``stop`` this must run on the main
+    thread: it blocks SIGTERM and SIGINT and waits for them with ``sigwait``.
+    """
+    if token is None and not insecure_no_auth:
+        raise ConfigError(
+            "the peer daemon needs a shared-secret token: pass --token-file FILE or set "
+            f"{TOKEN_ENV}; --insecure-no-auth disables authentication"
+        )
+    if token is not None and insecure_no_auth:
+        raise ConfigError("a token and --insecure-no-auth were both given; choose one")
+    server = PeerServer(
+        listen,
+        memory_limit=memory_limit,
+        token=token,
+        max_frame=max_frame,
+        max_connections=max_connections,
+    )
+    if token is None and server._host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("authentication is OFF on a non-loopback address %s", listen)
+    if stop is not None:
+        server.start()
+        try:
+            if announce is not None:
+                announce(server.address)
+            stop.wait()
+        finally:
+            server.stop()
+        return
+    signals = {signal.SIGTERM, signal.SIGINT}
+    # Blocked before any thread starts, so every thread inherits the mask and a signal
+    # waits, pending, for sigwait below (no handler runs in the middle of anything).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        server.start()
+        try:
+            if announce is not None:
+                announce(server.address)
+            received = signal.sigwait(signals)
+            log.info("received %s, shutting down", signal.Signals(received).name)
+        finally:
+            server.stop()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def peer_status(
+    address: str,
+    *,
+    token: bytes | str | None = None,
+    token_file: str | None = None,
+    timeout: float = 10.0,
+) -> dict[str, Any]:
+    """Ask the daemon at ``HOST:PORT`` what it holds (the ``stats`` reply as a dict).
+
+    The token comes from ``token``, ``token_file`` or ``TIERCHECK_PEER_TOKEN``. Raises
+    ``TierUnavailable`` when the daemon cannot be reached.
+    """
+    from tiercheck.backends._peer import PeerTier
+
+    tier = PeerTier(f"peer://{address}", token=token, token_file=token_file, timeout=timeout)
+    try:
+        return tier.stats()
+    finally:
+        tier.close()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tiercheck peer serve`` (shared with ``python -m``)."""
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to bind")
+    parser.add_argument(
+        "--memory-limit",
+        required=True,
+        type=parse_size,
+        metavar="SIZE",
+        help="bytes of blobs and log records to hold, e.g. 64GiB",
+    )
+    parser.add_argument(
+        "--token-file", metavar="FILE", help=f"shared-secret token file (else ${TOKEN_ENV})"
+    )
+    parser.add_argument(
+        "--insecure-no-auth", action="store_true", help="accept clients without a token"
+    )
+    parser.add_argument(
+        "--max-frame",
+        type=parse_size,
+        default=DEFAULT_MAX_FRAME,
+        metavar="SIZE",
+        help="largest frame accepted (default 64MiB)",
+    )
+    parser.add_argument("--max-connections", type=int, default=256, metavar="N")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run ``tiercheck peer serve`` from parsed arguments; prints ``listening on HOST:PORT``."""
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        token = load_token_file(args.token_file) if args.token_file else token_from_env()
+        if args.insecure_no_auth and not args.token_file:
+            token = None
+        serve(
+            args.listen,
+            memory_limit=args.memory_limit,
+            token=token,
+            max_frame=args.max_frame,
+            insecure_no_auth=args.insecure_no_auth,
+            max_connections=args.max_connections,
+            announce=lambda address: print(f"listening on {address}", flush=True),
+        )
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"tiercheck peer serve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main_serve(argv: Sequence[str] | None = None) -> int:
+    """``tiercheck peer serve --listen HOST:PORT --memory-limit SIZE [...]``."""
+    parser = argparse.ArgumentParser(
+        prog="tiercheck peer serve", description="Run the peer-memory daemon."
+    )
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tiercheck peer status``."""
+    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument(
+        "--token-file", metavar="FILE", help=f"shared-secret token file (else ${TOKEN_ENV})"
+    )
+    parser.add_argument("--timeout", type=float, default=10.0)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print the daemon's stats as JSON; exit status 1 when it cannot be reached."""
+    from tiercheck.errors import TiercheckError
+
+    try:
+        stats = peer_status(args.address, token_file=args.token_file, timeout=args.timeout)
+    except TiercheckError as exc:
+        print(f"tiercheck peer status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+def main_status(argv: Sequence[str] | None = None) -> int:
+    """``tiercheck peer status HOST:PORT [--token-file F]``."""
+    parser = argparse.ArgumentParser(
+        prog="tiercheck peer status", description="Show what a peer daemon holds."
+    )
+    add_status_arguments(parser)
+    return run_status(parser.parse_args(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tiercheck.peer_server [serve] --listen ...`` or ``... status HOST:PORT``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["status"]:
+        return main_status(args[1:])
+    if args[:1] == ["serve"]:
+        args = args[1:]
+    return main_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
