@@ -97,6 +97,9 @@ class _ZstdCache(threading.local):
     def __init__(self) -> None:
         self.compressors: dict[int, zstandard.ZstdCompressor] = {}
         self.decompressor: zstandard.ZstdDecompressor | None = None
+        # Scratch for the delta transform, reused: a fresh 4 MiB buffer per chunk costs
+        # more in first-touch page faults than the XOR and shuffle themselves.
+        self.scratch: dict[int, U8Array] = {}
 
 
 _zstd = _ZstdCache()
@@ -113,6 +116,15 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
             raise ValueError(f"invalid zstd level {level}: {exc}") from None
         _zstd.compressors[level] = comp
     return comp
+
+
+def _scratch(slot: int, n: int) -> U8Array:
+    """This thread's scratch buffer number ``slot``, at least ``n`` bytes; first ``n`` returned."""
+    buf = _zstd.scratch.get(slot)
+    if buf is None or len(buf) < n:
+        buf = np.empty(n, dtype=np.uint8)
+        _zstd.scratch[slot] = buf
+    return buf[:n]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -172,13 +184,13 @@ def _unshuffle_into(dst: U8Array, src: U8Array, elem_size: int) -> None:
 
 
 def _delta_stream(raw: memoryview, base: memoryview, elem_size: int) -> U8Array:
-    """The delta codec's pre-zstd byte stream: shuffle(raw XOR base)."""
+    """The delta codec's pre-zstd byte stream: shuffle(raw XOR base), in thread scratch."""
     src = _u8(raw)
-    xored = np.empty(len(src), dtype=np.uint8)
+    xored = _scratch(0, len(src))
     _xor_into(xored, src, _u8(base))
     if elem_size == 1:
         return xored
-    shuffled = np.empty(len(src), dtype=np.uint8)
+    shuffled = _scratch(1, len(src))
     _shuffle_into(shuffled, xored, elem_size)
     return shuffled
 
@@ -483,9 +495,9 @@ def decode_blob(
         if hdr.elem_size == 1 or n < hdr.elem_size:
             _zstd_into(payload, result, expected_id)
         else:
-            stream = memoryview(bytearray(n))
-            _zstd_into(payload, stream, expected_id)
-            _unshuffle_into(res, _u8(stream), hdr.elem_size)
+            stream = _scratch(0, n)
+            _zstd_into(payload, stream.data, expected_id)
+            _unshuffle_into(res, stream, hdr.elem_size)
         _xor_into(res, res, _u8(base))
 
     if verify:
