@@ -1,0 +1,439 @@
+"""Engine behaviour: bad input, tier loss, corruption with fallback and repair, retention,
+GC, background failures, busy policy, the writer lock and the store configuration."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tiercheck.backends._memory import MemoryTier
+from tiercheck.formats.codecs import Codec, encode_blob
+
+import tiercheck
+from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.errors import (
+    CheckpointError,
+    ConfigError,
+    NoRestorableVersion,
+    StateError,
+    StoreLocked,
+    TierUnavailable,
+    UnsupportedValue,
+)
+from tiercheck.manifest_log import read_tier_log
+
+CHUNK = 4096
+
+
+def mem() -> str:
+    return f"memory://{uuid.uuid4().hex}"
+
+
+def small_policy(**tiers: TierPolicy) -> Policy:
+    return Policy(base_every=3, chunk_size=CHUNK, gc_grace_seconds=0, tiers=tiers)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Checkpointer]:
+    ckpt = Checkpointer(tmp_path / "s", tiers=[("fast", mem())], policy=small_policy())
+    yield ckpt
+    ckpt.close()
+
+
+def state_of(seed: int = 0, n: int = 3000) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(n, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "np": np.arange(5, dtype=np.int16) + seed,
+        "meta": {"step": seed, "name": "x", "pair": (1, 2)},
+    }
+
+
+# --- bad input fails before anything is written -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (lambda: 1, UnsupportedValue),
+        (io.BytesIO(b"x"), UnsupportedValue),
+        (torch.zeros(3, 3).to_sparse(), UnsupportedValue),
+        (torch.empty(3, device="meta"), UnsupportedValue),
+        (torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), UnsupportedValue),
+        ({1.5: torch.ones(1)}, StateError),
+        ({"a/b": torch.ones(1)}, StateError),
+        (object(), UnsupportedValue),
+    ],
+)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bad_values_are_refused_before_writing(
+    store: Checkpointer, value: Any, error: type[Exception]
+) -> None:
+    tier = store.tierset.get("fast").tier
+    assert tier is not None
+    before = (len(tier.read_log()), len(list(tier.list())))
+    with pytest.raises(error) as exc:
+        store.save(1, {"model": {"w": torch.ones(2)}, "bad": value})
+    assert "bad" in str(exc.value)
+    store.flush()
+    assert (len(tier.read_log()), len(list(tier.list()))) == before
+
+
+def test_duplicate_keys_after_flattening(store: Checkpointer) -> None:
+    with pytest.raises(StateError, match="a/b"):
+        store.save(1, {"a": {"b": torch.ones(1)}, "a/b": torch.ones(1)})
+
+
+def test_unpicklable_metadata_refused(store: Checkpointer) -> None:
+    with pytest.raises(UnsupportedValue):
+        store.save(1, {"w": torch.ones(1)}, metadata={"f": lambda: 0})
+
+
+def test_pickle_opt_in_round_trip(tmp_path: Path) -> None:
+    from fractions import Fraction
+
+    with Checkpointer(tmp_path / "p", tiers=[mem()], allow_pickle=True) as ckpt:
+        ckpt.save(0, {"frac": Fraction(1, 3), "w": torch.ones(2)}).wait()
+        out: dict[str, Any] = {"frac": None, "w": torch.zeros(2)}
+        ckpt.restore(out)
+        assert out["frac"] == Fraction(1, 3)
+
+
+@pytest.mark.parametrize(
+    ("target", "key"),
+    [
+        ({"w": torch.zeros(3000)}, "b"),  # missing keys in the state
+        ({**state_of(), "extra": torch.zeros(1)}, "extra"),
+        ({**state_of(), "w": torch.zeros(10)}, "w"),  # wrong shape
+        ({**state_of(), "w": torch.zeros(3000, dtype=torch.float64)}, "w"),  # wrong dtype
+    ],
+)
+def test_structure_mismatch_on_restore(
+    store: Checkpointer, target: dict[str, Any], key: str
+) -> None:
+    store.save(0, state_of()).wait()
+    with pytest.raises(StateError) as exc:
+        store.restore(target)
+    assert exc.value.key.startswith(key)
+
+
+def test_round_trip_many_kinds(store: Checkpointer) -> None:
+    src = state_of(5)
+    src["nested"] = [torch.arange(4), (torch.ones(2, 2).t(), 3)]  # non-contiguous view
+    src["empty"] = torch.empty(0, 4)
+    src["scalar"] = torch.tensor(2.5, dtype=torch.float64)
+    src["c"] = torch.randn(3, dtype=torch.complex64)
+    src["f8"] = torch.ones(5).to(torch.float8_e4m3fn)
+    src["bool"] = torch.tensor([True, False])
+    src["big"] = 2**70
+    store.save(0, src).wait()
+    out = store.restore(None).state
+    assert torch.equal(out["w"], src["w"]) and torch.equal(out["b"], src["b"])
+    assert np.array_equal(out["np"], src["np"]) and out["np"].dtype == np.int16
+    assert out["meta"] == {"step": 5, "name": "x", "pair": (1, 2)}
+    assert isinstance(out["nested"][1], tuple)
+    assert torch.equal(out["nested"][1][0], src["nested"][1][0]) and out["nested"][1][1] == 3
+    assert out["empty"].shape == (0, 4) and out["scalar"].item() == 2.5
+    assert torch.equal(out["c"], src["c"]) and torch.equal(out["bool"], src["bool"])
+    assert torch.equal(out["f8"].view(torch.uint8), src["f8"].view(torch.uint8))
+    assert out["big"] == 2**70
+
+
+def test_restore_writes_into_callers_tensors(store: Checkpointer) -> None:
+    src = state_of(1)
+    store.save(0, src).wait()
+    target = state_of(2)
+    w = target["w"]
+    store.restore(target)
+    assert target["w"] is w and torch.equal(w, src["w"])
+
+
+# --- tiers lost, corrupted, repaired -------------------------------------------------
+
+
+def two_tier_store(tmp_path: Path, shm_name: str) -> Checkpointer:
+    return Checkpointer(
+        tmp_path / "s",
+        tiers=[
+            TierSpec("shm", f"shm://{shm_name}", {"root": str(tmp_path / "shm")}),
+            TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
+        ],
+        policy=Policy(base_every=3, chunk_size=CHUNK, gc_grace_seconds=0),
+    )
+
+
+def test_lost_shm_restores_base_from_lmdb_and_hides_orphan_diffs(tmp_path: Path) -> None:
+    name = uuid.uuid4().hex
+    ckpt = two_tier_store(tmp_path, name)
+    for step in range(5):  # v0 base, v1 v2 diffs, v3 base, v4 diff
+        ckpt.save(step, state_of(step)).wait()
+    roles = {v.id: (v.role, v.tiers["lmdb"]) for v in ckpt.history()}
+    assert roles[3] == ("base", "committed") and roles[4] == ("diff", "missing")
+    ckpt.close()
+    shutil.rmtree(tmp_path / "shm")  # the node's shared memory is gone
+    ckpt = two_tier_store(tmp_path, name)
+    versions = {v.id: v.restorable for v in ckpt.history()}
+    assert versions.get(4) is None  # its only commit record was in the lost tier
+    info = ckpt.restore(state_of(0))
+    assert (info.version, info.source) == (3, "lmdb")
+    ckpt.close()
+
+
+def test_diff_whose_base_was_only_in_a_lost_tier_is_not_offered(tmp_path: Path) -> None:
+    from tiercheck.retention import drop_versions
+
+    name = uuid.uuid4().hex
+    ckpt = two_tier_store(tmp_path, name)
+    ckpt.close()
+    policy = Policy(
+        base_every=3,
+        chunk_size=CHUNK,
+        gc_grace_seconds=0,
+        tiers={"lmdb": TierPolicy(versions="all", keep_bases=None)},
+    )
+    specs = [s.spec for s in ckpt.tierset.slots]
+    ckpt = Checkpointer(tmp_path / "s", tiers=specs, policy=policy)
+    for step in range(5):  # v0 base, v1 v2 diffs, v3 base, v4 diff
+        ckpt.save(step, state_of(step)).wait()
+    drop_versions(ckpt.tierset.get("lmdb"), [3])  # the base of v4 now lives in shm only
+    ckpt.close()
+    shutil.rmtree(tmp_path / "shm")
+    ckpt = Checkpointer(tmp_path / "s", tiers=specs, policy=policy)
+    versions = {v.id: v.restorable for v in ckpt.history()}
+    assert versions[4] is False and versions[2] is True
+    with pytest.raises(NoRestorableVersion):
+        ckpt.restore(state_of(0), version=4)
+    assert ckpt.restore(state_of(0)).version == 2
+    ckpt.close()
+
+
+def test_corrupt_blob_falls_back_and_repairs(tmp_path: Path) -> None:
+    ckpt = Checkpointer(
+        tmp_path / "s",
+        tiers=[("lmdb", f"lmdb://{tmp_path / 'lmdb'}"), ("file", f"file://{tmp_path / 'f'}")],
+        policy=small_policy(
+            lmdb=TierPolicy(versions="all"), file=TierPolicy(versions="all", codec="zstd")
+        ),
+    )
+    src = state_of(3)
+    ckpt.save(0, src).wait()
+    lmdb = ckpt.tierset.get("lmdb").tier
+    assert lmdb is not None
+    mid = ckpt.refresh().versions[0].shards[0]
+    chunk = _manifest(ckpt, mid).chunks[0].id
+    good = bytes(lmdb.get(chunk))
+    bad = bytearray(good)
+    bad[-1] ^= 0xFF
+    lmdb.put(chunk, bytes(bad), overwrite=True)
+    target = state_of(0)
+    info = ckpt.restore(target)
+    assert torch.equal(target["w"], src["w"])
+    assert ("lmdb", chunk) in info.corrupt and ("lmdb", chunk) in info.repaired
+    assert info.chunks_from.get("file", 0) >= 1 and info.source == "lmdb"
+    assert bytes(lmdb.get(chunk)) == good  # repaired with the same raw encoding
+    ckpt.close()
+
+
+def test_every_copy_corrupt_is_an_error_not_data(store: Checkpointer) -> None:
+    store.save(0, state_of(1)).wait()
+    tier = store.tierset.get("fast").tier
+    assert tier is not None
+    for blob_id in list(tier.list()):
+        data = bytearray(tier.get(blob_id))
+        data[-1] ^= 1
+        tier.put(blob_id, bytes(data), overwrite=True)
+    with pytest.raises((NoRestorableVersion, tiercheck.errors.BlobCorrupt)):
+        store.restore(state_of(0))
+
+
+# --- retention and GC ------------------------------------------------------------------
+
+
+def test_retention_keeps_newest_base_and_its_diffs_and_gc_frees_blobs(
+    store: Checkpointer,
+) -> None:
+    for step in range(7):  # bases at 0, 3, 6
+        store.save(step, state_of(step)).wait()
+    hist = {v.id: v.tiers["fast"] for v in store.history()}
+    assert hist == {
+        0: "dropped",
+        1: "dropped",
+        2: "dropped",
+        3: "dropped",
+        4: "dropped",
+        5: "dropped",
+        6: "committed",
+    }
+    tier = store.tierset.get("fast").tier
+    assert tier is not None
+    log = read_tier_log("fast", tier)
+    from tiercheck.retention import mark
+
+    live = mark(log, lambda mid: _manifest(store, mid))
+    assert set(tier.list()) == live  # nothing unreferenced left behind
+
+
+def _manifest(store: Checkpointer, mid: str) -> Any:
+    from tiercheck.fetch import ChunkFetcher
+
+    return ChunkFetcher(store.tierset.by_speed()).manifest(mid)
+
+
+def test_retention_never_drops_a_base_a_kept_diff_needs() -> None:
+    from tiercheck.formats.manifest import VersionInfo
+
+    from tiercheck.manifest_log import TierLog
+    from tiercheck.retention import plan_drops
+
+    tl = TierLog("t")
+    for vid, role, base in [(0, "base", None), (1, "diff", 0), (2, "base", None)]:
+        tl.committed[vid] = VersionInfo(vid, vid, role, base, 1, (), 0.0, 0)  # type: ignore[arg-type]
+    assert plan_drops(tl, TierPolicy(keep_bases=1), pinned={1}) == []
+    assert plan_drops(tl, TierPolicy(keep_bases=1)) == [0, 1]
+
+
+def test_unchanged_content_is_stored_once(store: Checkpointer) -> None:
+    big = {"frozen": torch.randn(40_000), "lora": torch.zeros(100)}
+    r0 = store.save(0, big).wait()
+    big["lora"] += 1
+    r1 = store.save(1, big).wait()
+    assert r1.role == "diff"
+    assert r1.bytes_written["fast"] < r0.bytes_written["fast"] / 10
+
+
+# --- background failures, busy policy, lock, config -------------------------------------
+
+
+class FlakyTier(MemoryTier):
+    """A memory tier whose puts fail while ``fail`` is set (registered as ``flaky://``)."""
+
+    fail = False
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__("memory://flaky-" + url.split("://", 1)[1], **options)
+
+    def put(self, blob_id: str, data: Any, *, overwrite: bool = False) -> bool:
+        if FlakyTier.fail:
+            raise TierUnavailable("injected outage", url=self.url, key=blob_id)
+        return super().put(blob_id, data, overwrite=overwrite)
+
+
+def test_background_failure_raises_on_handle_and_next_save(tmp_path: Path) -> None:
+    tiercheck.register_tier("flaky", FlakyTier, replace=True)
+    ckpt = Checkpointer(tmp_path / "s", tiers=["flaky://x"], policy=small_policy())
+    try:
+        FlakyTier.fail = True
+        h = ckpt.save(0, state_of())
+        with pytest.raises(CheckpointError, match="injected outage"):
+            h.wait()
+        with pytest.raises(CheckpointError, match="previous save failed"):
+            ckpt.save(1, state_of())
+        FlakyTier.fail = False
+        assert ckpt.save(2, state_of()).wait().committed_tiers == ("flaky",)
+    finally:
+        FlakyTier.fail = False
+        ckpt.close()
+
+
+def test_one_failing_tier_lowers_the_commit_level(tmp_path: Path) -> None:
+    tiercheck.register_tier("flaky", FlakyTier, replace=True)
+    ckpt = Checkpointer(
+        tmp_path / "s", tiers=[("ok", mem()), ("flaky", "flaky://y")], policy=small_policy()
+    )
+    try:
+        FlakyTier.fail = True
+        r = ckpt.save(0, state_of()).wait()
+        assert r.tiers == {"ok": "committed", "flaky": "failed"}
+        assert "injected outage" in r.errors["flaky"]
+    finally:
+        FlakyTier.fail = False
+        ckpt.close()
+
+
+def test_skip_when_busy_reports_skipped(tmp_path: Path) -> None:
+    import threading
+
+    gate = threading.Event()
+
+    class SlowTier(MemoryTier):
+        def __init__(self, url: str, **options: Any) -> None:
+            super().__init__("memory://slow-" + uuid.uuid4().hex, **options)
+
+        def append(self, record: bytes, *, blobs: Any = ()) -> None:
+            gate.wait(30)
+            super().append(record, blobs=blobs)
+
+    tiercheck.register_tier("slowtier", SlowTier, replace=True)
+    policy = Policy(chunk_size=CHUNK, on_busy="skip")
+    with Checkpointer(tmp_path / "s", tiers=["slowtier://z"], policy=policy) as ckpt:
+        first = ckpt.save(0, state_of())
+        first.wait_staged()
+        second = ckpt.save(1, state_of())
+        third = ckpt.save(2, state_of())
+        assert second.skipped or third.skipped
+        gate.set()
+        assert first.wait().version == 0
+
+
+def test_guard_waits_for_staging(store: Checkpointer) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    remove = store.guard(opt)
+    h = store.save(0, {"model": model})
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()  # must not run before staging finished
+    assert h._staged.is_set()
+    remove()
+
+
+def test_second_writer_is_refused(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "s", tiers=[mem()]):
+        with pytest.raises(StoreLocked):
+            Checkpointer(tmp_path / "s", tiers=[mem()])
+        reader = Checkpointer(tmp_path / "s", read_only=True)
+        reader.close()
+
+
+def test_default_config_is_written_and_reread(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with Checkpointer(root) as ckpt:
+        names = [s.name for s in ckpt.tierset.slots]
+        assert names == ["shm", "lmdb", "remote"]
+        h = ckpt.save(0, state_of())
+        r = h.wait_migrated()
+        assert r.tiers == {"shm": "committed", "lmdb": "committed", "remote": "committed"}
+        shm_url = ckpt.tierset.get("shm").spec.url
+    text = (root / "tiercheck.toml").read_text()
+    assert "[[tier]]" in text and shm_url in text
+    with Checkpointer(root) as again:
+        assert [s.spec.url for s in again.tierset.slots][0] == shm_url
+        assert again.restore(state_of(1)).version == 0
+        shm = again.tierset.get("shm").tier
+        assert shm is not None
+        # clean the shared memory this test created
+        shm.delete(list(shm.list()))
+    shutil.rmtree(f"/dev/shm/tiercheck/{shm_url.removeprefix('shm://')}", ignore_errors=True)
+
+
+def test_bad_config_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "tiercheck.toml").write_text("[policy]\nbase_every = 0\n")
+    with pytest.raises(ConfigError):
+        Checkpointer(tmp_path)
+    with pytest.raises(ConfigError):
+        Policy(chunk_size=1000)
+    with pytest.raises(tiercheck.errors.UnknownScheme):
+        Checkpointer(tmp_path / "x", tiers=["nosuch://a"])
+
+
+def test_encode_blob_imported_for_repair_codec() -> None:
+    # a raw blob rewritten by repair must decode to the same chunk
+    data = b"abc" * 100
+    assert encode_blob(data, Codec.RAW) == encode_blob(data, Codec.RAW)
