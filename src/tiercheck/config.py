@@ -141,9 +141,11 @@ def load_config(path: Path) -> StoreConfig:
         if extra:
             raise ConfigError(f"{path}: tier {raw['name']!r} has unknown keys {sorted(extra)}")
         specs.append(TierSpec(raw["name"], raw["url"], dict(raw.get("options", {}))))
-        # TOML has no null: "all" stands for None (keep everything)
-        overrides = {
-            k: (None if raw[k] == "all" else raw[k]) for k in _TIER_POLICY_KEYS if k in raw
+        # TOML has no null: keep_* = "all" stands for None (keep everything)
+        overrides: dict[str, Any] = {
+            k: (None if k.startswith("keep_") and raw[k] == "all" else raw[k])
+            for k in _TIER_POLICY_KEYS
+            if k in raw
         }
         if overrides:
             tier_policies[raw["name"]] = TierPolicy(**overrides)

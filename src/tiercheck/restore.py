@@ -83,17 +83,17 @@ def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def _fits(entry: Entry, target: Any) -> bool:
     if entry.kind == "tensor" and isinstance(target, torch.Tensor):
-        return (
+        return bool(
             str(target.dtype).removeprefix("torch.") == entry.dtype
             and tuple(target.shape) == entry.shape
         )
     if entry.kind == "ndarray" and isinstance(target, np.ndarray):
-        return target.dtype.str == entry.dtype and target.shape == entry.shape
+        return bool(target.dtype.str == entry.dtype and target.shape == entry.shape)
     return False
 
 
@@ -208,11 +208,11 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
                 and target.flags.c_contiguous
                 and target.flags.writeable
             ):
-                b.dests[i] = memoryview(target.reshape(-1).view(np.uint8)).cast("B")
+                b.dests[i] = target.reshape(-1).view(np.uint8).data.cast("B")
                 continue
             arr = np.empty(entry.shape, dtype=np.dtype(entry.dtype))
             b.values[i] = arr
-            b.dests[i] = memoryview(arr.reshape(-1).view(np.uint8)).cast("B")
+            b.dests[i] = arr.reshape(-1).view(np.uint8).data.cast("B")
         else:
             buf = bytearray(entry.nbytes)
             b.values[i] = buf

@@ -63,7 +63,7 @@ class StagingBuffer:
     def view(self, nbytes: int) -> memoryview:
         """The first ``nbytes`` of the buffer as a byte memoryview (valid until regrown)."""
         assert self._buf is not None
-        return memoryview(self._buf.numpy()).cast("B")[:nbytes]
+        return self._buf.numpy().data.cast("B")[:nbytes]
 
     def tensor(self) -> torch.Tensor:
         assert self._buf is not None
@@ -83,7 +83,7 @@ class StagingBuffer:
         stream = None
         if needs_cuda:
             if self._stream is None:
-                self._stream = torch.cuda.Stream()
+                self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream())
         for leaf, entry in zip(leaves, layout.entries):
@@ -107,7 +107,7 @@ class StagingBuffer:
                 dst.copy_(torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8))
         assert n <= self.capacity
         if stream is not None:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
             return event
         return None
