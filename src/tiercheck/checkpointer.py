@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from tiercheck.chunking import Layout, plan_layout
-from tiercheck.cluster import Coordinator, LocalCoordinator, Vote
+from tiercheck.cluster import Coordinator, DistCoordinator, LocalCoordinator, Vote
 from tiercheck.config import (
     CONFIG_NAME,
     StoreConfig,
@@ -47,6 +47,8 @@ from tiercheck.errors import (
 )
 from tiercheck.fetch import ChunkFetcher, FetchStats
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
+from tiercheck.history import Diff, Version, VersionSummary, build_history, open_version
+from tiercheck.history import diff as diff_versions
 from tiercheck.manifest_log import Catalog, TierLog, append_record, read_catalog
 from tiercheck.migration import migrate_shard
 from tiercheck.pipeline import build_manifest, commit_on, hash_stream, place_shard
@@ -56,7 +58,14 @@ from tiercheck.retention import GCReport, GCState, collect_garbage, drop_version
 from tiercheck.staging import StagingBuffer
 from tiercheck.tierset import TierSet, TierSlot
 
-__all__ = ["Checkpointer", "RestoreInfo", "SaveHandle", "SaveResult", "VersionSummary"]
+__all__ = [
+    "Checkpointer",
+    "RestoreInfo",
+    "SaveHandle",
+    "SaveResult",
+    "Version",
+    "VersionSummary",
+]
 
 log = logging.getLogger("tiercheck")
 
@@ -197,22 +206,6 @@ class RestoreInfo:
     state: Any = field(repr=False, default=None)
 
 
-@dataclass(frozen=True)
-class VersionSummary:
-    """One row of the history."""
-
-    id: int
-    step: int
-    role: Role
-    base: int | None
-    time: float
-    metadata: Mapping[str, Any]
-    logical_bytes: int
-    stored_bytes: int
-    tiers: Mapping[str, str]
-    restorable: bool
-
-
 @dataclass
 class _Job:
     handle: SaveHandle
@@ -253,7 +246,7 @@ class Checkpointer:
         self.root = Path(root).expanduser().resolve()
         self.read_only = read_only
         self.allow_pickle = allow_pickle
-        self.coordinator: Coordinator = coordinator or LocalCoordinator()
+        self.coordinator: Coordinator = coordinator or _default_coordinator()
         self.rank = self.coordinator.rank
         self.world_size = self.coordinator.world_size
         self._lock_fd: int | None = None
@@ -263,7 +256,8 @@ class Checkpointer:
         if not read_only:
             self._take_lock()
         try:
-            self.tierset = TierSet(self.config.tiers, self.policy, read_only=read_only)
+            specs = [_for_rank(spec, self.coordinator) for spec in self.config.tiers]
+            self.tierset = TierSet(specs, self.policy, read_only=read_only)
         except BaseException:
             self._release_lock()
             raise
@@ -282,7 +276,9 @@ class Checkpointer:
         self._pending_error: BaseException | None = None
         self._gc = GCState()
         self._catalog = read_catalog(self.tierset.tiers())
-        self._next_id = self._catalog.max_version_id() + 1
+        if self.world_size > 1 and self.policy.on_busy == "skip":
+            raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
+        self._next_id = self.coordinator.agree_max(self._catalog.max_version_id()) + 1
         self._last_base: tuple[int, tuple[Any, ...], tuple[ChunkRef, ...]] | None = None
         self._since_base = 0
         self._migrations: queue.Queue[tuple[VersionInfo, str, SaveHandle | None] | None] = (
@@ -324,7 +320,7 @@ class Checkpointer:
         return cfg
 
     def _take_lock(self) -> None:
-        path = self.root / ".lock"
+        path = self.root / (".lock" if self.world_size == 1 else f".lock.rank{self.rank}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -870,50 +866,35 @@ class Checkpointer:
             state=restored,
         )
 
-    def history(self) -> list[VersionSummary]:
-        """Every committed version, oldest first, with where it is held."""
+    def history(self) -> list[Version]:
+        """Every committed version, oldest first, with where it is held.
+
+        Reads the logs only; each :class:`~tiercheck.history.Version` opens its content
+        lazily (``v.entries``, ``v[key]``, ``v.to_state_dict()``).
+        """
         self.flush()
         catalog = self.refresh() if self.read_only or self._closed is False else self._catalog
         with self._meta:
             pending = {(info.id, name) for info, name, _ in self._pending_migrations}
-            pinned = dict(self._pinned)
-        out = []
-        for vid, info in catalog.versions.items():
-            tiers: dict[str, str] = {}
-            stored = 0
-            for slot in self.tierset.slots:
-                tl = catalog.logs.get(slot.name)
-                if tl is None:
-                    tiers[slot.name] = "unreachable"
-                elif tl.holds(vid):
-                    tiers[slot.name] = "committed"
-                    stored += tl.bytes_written(vid)
-                elif vid in tl.dropped:
-                    tiers[slot.name] = "dropped"
-                elif (vid, slot.name) in pending or (
-                    vid in pinned
-                    and slot.policy is not None
-                    and slot.policy.mode == "async"
-                    and slot.policy.wants(info.role)
-                ):
-                    tiers[slot.name] = "migrating"
-                else:
-                    tiers[slot.name] = "missing"
-            out.append(
-                VersionSummary(
-                    id=vid,
-                    step=info.step,
-                    role=info.role,
-                    base=info.base,
-                    time=info.time,
-                    metadata=dict(info.metadata),
-                    logical_bytes=info.logical_bytes,
-                    stored_bytes=stored,
-                    tiers=tiers,
-                    restorable=catalog.restorable(vid),
-                )
-            )
-        return out
+            pinned = set(self._pinned)
+        return build_history(self, catalog, pending=pending, pinned=pinned)
+
+    def version(
+        self,
+        version: int | str | Version | None = None,
+        *,
+        step: int | None = None,
+        rank: int | None = None,
+    ) -> Version:
+        """Open one version lazily: an id, ``"latest"``, ``"step:N"``, or ``step=N``.
+
+        Raises :class:`NoRestorableVersion` if the store has no such committed version.
+        """
+        return open_version(self, version, step=step, rank=rank)
+
+    def diff(self, a: int | str | Version, b: int | str | Version) -> Diff:
+        """What changed from version ``a`` to ``b`` (see :func:`tiercheck.history.diff`)."""
+        return diff_versions(self.version(a), self.version(b))
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -959,3 +940,27 @@ class Checkpointer:
                 self._release_lock()
             except Exception:
                 pass
+
+
+def _default_coordinator() -> Coordinator:
+    """A :class:`DistCoordinator` under an initialized multi-rank torch.distributed job."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return LocalCoordinator()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return DistCoordinator()
+    return LocalCoordinator()
+
+
+def _for_rank(spec: TierSpec, coord: Coordinator) -> TierSpec:
+    """Fill ``{rank}``, ``{local_rank}`` and ``{node}`` in a tier's URL and string options."""
+    values = {"{rank}": coord.rank, "{local_rank}": coord.local_rank, "{node}": coord.node}
+
+    def fill(text: str) -> str:
+        for key, value in values.items():
+            text = text.replace(key, str(value))
+        return text
+
+    options = {k: fill(v) if isinstance(v, str) else v for k, v in spec.options.items()}
+    return TierSpec(spec.name, fill(spec.url), options)
