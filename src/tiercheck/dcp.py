@@ -29,7 +29,7 @@ commit, and the metadata becomes an entry of the coordinator's shard in that ver
 ``TierReader(root)`` reads the metadata from ``root/rank0`` and each rank's items from
 ``root/rank{r}``; ``TierReader(checkpointer)`` reads the metadata from that store and the other
 ranks' items from the store roots recorded at save time. Other stores are opened read-only.
-Reads fetch only the chunks holding the entries this rank needs.
+Reads fetch only the chunks holding the entries this rank needs (``Checkpointer.version``).
 
 **Metadata without pickle.** DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata`
 is encoded field by field into plain msgpack (:func:`encode_metadata`) and decoded back the
@@ -54,7 +54,6 @@ import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -87,9 +86,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from tiercheck.checkpointer import Checkpointer
-from tiercheck.chunking import chunks_of
 from tiercheck.config import TierSpec
-from tiercheck.entries import decode_scalar, torch_dtype
+from tiercheck.entries import torch_dtype
 from tiercheck.errors import (
     CheckpointError,
     ConfigError,
@@ -97,10 +95,9 @@ from tiercheck.errors import (
     StateError,
     UnsupportedValue,
 )
-from tiercheck.fetch import ChunkFetcher
-from tiercheck.formats.manifest import Entry, ShardManifest, VersionInfo
+from tiercheck.formats.manifest import VersionInfo
+from tiercheck.history import EntryInfo, Version
 from tiercheck.placement import Policy
-from tiercheck.tierset import TierSlot
 
 __all__ = [
     "CheckpointRef",
@@ -509,70 +506,6 @@ def decode_metadata(data: bytes | memoryview) -> DecodedMetadata:
 # --- reading entries from a version -----------------------------------------------------
 
 
-class _VersionView:
-    """Entry-level reads from one version of one store: fetches only the chunks needed."""
-
-    def __init__(self, ckpt: Checkpointer, info: VersionInfo, pool: ThreadPoolExecutor):
-        catalog = ckpt.refresh()
-        if not catalog.restorable(info.id):
-            raise NoRestorableVersion(
-                f"version {info.id} of {ckpt.root} cannot be restored from the reachable tiers"
-            )
-        holders = catalog.holders(info.id)
-        order: list[TierSlot] = sorted(
-            [ckpt.tierset.get(n) for n in holders if ckpt.tierset.get(n).tier is not None],
-            key=lambda s: s.speed_rank,
-        )
-        order += [s for s in ckpt.tierset.by_speed() if s not in order and s.name in catalog.logs]
-        self.root = ckpt.root
-        self.info = info
-        self.order = order
-        self.fetcher = ChunkFetcher(order, repair=False)
-        self.manifest: ShardManifest = self.fetcher.manifest(info.shards[0], order=order)
-        self.entries = {e.key: e for e in self.manifest.entries}
-        self.pool = pool
-
-    def entry(self, key: str) -> Entry:
-        e = self.entries.get(key)
-        if e is None:
-            raise StateError(
-                f"version {self.info.id} of {self.root} has no entry {key!r}; "
-                "the DCP metadata and the store disagree"
-            )
-        return e
-
-    def read(self, entries: Sequence[Entry]) -> dict[str, memoryview]:
-        """The raw bytes of ``entries``, fetching each needed chunk once, in parallel."""
-        out = {e.key: memoryview(bytearray(e.nbytes)) for e in entries}
-        cs = self.manifest.chunk_size
-        needed: dict[int, list[Entry]] = {}
-        for e in entries:
-            for ci in chunks_of(e, cs):
-                needed.setdefault(ci, []).append(e)
-
-        def one(ci: int) -> None:
-            ref = self.manifest.chunks[ci]
-            lo, hi = ref.offset, ref.offset + ref.length
-            users = needed[ci]
-            if (
-                len(users) == 1
-                and users[0].offset <= lo
-                and users[0].offset + users[0].nbytes >= hi
-            ):
-                e = users[0]
-                self.fetcher.fetch(
-                    ref.id, out[e.key][lo - e.offset : hi - e.offset], order=self.order
-                )
-                return
-            raw, _ = self.fetcher.fetch(ref.id, order=self.order)
-            for e in users:
-                a, z = max(lo, e.offset), min(hi, e.offset + e.nbytes)
-                out[e.key][a - e.offset : z - e.offset] = raw[a - lo : z - lo]
-
-        list(self.pool.map(one, sorted(needed)))
-        return out
-
-
 def _dcp_versions(ckpt: Checkpointer, *, coordinator: bool) -> list[VersionInfo]:
     catalog = ckpt.refresh()
     out = []
@@ -890,8 +823,9 @@ class TierReader(StorageReader):
 
     ``target`` is the root given to the writer, or the coordinator's :class:`Checkpointer`.
     Each rank fetches only the chunks holding the items its plan needs, from whichever
-    rank's store saved them (opened read-only). ``read_budget`` bounds the bytes of entries
-    held at once.
+    rank's store saved them (opened read-only), through the store's lazy
+    :meth:`Checkpointer.version` reads. ``read_budget`` bounds the bytes of entries held at
+    once.
     """
 
     def __init__(
@@ -900,7 +834,6 @@ class TierReader(StorageReader):
         *,
         checkpoint_id: str | int | None = None,
         read_budget: int = 256 * 1024 * 1024,
-        threads: int = 8,
     ) -> None:
         super().__init__()
         self._root: Path | None = None
@@ -912,7 +845,6 @@ class TierReader(StorageReader):
         self._ref = parse_checkpoint_id(checkpoint_id)
         self.checkpoint_id: str | int | None = checkpoint_id
         self._budget = read_budget
-        self._threads = threads
         self._info: VersionInfo | None = None
         self._ranks: Mapping[int, tuple[int | None, str]] = {}
         self._storage: dict[MetadataIndex, Location] = {}
@@ -964,13 +896,14 @@ class TierReader(StorageReader):
             raise NoRestorableVersion("tiercheck DCP checkpoints have no rank-local metadata")
         with self._opened(self._coordinator_rank) as ckpt:
             info = _find_version(ckpt, self._ref)
-            with ThreadPoolExecutor(self._threads, thread_name_prefix="tiercheck-dcp") as pool:
-                view = _VersionView(ckpt, info, pool)
-                entry = view.entry(METADATA)
-                if entry.kind != "msgpack":
-                    raise _bad(f"the metadata entry is stored as {entry.kind!r}, not msgpack")
-                raw = view.read([entry])[METADATA]
-        blob = decode_scalar("msgpack", raw, METADATA, allow_pickle=False)
+            v = ckpt.version(info.id)
+            entry = v.entries.get(METADATA)
+            if entry is None:
+                raise _bad(f"version {info.id} of {ckpt.root} has no {METADATA!r} entry")
+            if entry.kind != "msgpack":
+                # checked before reading: a store opened with allow_pickle would unpickle it
+                raise _bad(f"the metadata entry is stored as {entry.kind!r}, not msgpack")
+            blob = v[METADATA]
         if not isinstance(blob, bytes):
             raise _bad("the metadata entry does not hold bytes")
         decoded = decode_metadata(blob)
@@ -1005,67 +938,66 @@ class TierReader(StorageReader):
             if loc is None:
                 raise StateError(f"the checkpoint has no storage for {req.storage_index}")
             by_store.setdefault((loc.rank, loc.version), {}).setdefault(loc.key, []).append(req)
-        with ThreadPoolExecutor(self._threads, thread_name_prefix="tiercheck-dcp") as pool:
-            for (rank, version), by_key in sorted(by_store.items(), key=lambda x: x[0][0]):
-                with self._opened(rank) as ckpt:
-                    info = self._info if version is None else self._version_info(ckpt, version)
-                    view = _VersionView(ckpt, info, pool)
-                    self._read_from(view, by_key, planner)
+        for (rank, version), by_key in sorted(by_store.items(), key=lambda x: x[0][0]):
+            with self._opened(rank) as ckpt:
+                vid = self._info.id if version is None else version
+                self._read_from(ckpt.version(vid), by_key, planner)
         return _done(None)
 
-    @staticmethod
-    def _version_info(ckpt: Checkpointer, version: int) -> VersionInfo:
-        info = ckpt.refresh().versions.get(version)
-        if info is None:
-            raise NoRestorableVersion(f"version {version} is not committed in {ckpt.root}")
-        return info
-
     def _read_from(
-        self, view: _VersionView, by_key: Mapping[str, list[ReadItem]], planner: LoadPlanner
+        self, v: Version, by_key: Mapping[str, list[ReadItem]], planner: LoadPlanner
     ) -> None:
-        entries = sorted((view.entry(f"{ITEMS}/{k}") for k in by_key), key=lambda e: e.offset)
-        batch: list[Entry] = []
+        entries = v.entries
+        batch: list[EntryInfo] = []
         size = 0
-        for e in entries:
-            if batch and size + e.nbytes > self._budget:
-                self._apply_batch(view, batch, by_key, planner)
+        for key in sorted(by_key, key=lambda k: self._entry(v, entries, k).offset):
+            e = self._entry(v, entries, key)
+            if batch and size + e.size > self._budget:
+                self._apply_batch(v, batch, by_key, planner)
                 batch, size = [], 0
             batch.append(e)
-            size += e.nbytes
+            size += e.size
         if batch:
-            self._apply_batch(view, batch, by_key, planner)
+            self._apply_batch(v, batch, by_key, planner)
+
+    @staticmethod
+    def _entry(v: Version, entries: Mapping[str, EntryInfo], key: str) -> EntryInfo:
+        e = entries.get(f"{ITEMS}/{key}")
+        if e is None:
+            raise StateError(
+                f"version {v.id} has no entry for DCP item {key!r}; "
+                "the DCP metadata and the store disagree"
+            )
+        return e
 
     def _apply_batch(
         self,
-        view: _VersionView,
-        batch: Sequence[Entry],
+        v: Version,
+        batch: Sequence[EntryInfo],
         by_key: Mapping[str, list[ReadItem]],
         planner: LoadPlanner,
     ) -> None:
-        raws = view.read(batch)
         for e in batch:
-            self._apply(e, raws[e.key], by_key[e.key.removeprefix(f"{ITEMS}/")], planner)
+            # checked before reading: a store opened with allow_pickle would unpickle it
+            if e.kind not in ("tensor", "msgpack"):
+                raise _bad(f"item {e.key!r} is stored as {e.kind!r}")
+        values = v.read([e.key for e in batch])
+        for e in batch:
+            self._apply(e, values[e.key], by_key[e.key.removeprefix(f"{ITEMS}/")], planner)
 
     @staticmethod
     def _apply(
-        entry: Entry, raw: memoryview, reqs: Sequence[ReadItem], planner: LoadPlanner
+        entry: EntryInfo, value: Any, reqs: Sequence[ReadItem], planner: LoadPlanner
     ) -> None:
         if reqs[0].type == LoadItemType.BYTE_IO:
-            if entry.kind != "msgpack":
-                raise _bad(f"item {entry.key!r} is stored as {entry.kind!r}, not msgpack bytes")
-            value = decode_scalar("msgpack", raw, entry.key, allow_pickle=False)
-            if not isinstance(value, bytes):
-                raise _bad(f"item {entry.key!r} does not hold bytes")
+            if entry.kind != "msgpack" or not isinstance(value, bytes):
+                raise _bad(f"item {entry.key!r} does not hold msgpack bytes")
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(value))
             return
-        if entry.kind != "tensor":
+        if entry.kind != "tensor" or not isinstance(value, torch.Tensor):
             raise _bad(f"item {entry.key!r} is stored as {entry.kind!r}, not a tensor")
-        dtype = torch_dtype(entry.dtype)
-        if len(raw):
-            tensor = torch.frombuffer(raw, dtype=dtype).view(entry.shape)
-        else:
-            tensor = torch.empty(entry.shape, dtype=dtype)
+        tensor = value
         for req in reqs:
             src = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             dst = planner.resolve_tensor(req).detach()
