@@ -130,14 +130,84 @@ class _Refused(Exception):
 
 
 @dataclass(frozen=True)
+class _Request:
+    ns: str
+    fields: dict[str, Any]
+    data: memoryview | None
+    body: bytearray  # the frame buffer, from the pool; ``data`` may point into it
+
+
+@dataclass(frozen=True)
 class _Reply:
     fields: dict[str, Any]
     data: memoryview | None = None
+    keeps_body: bool = False  # the store now owns the request's frame buffer
+    done: Callable[[], None] | None = None  # called once the reply is sent
+
+
+# Frames at least this large are received into recycled buffers.
+_POOL_MIN = 1 << 20
+
+
+def _size_class(n: int) -> int:
+    """Capacity of a pooled buffer for ``n`` bytes: ``n`` rounded up to 1/64 of its power
+    of two, so at most 1.6% is wasted and equal chunk sizes share a class."""
+    step = max(1, (1 << (n.bit_length() - 1)) // 64)
+    return -(-n // step) * step
+
+
+class _BufferPool:
+    """Recycles the receive buffers of large frames.
+
+    Storing a blob means receiving it into fresh memory, and first-touch page faults cost
+    several times the copy itself (measured here: 4.7 ms to allocate 4 MiB, 0.3 ms to fill
+    it warm). Retention deletes old versions while new ones arrive with the same chunk
+    sizes, so deleted blobs' buffers are kept (up to ``limit`` bytes) for the next puts.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self._free: dict[int, list[bytearray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        if n < _POOL_MIN:
+            return bytearray(n)
+        wanted = _size_class(n)
+        with self._lock:
+            size = wanted
+            for _ in range(4):  # the exact class or up to 3 classes larger (< 5% waste)
+                free = self._free.get(size)
+                if free:
+                    self.bytes -= size
+                    return free.pop()
+                size = _size_class(size + 1)
+        return bytearray(wanted)
+
+    def give(self, buf: bytearray | None) -> None:
+        if buf is None:
+            return
+        n = len(buf)
+        if n < _POOL_MIN or n != _size_class(n):
+            return
+        with self._lock:
+            if self.bytes + n <= self.limit:
+                self._free.setdefault(n, []).append(buf)
+                self.bytes += n
+
+
+@dataclass(eq=False)
+class _Blob:
+    data: memoryview
+    owner: bytearray | None = None  # pooled frame buffer that ``data`` points into
+    pins: int = 0  # replies sending ``data`` right now
+    dropped: bool = False  # deleted while pinned: recycle ``owner`` at the last unpin
 
 
 @dataclass
 class _Namespace:
-    blobs: dict[str, memoryview] = field(default_factory=dict)
+    blobs: dict[str, _Blob] = field(default_factory=dict)
     log: list[bytes] = field(default_factory=list)
     blob_bytes: int = 0
     log_bytes: int = 0
@@ -146,11 +216,19 @@ class _Namespace:
 class _Store:
     """Blobs and log records per namespace, under one memory limit (payload bytes)."""
 
-    def __init__(self, memory_limit: int) -> None:
+    def __init__(self, memory_limit: int, pool: _BufferPool) -> None:
         self.memory_limit = memory_limit
         self.used = 0
+        self.pool = pool
         self._lock = threading.Lock()
         self._spaces: dict[str, _Namespace] = {}
+
+    def _drop(self, blob: _Blob) -> None:
+        # Called under the lock. A pinned buffer is being sent: recycle it after that.
+        if blob.pins:
+            blob.dropped = True
+        else:
+            self.pool.give(blob.owner)
 
     def _space(self, ns: str) -> _Namespace:
         space = self._spaces.get(ns)
@@ -166,23 +244,44 @@ class _Store:
                 f"{self.memory_limit} bytes in use; raise --memory-limit or delete old versions",
             )
 
-    def put(self, ns: str, blob_id: str, data: memoryview, overwrite: bool) -> bool:
+    def put(
+        self, ns: str, blob_id: str, data: memoryview, overwrite: bool, owner: bytearray | None
+    ) -> bool:
+        """Store ``data`` (which points into ``owner``, if given); True if it was stored."""
         with self._lock:
             space = self._space(ns)
             old = space.blobs.get(blob_id)
             if old is not None and not overwrite:
                 return False
-            delta = data.nbytes - (old.nbytes if old is not None else 0)
+            delta = data.nbytes - (old.data.nbytes if old is not None else 0)
             self._reserve(delta, f"blob {blob_id}")
-            space.blobs[blob_id] = data
+            space.blobs[blob_id] = _Blob(data, owner)
             space.blob_bytes += delta
             self.used += delta
+            if old is not None:
+                self._drop(old)
             return True
 
-    def get(self, ns: str, blob_id: str) -> memoryview | None:
+    def size(self, ns: str, blob_id: str) -> int | None:
         with self._lock:
             space = self._spaces.get(ns)
-            return space.blobs.get(blob_id) if space else None
+            blob = space.blobs.get(blob_id) if space else None
+            return None if blob is None else blob.data.nbytes
+
+    def checkout(self, ns: str, blob_id: str) -> _Blob | None:
+        """The blob, pinned so that its buffer is not recycled until :meth:`checkin`."""
+        with self._lock:
+            space = self._spaces.get(ns)
+            blob = space.blobs.get(blob_id) if space else None
+            if blob is not None:
+                blob.pins += 1
+            return blob
+
+    def checkin(self, blob: _Blob) -> None:
+        with self._lock:
+            blob.pins -= 1
+            if blob.dropped and not blob.pins:
+                self.pool.give(blob.owner)
 
     def has(self, ns: str, ids: list[str]) -> list[str]:
         with self._lock:
@@ -196,11 +295,12 @@ class _Store:
             if space is None:
                 return 0
             for blob_id in ids:
-                data = space.blobs.pop(blob_id, None)
-                if data is not None:
+                blob = space.blobs.pop(blob_id, None)
+                if blob is not None:
                     removed += 1
-                    space.blob_bytes -= data.nbytes
-                    self.used -= data.nbytes
+                    space.blob_bytes -= blob.data.nbytes
+                    self.used -= blob.data.nbytes
+                    self._drop(blob)
         return removed
 
     def list_page(self, ns: str, after: str | None, limit: int) -> tuple[list[str], bool]:
@@ -252,6 +352,7 @@ class _Store:
             "bytes": used,
             "memory_used": used,
             "memory_limit": self.memory_limit,
+            "recycled_buffer_bytes": self.pool.bytes,
             "namespaces": spaces,
         }
 
@@ -306,6 +407,7 @@ class PeerServer:
         max_connections: int = 256,
         handshake_timeout: float = 10.0,
         frame_timeout: float = 60.0,
+        pool_limit: int | None = None,
     ) -> None:
         if memory_limit <= 0:
             raise ConfigError(f"memory limit must be positive, got {memory_limit}")
@@ -319,7 +421,8 @@ class PeerServer:
         self.max_connections = max_connections
         self._handshake_timeout = handshake_timeout
         self._frame_timeout = frame_timeout
-        self._store = _Store(memory_limit)
+        pool = _BufferPool(memory_limit // 8 if pool_limit is None else pool_limit)
+        self._store = _Store(memory_limit, pool)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}
@@ -329,7 +432,7 @@ class PeerServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._started_at = time.monotonic()
         self.address = ""
-        self._ops: dict[str, Callable[[str, dict[str, Any], memoryview | None], _Reply]] = {
+        self._ops: dict[str, Callable[[_Request], _Reply]] = {
             "ping": self._op_ping,
             "put": self._op_put,
             "put_many": self._op_put_many,
@@ -478,11 +581,11 @@ class PeerServer:
             ns = self._handshake(sock, name)
             sock.settimeout(self._frame_timeout)
             while True:
-                request = self._read_request(sock, self.max_frame, idle_ok=True)
-                if request is None:
+                frame = self._read_request(sock, self.max_frame, idle_ok=True)
+                if frame is None:
                     log.debug("%s: disconnected", name)
                     return
-                self._answer(sock, ns, *request)
+                self._answer(sock, _Request(ns, *frame))
         except _Refused as exc:
             log.error("%s: %s; closing the connection", name, exc)
             self._refuse(sock, exc)
@@ -511,8 +614,9 @@ class PeerServer:
 
     def _read_request(
         self, sock: socket.socket, limit: int, *, idle_ok: bool
-    ) -> tuple[dict[str, Any], memoryview | None] | None:
-        """One request frame, or None at a clean end of connection between frames."""
+    ) -> tuple[dict[str, Any], memoryview | None, bytearray] | None:
+        """One request frame ``(fields, data, body)``, or None at a clean end of connection
+        between frames."""
         header = memoryview(bytearray(4))
         done = 0
         while done < 4:
@@ -533,9 +637,15 @@ class PeerServer:
             raise FrameTooLarge(length, limit)
         if length == 0:
             raise ProtocolError("empty frame")
-        body = bytearray(length)
-        recv_exact(sock, memoryview(body))
-        return decode_body(body)
+        body = self._store.pool.take(length)
+        try:
+            view = memoryview(body)[:length]
+            recv_exact(sock, view)
+            fields, data = decode_body(view)
+        except BaseException:
+            self._store.pool.give(body)
+            raise
+        return fields, data, body
 
     def _handshake(self, sock: socket.socket, name: str) -> str:
         nonce = os.urandom(NONCE_BYTES)
@@ -552,7 +662,7 @@ class PeerServer:
         request = self._read_request(sock, HANDSHAKE_MAX_FRAME, idle_ok=False)
         if request is None:
             raise PeerClosed(0, 4, mid_frame=False)
-        hello, _ = request
+        hello = request[0]
         if hello.get("op") != "hello":
             raise _Refused("BadRequest", "the first request must be a hello", close=True)
         if hello.get("version") != PROTOCOL_VERSION:
@@ -590,23 +700,29 @@ class PeerServer:
         log.debug("%s: hello, namespace %r", name, ns)
         return ns
 
-    def _answer(
-        self, sock: socket.socket, ns: str, fields: dict[str, Any], data: memoryview | None
-    ) -> None:
-        op = fields.get("op")
-        if not isinstance(op, str):
-            raise _Refused("BadRequest", "a request needs a string 'op'", close=True)
-        handler = self._ops.get(op)
+    def _answer(self, sock: socket.socket, request: _Request) -> None:
+        reply: _Reply | None = None
         try:
+            op = request.fields.get("op")
+            if not isinstance(op, str):
+                raise _Refused("BadRequest", "a request needs a string 'op'", close=True)
+            handler = self._ops.get(op)
             if handler is None:
                 raise _Refused("Unsupported", f"unknown request {op!r}")
-            reply = handler(ns, fields, data)
+            reply = handler(request)
         except _Refused as exc:
             if exc.close:
                 raise
             send_frame(sock, {"ok": False, "error": exc.code, "message": exc.message, **exc.extra})
             return
-        send_frame(sock, {"ok": True, **reply.fields}, reply.data)
+        finally:
+            if reply is None or not reply.keeps_body:
+                self._store.pool.give(request.body)
+        try:
+            send_frame(sock, {"ok": True, **reply.fields}, reply.data)
+        finally:
+            if reply.done is not None:
+                reply.done()
 
     @staticmethod
     def _refuse(sock: socket.socket, exc: _Refused) -> None:
@@ -633,19 +749,22 @@ class PeerServer:
 
     # --- requests ---
 
-    def _op_ping(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+    def _op_ping(self, req: _Request) -> _Reply:
         return _Reply({})
 
-    def _op_put(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        blob_id = _blob_id(fields.get("id"))
-        payload = _require_data(data, "put").toreadonly()
-        written = self._store.put(ns, blob_id, payload, bool(fields.get("overwrite", False)))
-        return _Reply({"written": written})
+    def _op_put(self, req: _Request) -> _Reply:
+        blob_id = _blob_id(req.fields.get("id"))
+        payload = _require_data(req.data, "put")
+        # Usually the payload points into the frame buffer, which the store then keeps.
+        owner = req.body if payload.obj is req.body else None
+        overwrite = bool(req.fields.get("overwrite", False))
+        written = self._store.put(req.ns, blob_id, payload.toreadonly(), overwrite, owner)
+        return _Reply({"written": written}, keeps_body=written and owner is not None)
 
-    def _op_put_many(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        ids = _blob_ids(fields.get("ids"))
-        sizes = fields.get("sizes")
-        payload = _require_data(data, "put_many")
+    def _op_put_many(self, req: _Request) -> _Reply:
+        ids = _blob_ids(req.fields.get("ids"))
+        sizes = req.fields.get("sizes")
+        payload = _require_data(req.data, "put_many")
         if (
             not isinstance(sizes, list)
             or len(sizes) != len(ids)
@@ -656,56 +775,56 @@ class PeerServer:
         written = 0
         pos = 0
         for blob_id, size in zip(ids, sizes):
-            # Copy each small blob out so one kept blob does not pin the whole frame.
+            # Copy each small blob out so that one kept blob does not pin the whole frame.
             piece = memoryview(bytes(payload[pos : pos + size]))
             pos += size
             try:
-                written += self._store.put(ns, blob_id, piece, False)
+                written += self._store.put(req.ns, blob_id, piece, False, None)
             except _Refused as exc:
                 exc.extra["written"] = written
                 raise
         return _Reply({"written": written})
 
-    def _op_get(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        blob_id = _blob_id(fields.get("id"))
-        blob = self._store.get(ns, blob_id)
+    def _op_get(self, req: _Request) -> _Reply:
+        blob_id = _blob_id(req.fields.get("id"))
+        blob = self._store.checkout(req.ns, blob_id)
         if blob is None:
-            raise _Refused("NotFound", f"blob {blob_id} not found in namespace {ns!r}")
-        return _Reply({}, blob)
+            raise _Refused("NotFound", f"blob {blob_id} not found in namespace {req.ns!r}")
+        return _Reply({}, blob.data, done=lambda: self._store.checkin(blob))
 
-    def _op_size(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        blob_id = _blob_id(fields.get("id"))
-        blob = self._store.get(ns, blob_id)
-        if blob is None:
-            raise _Refused("NotFound", f"blob {blob_id} not found in namespace {ns!r}")
-        return _Reply({"size": blob.nbytes})
+    def _op_size(self, req: _Request) -> _Reply:
+        blob_id = _blob_id(req.fields.get("id"))
+        size = self._store.size(req.ns, blob_id)
+        if size is None:
+            raise _Refused("NotFound", f"blob {blob_id} not found in namespace {req.ns!r}")
+        return _Reply({"size": size})
 
-    def _op_has(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        return _Reply({"ids": self._store.has(ns, _blob_ids(fields.get("ids")))})
+    def _op_has(self, req: _Request) -> _Reply:
+        return _Reply({"ids": self._store.has(req.ns, _blob_ids(req.fields.get("ids")))})
 
-    def _op_delete(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        return _Reply({"removed": self._store.delete(ns, _blob_ids(fields.get("ids")))})
+    def _op_delete(self, req: _Request) -> _Reply:
+        return _Reply({"removed": self._store.delete(req.ns, _blob_ids(req.fields.get("ids")))})
 
-    def _op_list(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        after = fields.get("after")
+    def _op_list(self, req: _Request) -> _Reply:
+        after = req.fields.get("after")
         if after is not None and not isinstance(after, str):
             raise _Refused("BadRequest", "'after' must be a string", close=True)
         # A page of ids (about 67 bytes each in msgpack) must fit in one reply frame.
         page_max = min(_MAX_LIST_PAGE, self.max_frame // 80)
-        limit = min(_int_arg(fields, "limit", page_max), page_max)
-        ids, more = self._store.list_page(ns, after, max(limit, 1))
+        limit = min(_int_arg(req.fields, "limit", page_max), page_max)
+        ids, more = self._store.list_page(req.ns, after, max(limit, 1))
         return _Reply({"ids": ids, "more": more})
 
-    def _op_append(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        record = bytes(_require_data(data, "append"))
-        return _Reply({"index": self._store.append(ns, record)})
+    def _op_append(self, req: _Request) -> _Reply:
+        record = bytes(_require_data(req.data, "append"))
+        return _Reply({"index": self._store.append(req.ns, record)})
 
-    def _op_read_log(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
-        start = _int_arg(fields, "start", 0)
-        records, more = self._store.read_log(ns, start, self.max_frame // 2)
+    def _op_read_log(self, req: _Request) -> _Reply:
+        start = _int_arg(req.fields, "start", 0)
+        records, more = self._store.read_log(req.ns, start, self.max_frame // 2)
         return _Reply({"records": records, "next": start + len(records), "more": more})
 
-    def _op_stats(self, ns: str, fields: dict[str, Any], data: memoryview | None) -> _Reply:
+    def _op_stats(self, req: _Request) -> _Reply:
         return _Reply({"stats": self.stats()})
 
 
