@@ -45,8 +45,14 @@ def migrate_shard(
     zstd_level: int,
     base_manifest_id: str | None = None,
     commit: bool = True,
+    only: set[str] | None = None,
 ) -> MigrationResult:
-    """Copy rank ``rank``'s shard of ``info`` into ``target``; record prepare (and commit)."""
+    """Copy rank ``rank``'s shard of ``info`` into ``target``; record prepare (and commit).
+
+    ``only`` limits the chunks copied (on a shared tier the others are other ranks' to
+    write, see :func:`tiercheck.cluster.owned_chunks`); ``commit=False`` leaves the commit
+    record to the coordinator rank.
+    """
     t0 = time.perf_counter()
     tier = target.tier
     assert tier is not None and target.policy is not None
@@ -57,7 +63,7 @@ def migrate_shard(
     for i, ref in enumerate(manifest.chunks):
         first.setdefault(ref.id, i)
     present = tier.has([*first, manifest_id])
-    missing = [c for c in first if c not in present]
+    missing = [c for c in first if c not in present and (only is None or c in only)]
     codec = target.policy.codec
     base_chunks = None
     if codec == "delta" and info.role == "diff" and base_manifest_id is not None:

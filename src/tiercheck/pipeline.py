@@ -121,12 +121,14 @@ def place_shard(
     base_chunks: Sequence[ChunkRef] | None,
     base_lookup: BaseLookup | None,
     zstd_level: int,
+    only: set[str] | None = None,
     clock: Callable[[], float] = time.time,
 ) -> PlaceResult:
     """Write the chunks ``slot`` lacks, then the manifest, then the prepare record.
 
     ``base_chunks`` (the base version's chunks, same layout) enables delta encoding for a
-    diff version on a tier whose codec is ``delta``.
+    diff version on a tier whose codec is ``delta``. ``only`` limits the chunks this call
+    writes (cross-rank dedup on a shared tier: the other chunks are other ranks' to write).
     """
     t0 = time.perf_counter()
     tier = slot.tier
@@ -138,7 +140,7 @@ def place_shard(
         for i, ref in enumerate(manifest.chunks):
             first.setdefault(ref.id, i)
         present = tier.has([*first, manifest_id])
-        missing = [cid for cid in first if cid not in present]
+        missing = [cid for cid in first if cid not in present and (only is None or cid in only)]
 
         def encode(index: int) -> tuple[str, bytes, str | None]:
             ref = manifest.chunks[index]
