@@ -36,6 +36,7 @@ from tiercheck.config import (
 )
 from tiercheck.entries import Leaf, encode_scalar, flatten
 from tiercheck.errors import (
+    BlobCorrupt,
     CheckpointError,
     CommitAborted,
     ConfigError,
@@ -46,10 +47,16 @@ from tiercheck.errors import (
     TierUnavailable,
 )
 from tiercheck.fetch import ChunkFetcher, FetchStats
-from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
+from tiercheck.formats.manifest import AbortRecord, ChunkRef, CommitRecord, Role, VersionInfo
 from tiercheck.history import Diff, Version, VersionSummary, build_history, open_version
 from tiercheck.history import diff as diff_versions
-from tiercheck.manifest_log import Catalog, TierLog, append_record, read_catalog
+from tiercheck.manifest_log import (
+    Catalog,
+    TierLog,
+    append_record,
+    read_catalog,
+    read_tier_log,
+)
 from tiercheck.migration import migrate_shard
 from tiercheck.pipeline import build_manifest, commit_on, hash_stream, place_shard
 from tiercheck.placement import Policy
@@ -286,6 +293,8 @@ class Checkpointer:
         )
         self._pending_migrations: list[tuple[VersionInfo, str, SaveHandle | None]] = []
         self._pinned: dict[int, int] = {}
+        self._owned: dict[int, set[str] | None] = {}
+        self.coordinator_timeout = 300.0
         self._migrator: threading.Thread | None = None
         if not read_only:
             self._migrator = threading.Thread(
@@ -487,6 +496,15 @@ class Checkpointer:
             if job.role == "diff" and self._last_base is not None:
                 base_chunks = self._last_base[2]
             fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
+            owned: set[str] | None = None
+            if self.world_size > 1:
+                # cross-rank dedup: ids only; each unique chunk gets one writer for shared tiers
+                sizes: dict[str, int] = {}
+                for ref in chunks:
+                    sizes.setdefault(ref.id, ref.length)
+                owned = self.coordinator.assign_chunks(list(sizes.items()))
+            with self._meta:
+                self._owned[job.version] = owned
 
             def base_lookup(cid: str) -> bytes:
                 return bytes(fetcher.fetch(cid)[0])
@@ -507,6 +525,7 @@ class Checkpointer:
                     base_chunks=base_chunks,
                     base_lookup=base_lookup,
                     zstd_level=self.policy.zstd_level,
+                    only=owned if slot.tier is not None and slot.tier.capabilities.shared else None,
                 )
                 for slot in sync
             ]
@@ -554,9 +573,22 @@ class Checkpointer:
             logical_bytes=job.layout.stream_bytes,
             metadata=job.metadata,
         )
-        errors = list(self._tier_pool.map(lambda s: commit_on(s, info), prepared_slots))
-        committed = []
-        for slot, error in zip(prepared_slots, errors):
+        writers = []
+        for slot in prepared_slots:
+            assert slot.tier is not None
+            if slot.tier.capabilities.shared and slot.name not in decision.shared_tiers:
+                handle._set_tier(slot.name, "failed", "not every rank prepared in this tier")
+            elif slot.tier.capabilities.shared and self.rank != 0:
+                handle._set_tier(slot.name, "committed")  # rank 0 records it for all
+            else:
+                writers.append(slot)
+        errors = list(self._tier_pool.map(lambda s: commit_on(s, info), writers))
+        committed = [
+            s
+            for s in prepared_slots
+            if s not in writers and s.name in decision.shared_tiers and self.rank != 0
+        ]
+        for slot, error in zip(writers, errors):
             if error is None:
                 committed.append(slot)
                 handle._set_tier(slot.name, "committed")
@@ -674,6 +706,10 @@ class Checkpointer:
         sources += [s for s in self.tierset.by_speed() if s not in sources and s is not slot]
         fetcher = ChunkFetcher(sources, repair=True, zstd_level=self.policy.zstd_level)
         base_mid = base_info.shards[self.rank] if base_info is not None else None
+        assert slot.tier is not None
+        shared = slot.tier.capabilities.shared and self.world_size > 1
+        with self._meta:
+            owned = self._owned.get(info.id) if shared else None
         migrate_shard(
             info,
             self.rank,
@@ -683,7 +719,32 @@ class Checkpointer:
             self._pool,
             zstd_level=self.policy.zstd_level,
             base_manifest_id=base_mid,
+            commit=not shared,
+            only=owned,
         )
+        if shared and self.rank == 0:
+            self._commit_shared(info, slot)
+
+    def _commit_shared(self, info: VersionInfo, slot: TierSlot) -> None:
+        """Record the commit of ``info`` in a shared tier once every rank's prepare record
+        is there (each rank migrates its own shard, writing only the chunks it owns)."""
+        assert slot.tier is not None
+        deadline = time.monotonic() + self.coordinator_timeout
+        delay = 0.01
+        while True:
+            tl = read_tier_log(slot.name, slot.tier)
+            ranks = set(tl.prepared.get(info.id, {}))
+            if ranks >= set(range(self.world_size)):
+                break
+            if time.monotonic() > deadline:
+                raise TierUnavailable(
+                    f"ranks {sorted(set(range(self.world_size)) - ranks)} did not migrate their "
+                    f"shard of version {info.id} in time",
+                    url=slot.tier.url,
+                )
+            time.sleep(delay)  # polling a remote log: back off, bounded by the deadline
+            delay = min(delay * 2, 1.0)
+        append_record(slot.tier, CommitRecord(info))
 
     def retry_migrations(self) -> int:
         """Queue again the migrations postponed because their tier was unreachable."""
@@ -718,6 +779,8 @@ class Checkpointer:
             tl = logs.get(slot.name)
             if tl is None or slot.policy is None:
                 continue
+            if slot.tier is not None and slot.tier.capabilities.shared and self.rank != 0:
+                continue  # one rank manages a tier all ranks share
             try:
                 drops = plan_drops(tl, slot.policy, pinned)
                 if drops:
@@ -793,30 +856,47 @@ class Checkpointer:
                 raise ConfigError(f"unknown tier names {sorted(unknown)}")
             catalog = Catalog({n: tl for n, tl in catalog.logs.items() if n in tiers}, {})
         explicit = version is not None or step is not None
-        first = choose_version(catalog, version=version, step=step)
-        candidates = (
-            [first]
-            if explicit
-            else [
-                catalog.versions[v]
-                for v in sorted(catalog.restorable_versions(), reverse=True)
-                if v <= first.id
-            ]
-        )
         last_error: Exception | None = None
-        for info in candidates:
+        if explicit:
             try:
-                return self._restore_version(catalog, info, state, strict, repair, t0)
-            except (NotFound, TierUnavailable) as exc:
+                candidates = [choose_version(catalog, version=version, step=step).id]
+            except NoRestorableVersion as exc:
+                candidates, last_error = [], exc
+        else:
+            candidates = sorted(catalog.restorable_versions(), reverse=True)
+        # Every rank takes part in each round, so that all agree on one version: the newest
+        # that every rank can restore; if any rank then fails to read it, all try older.
+        while True:
+            vid = self.coordinator.agree_restorable(candidates)
+            if vid is None:
+                if isinstance(last_error, NoRestorableVersion) and self.world_size == 1:
+                    raise last_error
+                raise NoRestorableVersion(
+                    "no version can be restored"
+                    + (" by every rank" if self.world_size > 1 else "")
+                    + (f" (last error: {last_error})" if last_error else "")
+                )
+            result: RestoreInfo | None = None
+            fatal: TiercheckError | None = None
+            try:
+                result = self._restore_version(
+                    catalog, catalog.versions[vid], state, strict, repair, t0
+                )
+            except (NotFound, TierUnavailable, BlobCorrupt) as exc:
                 last_error = exc
             except TiercheckError as exc:
-                if type(exc).__name__ != "BlobCorrupt":
-                    raise
-                last_error = exc
+                last_error = fatal = exc
+            if self.coordinator.all_true(result is not None):
+                assert result is not None
+                return result
+            if fatal is not None:
+                raise fatal
+            if explicit:
+                raise NoRestorableVersion(f"version {vid} could not be restored: {last_error}")
             log.warning(
-                "version %d could not be restored (%s); trying an older one", info.id, last_error
+                "version %d could not be restored (%s); trying an older one", vid, last_error
             )
-        raise NoRestorableVersion(f"no version could be restored; last error: {last_error}")
+            candidates = [c for c in candidates if c < vid]
 
     def _restore_version(
         self,
