@@ -34,7 +34,6 @@ from tiercheck.backends.base import (
     check_blob_id,
     invalid_url,
 )
-
 from tiercheck.errors import (
     ConfigError,
     NotFound,
@@ -177,7 +176,7 @@ class PeerTier(Tier):
             return NotFound(message, url=self.url, key=key)
         if code == "TierFull":
             return TierFull(message, url=self.url, key=key)
-        if code in ("Busy", "ShuttingDown"):
+        if code == "Busy":
             return TierUnavailable(message, url=self.url, key=key)
         if code == "Unsupported":
             return NotSupported(message, url=self.url, key=key)

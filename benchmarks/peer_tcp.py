@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+
 from tiercheck.backends._peer import PeerTier
 from tiercheck.backends.registry import open_tier
 
@@ -42,7 +43,8 @@ TOKEN = b"benchmark-token"
 
 _RECEIVER = r"""
 import socket, sys
-fresh, size, count, runs = sys.argv[1] == "fresh", int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+fresh = sys.argv[1] == "fresh"
+size, count, runs = (int(a) for a in sys.argv[2:5])
 listener = socket.socket()
 listener.bind(("127.0.0.1", 0))
 listener.listen(1)

@@ -20,6 +20,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tiercheck.backends._peer import PeerTier
 from tiercheck.backends._peer_protocol import (
     HANDSHAKE_MAX_FRAME,
@@ -32,7 +33,6 @@ from tiercheck.backends._peer_protocol import (
 )
 from tiercheck.backends.base import FailureDomain, Tier
 from tiercheck.backends.registry import open_tier
-
 from tiercheck.errors import (
     ConfigError,
     InvalidURL,
@@ -262,7 +262,7 @@ def test_missing_token_rejected_before_sending(daemon: Daemon) -> None:
 
 
 def test_raw_wrong_mac_gets_auth_error_frame(daemon: Daemon) -> None:
-    sock, nonce = _raw_connect(daemon)
+    sock, _ = _raw_connect(daemon)
     send_frame(
         sock,
         {"op": "hello", "version": PROTOCOL_VERSION, "namespace": "x", "mac": b"\0" * 32},
