@@ -1,0 +1,8 @@
+"""``python -m tiercheck``: the ``tiercheck`` command line."""
+
+import sys
+
+from tiercheck.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,960 @@
+"""The ``tiercheck`` command line (also ``python -m tiercheck``).
+
+Commands: ``ls``, ``show``, ``diff``, ``verify``, ``gc``, ``export``, ``migrate`` and
+``peer serve`` / ``peer status``. Every command takes ``--json`` for scripts (stable keys,
+one JSON document on stdout). Long commands draw a progress bar on stderr when it is a
+terminal and stay quiet otherwise. Exit status: 0 ok, 1 problems found (or an operation
+failed), 2 usage errors (bad arguments, store root, version, tier or output path), each
+reported as one line on stderr.
+
+Commands that only read open the store read-only (no writer lock), so they work next to a
+running trainer; ``verify --repair``, ``gc`` (without ``--dry-run``) and ``migrate`` to one
+of the store's own tiers take the writer lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tiercheck import history
+from tiercheck.config import CONFIG_NAME
+from tiercheck.errors import (
+    ConfigError,
+    FormatVersionError,
+    InvalidURL,
+    NoRestorableVersion,
+    StoreLocked,
+    TiercheckError,
+)
+
+__all__ = [
+    "UsageError",
+    "absolute_time",
+    "build_parser",
+    "emit_json",
+    "human_size",
+    "main",
+    "relative_time",
+]
+
+PROG = "tiercheck"
+EXPORT_SUFFIXES = (".safetensors", ".pt", ".pth")
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line on stderr, exit status 2."""
+
+
+# --- formatting helpers -----------------------------------------------------------------
+
+
+def human_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    x = float(n)
+    for unit in units:
+        if abs(x) < 1024 or unit == units[-1]:
+            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    raise AssertionError("unreachable")
+
+
+def relative_time(t: float, now: float | None = None) -> str:
+    """``"3m ago"``, ``"2h ago"``, ``"5d ago"`` (``"in 2m"`` for a clock ahead of ours)."""
+    delta = (time.time() if now is None else now) - t
+    ahead = delta < 0
+    delta = abs(delta)
+    for size, unit in ((86400 * 365, "y"), (86400, "d"), (3600, "h"), (60, "m"), (1, "s")):
+        if delta >= size:
+            text = f"{int(delta // size)}{unit}"
+            break
+    else:
+        return "just now"
+    return f"in {text}" if ahead else f"{text} ago"
+
+
+def absolute_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return bytes(obj).hex()
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if hasattr(obj, "item"):  # NumPy scalars in metadata
+        return obj.item()
+    return repr(obj)
+
+
+def _clean_floats(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _clean_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean_floats(v) for v in obj]
+    return obj
+
+
+def emit_json(obj: Any) -> None:
+    """Print ``obj`` as JSON (non-finite floats as strings, bytes as hex)."""
+    text = json.dumps(_clean_floats(obj), indent=2, default=_json_default, allow_nan=False)
+    sys.stdout.write(text + "\n")
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, description: str) -> Iterator[history.Progress | None]:
+    """A ``progress(done, total)`` callback drawing a rich bar on stderr, or None."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+# --- opening stores and versions --------------------------------------------------------
+
+
+def open_store(root: str, *, write: bool = False) -> Any:
+    """Open the store at ``root`` (read-only unless ``write``); UsageError if it is not one."""
+    from tiercheck.checkpointer import Checkpointer
+
+    path = Path(root).expanduser()
+    if not path.exists():
+        raise UsageError(f"{root}: no such store root")
+    if not path.is_dir():
+        raise UsageError(f"{root}: not a directory")
+    if not (path / CONFIG_NAME).is_file():
+        raise UsageError(f"{root}: not a tiercheck store (no {CONFIG_NAME})")
+    try:
+        return Checkpointer(path, read_only=not write)
+    except StoreLocked as exc:
+        raise UsageError(str(exc)) from None
+    except (ConfigError, InvalidURL, FormatVersionError) as exc:
+        raise UsageError(f"{root}: {exc}") from None
+
+
+def pick_version(ckpt: Any, spec: str, rank: int | None = None) -> history.Version:
+    """The version ``spec`` names (id, ``latest``, ``step:N``); UsageError if none."""
+    try:
+        history.parse_version_spec(spec)
+        return ckpt.version(spec, rank=rank)  # type: ignore[no-any-return]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except NoRestorableVersion as exc:
+        raise UsageError(f"{ckpt.root}: {exc}") from None
+
+
+def _tier_names(ckpt: Any, wanted: Sequence[str] | None) -> list[str] | None:
+    if not wanted:
+        return None
+    names = []
+    for w in wanted:
+        for slot in ckpt.tierset.slots:
+            if w in (slot.name, slot.spec.url):
+                names.append(slot.name)
+                break
+        else:
+            known = ", ".join(s.name for s in ckpt.tierset.slots)
+            raise UsageError(f"{w}: not a tier of this store (tiers: {known})")
+    return names
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+def _tiers_json(ckpt: Any) -> list[dict[str, Any]]:
+    out = []
+    for slot in ckpt.tierset.slots:
+        pol = slot.policy
+        out.append(
+            {
+                "name": slot.name,
+                "url": slot.spec.url,
+                "available": slot.tier is not None,
+                "error": slot.error,
+                "speed_rank": slot.speed_rank if slot.tier is not None else None,
+                "survives": slot.tier.capabilities.survives.value if slot.tier else None,
+                "policy": None
+                if pol is None
+                else {
+                    "versions": pol.versions,
+                    "mode": pol.mode,
+                    "codec": pol.codec,
+                    "keep_bases": pol.keep_bases,
+                    "keep_diffs": pol.keep_diffs,
+                },
+            }
+        )
+    return out
+
+
+_STATE_STYLE = {
+    "committed": "green",
+    "migrating": "yellow",
+    "missing": "dim",
+    "dropped": "dim",
+    "unreachable": "red",
+}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with contextlib.closing(open_store(args.root)) as ckpt:
+        versions = ckpt.history()
+        if args.limit is not None:
+            versions = versions[-args.limit :] if args.limit > 0 else []
+        if args.json:
+            emit_json(
+                {
+                    "root": str(ckpt.root),
+                    "tiers": _tiers_json(ckpt),
+                    "versions": [v.to_json() for v in versions],
+                }
+            )
+            return 0
+        from rich.table import Table
+
+        names = [s.name for s in ckpt.tierset.slots]
+        table = Table(title=f"{ckpt.root}", title_justify="left")
+        for col, justify in (
+            ("version", "right"),
+            ("step", "right"),
+            ("role", "left"),
+            ("time", "left"),
+            ("size", "right"),
+            ("stored", "right"),
+        ):
+            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for n in names:
+            table.add_column(n)
+        now = time.time()
+        for v in versions:
+            role = v.role if v.base is None else f"{v.role} of {v.base}"
+            mark = "" if v.restorable else " [red](not restorable)[/red]"
+            cells = [
+                f"[{_STATE_STYLE.get(v.tiers[n], '')}]{v.tiers[n]}[/]" if v.tiers[n] else ""
+                for n in names
+            ]
+            table.add_row(
+                f"{v.id}{mark}",
+                str(v.step),
+                role,
+                f"{absolute_time(v.time)} ({relative_time(v.time, now)})",
+                human_size(v.logical_bytes),
+                human_size(v.stored_bytes),
+                *cells,
+            )
+        console = _console()
+        console.print(table)
+        down = [s for s in ckpt.tierset.slots if s.tier is None]
+        for s in down:
+            console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
+        if not versions:
+            console.print("no committed versions")
+    return 0
+
+
+def _show_data(v: history.Version) -> dict[str, Any]:
+    m = v.manifest
+    ids = [c.id for c in m.chunks]
+    lengths: dict[str, int] = {}
+    for c in m.chunks:
+        lengths.setdefault(c.id, c.length)
+    unique_bytes = sum(lengths.values())
+    base_info: dict[str, Any] | None = None
+    if v.base is not None:
+        try:
+            base = v.base_version
+            assert base is not None
+            base_ids = [c.id for c in base.manifest.chunks]
+            same_pos = sum(1 for a, b in zip(ids, base_ids) if a == b)
+            base_set = set(base_ids)
+            shared = sum(1 for c in set(ids) if c in base_set)
+            base_info = {
+                "id": base.id,
+                "chunks_unchanged": same_pos,
+                "chunks_changed": len(ids) - same_pos,
+                "changed_fraction": (len(ids) - same_pos) / len(ids) if ids else 0.0,
+                "unique_chunks_shared": shared,
+            }
+        except (TiercheckError, KeyError) as exc:
+            base_info = {"id": v.base, "error": str(exc)}
+    catalog = v._require_store().refresh()
+    tiers: dict[str, Any] = {}
+    chunk_set = set(ids)
+    for name, state in v.tiers.items():
+        tl = catalog.logs.get(name)
+        row: dict[str, Any] = {"state": state}
+        if tl is not None and v.id in tl.prepared:
+            recs = tl.prepared[v.id].values()
+            written = sum(r.bytes_written for r in recs)
+            row.update(
+                chunks_written=sum(r.chunks_written for r in recs),
+                bytes_written=written,
+                stored_ratio=written / v.logical_bytes if v.logical_bytes else None,
+                delta_chunks=sum(1 for c in chunk_set if c in tl.deltas),
+            )
+        tiers[name] = row
+    return {
+        **v.to_json(),
+        "rank": v.rank,
+        "chunk_size": m.chunk_size,
+        "chunks": {
+            "total": len(ids),
+            "unique": len(lengths),
+            "unique_bytes": unique_bytes,
+            "dedup_ratio": m.stream_bytes / unique_bytes if unique_bytes else None,
+        },
+        "base_delta": base_info,
+        "tier_detail": tiers,
+        "entries": [e.to_json() for e in v.entries.values()],
+    }
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with contextlib.closing(open_store(args.root)) as ckpt:
+        v = pick_version(ckpt, args.version, args.rank)
+        data = _show_data(v)
+        if args.json:
+            emit_json(data)
+            return 0
+        from rich.table import Table
+
+        console = _console()
+        role = v.role if v.base is None else f"diff of version {v.base}"
+        console.print(f"[bold]version {v.id}[/bold]  step {v.step}  {role}")
+        console.print(f"time      {absolute_time(v.time)} ({relative_time(v.time)})")
+        console.print(
+            f"size      {human_size(v.logical_bytes)} logical, "
+            f"{human_size(v.stored_bytes)} stored in its tiers"
+        )
+        console.print(f"shards    {v.world_size} (showing rank {v.rank})")
+        console.print(f"restorable {'yes' if v.restorable else '[red]no[/red]'}")
+        ch = data["chunks"]
+        console.print(
+            f"chunks    {ch['total']} of {human_size(data['chunk_size'])}, {ch['unique']} unique "
+            f"({human_size(ch['unique_bytes'])}), dedup ratio {_ratio(ch['dedup_ratio'])}"
+        )
+        bd = data["base_delta"]
+        if bd is not None and "error" not in bd:
+            console.print(
+                f"vs base   {bd['chunks_changed']} of {ch['total']} chunks changed "
+                f"(delta ratio {_ratio(bd['changed_fraction'])})"
+            )
+        elif bd is not None:
+            console.print(f"vs base   base {bd['id']} unreadable: {bd['error']}")
+        if v.metadata:
+            console.print("metadata  " + json.dumps(dict(v.metadata), default=_json_default))
+        tt = Table(title="tiers", title_justify="left")
+        for col in ("tier", "state", "chunks written", "bytes written", "stored/logical", "delta"):
+            tt.add_column(col)
+        for name, row in data["tier_detail"].items():
+            tt.add_row(
+                name,
+                f"[{_STATE_STYLE.get(row['state'], '')}]{row['state']}[/]",
+                str(row.get("chunks_written", "-")),
+                human_size(row["bytes_written"]) if "bytes_written" in row else "-",
+                _ratio(row.get("stored_ratio")),
+                str(row.get("delta_chunks", "-")),
+            )
+        console.print(tt)
+        et = Table(title=f"entries ({len(data['entries'])})", title_justify="left")
+        for col in ("key", "kind", "dtype", "shape", "size", "chunks"):
+            et.add_column(col, justify="right" if col in ("size", "chunks") else "left")
+        for e in data["entries"]:
+            et.add_row(
+                e["key"],
+                e["kind"],
+                e["dtype"] or "-",
+                "x".join(map(str, e["shape"])) if e["kind"] in ("tensor", "ndarray") else "-",
+                human_size(e["size"]),
+                str(e["chunks"]),
+            )
+        console.print(et)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    with contextlib.closing(open_store(args.root)) as ckpt:
+        va = pick_version(ckpt, args.a, args.rank)
+        vb = pick_version(ckpt, args.b, args.rank)
+        d = history.diff(va, vb)
+        if args.json:
+            emit_json(d.to_json())
+            return 0
+        from rich.table import Table
+
+        console = _console()
+        console.print(
+            f"version {d.a} -> {d.b}: {len(d.changed)} changed, {len(d.added)} added, "
+            f"{len(d.removed)} removed, {len(d.unchanged)} unchanged "
+            f"({d.unchanged_by_id} decided by chunk id without reading data)"
+        )
+        if d.changed:
+            t = Table(title="changed", title_justify="left")
+            for col in ("key", "what", "max |b-a|", "rel L2"):
+                t.add_column(col)
+            for c in d.changed:
+                what = (
+                    c.reason
+                    if c.reason == "data"
+                    else f"{c.reason}: {_describe(c.a)} -> {_describe(c.b)}"
+                )
+                t.add_row(c.key, what, _ratio(c.max_abs_diff), _ratio(c.rel_l2))
+            console.print(t)
+        for title, items in (("added", d.added), ("removed", d.removed)):
+            if items:
+                t = Table(title=title, title_justify="left")
+                for col in ("key", "kind", "dtype", "shape", "size"):
+                    t.add_column(col)
+                for e in items:
+                    t.add_row(e.key, e.kind, e.dtype or "-", str(list(e.shape)), human_size(e.size))
+                console.print(t)
+        if args.unchanged and d.unchanged:
+            console.print("unchanged: " + ", ".join(d.unchanged))
+    return 0
+
+
+def _describe(e: history.EntryInfo) -> str:
+    if e.kind in ("tensor", "ndarray"):
+        return f"{e.kind} {e.dtype} {list(e.shape)}"
+    return e.kind
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    with contextlib.closing(open_store(args.root, write=args.repair)) as ckpt:
+        tiers = _tier_names(ckpt, args.tier)
+        with progress_bar(not args.json, "verifying") as progress:
+            report = history.verify(ckpt, tiers=tiers, repair=args.repair, progress=progress)
+        if args.json:
+            emit_json(report.to_json())
+        else:
+            from rich.table import Table
+
+            console = _console()
+            t = Table(title="verify", title_justify="left")
+            for col in ("tier", "versions", "blobs", "bytes", "problems"):
+                t.add_column(col)
+            for tv in report.tiers:
+                n = sum(1 for p in report.problems if p.tier == tv.tier and not p.repaired)
+                t.add_row(
+                    tv.tier,
+                    str(tv.versions),
+                    str(tv.blobs),
+                    human_size(tv.bytes),
+                    ("[red]" if n else "[green]") + str(n) + "[/]"
+                    if tv.reachable
+                    else "[red]unreachable[/red]",
+                )
+            console.print(t)
+            for p in report.problems:
+                status = "[green]repaired[/green]" if p.repaired else "[red]" + p.kind + "[/red]"
+                where = f" (versions {', '.join(map(str, p.versions))})" if p.versions else ""
+                console.print(f"{p.tier} {p.id or '-'}: {status}{where}: {p.detail}")
+            if report.ok:
+                console.print(
+                    "all blobs intact"
+                    + (f" ({report.repaired} repaired)" if report.repaired else "")
+                )
+            elif not args.repair:
+                console.print("problems found; run again with --repair to fix them")
+        return 0 if report.ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    with contextlib.closing(open_store(args.root, write=not args.dry_run)) as ckpt:
+        with progress_bar(not args.json, "collecting") as progress:
+            if progress is not None:
+                progress(0, 1)
+            reports = history.collect(ckpt, dry_run=args.dry_run, grace=args.grace)
+            if progress is not None:
+                progress(1, 1)
+        rows: list[dict[str, Any]] = [
+            {
+                "tier": r.tier,
+                "kept": r.kept,
+                "unreferenced": r.unreferenced,
+                "deleted": r.deleted,
+                "would_delete": len(r.deleted_ids) if args.dry_run else 0,
+                "waiting": r.waiting,
+            }
+            for r in reports
+        ]
+        if args.json:
+            emit_json({"dry_run": args.dry_run, "tiers": rows})
+            return 0
+        from rich.table import Table
+
+        t = Table(title="gc (dry run)" if args.dry_run else "gc", title_justify="left")
+        cols = ["tier", "kept", "unreferenced", "would delete" if args.dry_run else "deleted"]
+        for col in [*cols, "in grace period"]:
+            t.add_column(col)
+        for r in rows:
+            gone = r["would_delete"] if args.dry_run else r["deleted"]
+            t.add_row(
+                r["tier"], str(r["kept"]), str(r["unreferenced"]), str(gone), str(r["waiting"])
+            )
+        console = _console()
+        console.print(t)
+        if any(r["waiting"] for r in rows):
+            console.print(
+                "blobs in their grace period are kept (the clock starts when this process "
+                "first sees them); pass --grace 0 to delete them now if nothing is saving"
+            )
+    return 0
+
+
+def _check_output(out: str, force: bool) -> Path:
+    path = Path(out).expanduser()
+    if path.suffix.lower() not in EXPORT_SUFFIXES:
+        raise UsageError(f"{out}: the output must end in .safetensors, .pt or .pth")
+    if path.is_dir():
+        raise UsageError(f"{out}: is a directory")
+    if not path.parent.is_dir():
+        raise UsageError(f"{out}: directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"{out}: directory {path.parent} is not writable")
+    if path.exists() and not force:
+        raise UsageError(f"{out}: exists (pass --force to overwrite)")
+    return path
+
+
+def _weights_only_safe(value: Any) -> Any:
+    """Plain Python containers and scalars that ``torch.load(weights_only=True)`` accepts."""
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _weights_only_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_weights_only_safe(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_weights_only_safe(v) for v in value)
+    return value
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    out = _check_output(args.out, args.force)
+    fmt = "safetensors" if out.suffix.lower() == ".safetensors" else "torch"
+    with contextlib.closing(open_store(args.root)) as ckpt:
+        v = pick_version(ckpt, args.version, args.rank)
+        prefix = args.only or ""
+        keys = [k for k in v.entries if k.startswith(prefix)]
+        if not keys:
+            raise UsageError(f"version {v.id} has no entry whose key starts with {prefix!r}")
+        skipped: list[str] = []
+        wanted = []
+        for k in keys:
+            e = v.entries[k]
+            if e.kind == "pickle" or (fmt == "safetensors" and e.kind not in ("tensor", "ndarray")):
+                skipped.append(k)
+            else:
+                wanted.append(k)
+        total = sum(v.entries[k].size for k in wanted)
+        values: dict[str, Any] = {}
+        with progress_bar(not args.json, "reading") as progress:
+            done = 0
+            batch: list[str] = []
+            size = 0
+            for i, k in enumerate(wanted):
+                batch.append(k)
+                size += v.entries[k].size
+                if size >= (64 << 20) or i == len(wanted) - 1:
+                    values.update(v.read(batch))
+                    done += size
+                    batch, size = [], 0
+                    if progress is not None:
+                        progress(done, total)
+
+        def name(k: str) -> str:
+            return k if args.keep_prefix or not prefix else k[len(prefix) :] or k
+
+        obj: dict[str, Any] = {}
+        for k in wanted:
+            value = values[k]
+            if isinstance(value, np.ndarray):
+                value = torch.from_numpy(np.ascontiguousarray(value))
+            obj[name(k)] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
+        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+        try:
+            if fmt == "safetensors":
+                from safetensors.torch import save_file
+
+                meta = {
+                    "tiercheck.version": str(v.id),
+                    "tiercheck.step": str(v.step),
+                    "tiercheck.metadata": json.dumps(dict(v.metadata), default=_json_default),
+                }
+                save_file(obj, str(tmp), metadata=meta)
+            else:
+                torch.save(obj, tmp)
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        result: dict[str, Any] = {
+            "version": v.id,
+            "step": v.step,
+            "out": str(out),
+            "format": fmt,
+            "entries": len(obj),
+            "bytes": out.stat().st_size,
+            "skipped": skipped,
+        }
+        if args.json:
+            emit_json(result)
+        else:
+            console = _console()
+            console.print(
+                f"exported {len(obj)} entries of version {v.id} (step {v.step}) to {out} "
+                f"({human_size(result['bytes'])})"
+            )
+            if skipped:
+                why = "not tensors" if fmt == "safetensors" else "stored with pickle"
+                console.print(f"skipped {len(skipped)} entries ({why}): " + ", ".join(skipped))
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    with contextlib.closing(open_store(args.root)) as probe:
+        configured = any(args.to in (s.name, s.spec.url) for s in probe.tierset.slots)
+    with contextlib.closing(open_store(args.root, write=configured)) as ckpt:
+        v = pick_version(ckpt, args.version)
+        try:
+            with progress_bar(not args.json, "migrating") as progress:
+                report = history.migrate(ckpt, v, args.to, progress=progress)
+        except InvalidURL as exc:
+            raise UsageError(str(exc)) from None
+        if args.json:
+            emit_json(report.to_json())
+        else:
+            console = _console()
+            if report.versions:
+                console.print(
+                    f"copied versions {', '.join(map(str, report.versions))} to {report.url}: "
+                    f"{report.chunks_written} chunks, {human_size(report.bytes_written)} "
+                    f"in {report.seconds:.2f}s"
+                )
+            if report.already:
+                console.print(
+                    f"{report.url} already held versions {', '.join(map(str, report.already))}"
+                )
+            if not report.configured:
+                console.print(
+                    f"{report.url} is not a tier of this store: it now holds a self-contained "
+                    "copy; open it with Checkpointer(root, tiers=[url]) to restore from it"
+                )
+    return 0
+
+
+def cmd_peer_serve(args: argparse.Namespace) -> int:
+    from tiercheck import peer_server
+    from tiercheck.backends._peer_protocol import load_token_file, token_from_env
+
+    if not args.json:
+        return peer_server.run_serve(args)
+    logging.basicConfig(level=str(args.log_level).upper(), stream=sys.stderr)
+    try:
+        token = load_token_file(args.token_file) if args.token_file else token_from_env()
+        peer_server.serve(
+            args.listen,
+            memory_limit=args.memory_limit,
+            token=None if args.insecure_no_auth and not args.token_file else token,
+            max_frame=args.max_frame,
+            insecure_no_auth=args.insecure_no_auth,
+            max_connections=args.max_connections,
+            announce=lambda address: print(json.dumps({"listening": address}), flush=True),
+        )
+    except (ConfigError, ValueError, OSError) as exc:
+        raise UsageError(f"peer serve: {exc}") from None
+    return 0
+
+
+def cmd_peer_status(args: argparse.Namespace) -> int:
+    from tiercheck import peer_server
+
+    try:
+        stats = peer_server.peer_status(
+            args.address, token_file=args.token_file, timeout=args.timeout
+        )
+    except InvalidURL as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        emit_json(stats)
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"peer {args.address}", title_justify="left")
+    t.add_column("field")
+    t.add_column("value")
+    for k, value in sorted(stats.items()):
+        shown = human_size(value) if "bytes" in k and isinstance(value, int) else str(value)
+        t.add_row(k, shown)
+    _console().print(t)
+    return 0
+
+
+# --- parser -----------------------------------------------------------------------------
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if x < 0 or not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return x
+
+
+def _nonneg_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``tiercheck`` argument parser (docs/gen_cli.py renders it to docs/cli.md)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document")
+    common.add_argument(
+        "-v", "--verbose", action="store_true", help="show tiercheck's log and tracebacks"
+    )
+    version_help = "a version id, 'latest' or 'step:N'"
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Browse and manage tiercheck checkpoint stores.",
+        epilog="Exit status: 0 ok, 1 problems found, 2 usage error.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "ls",
+        parents=[common],
+        help="list the versions of a store",
+        description="List every committed version: step, role, time, sizes and, per tier, "
+        "committed / migrating / missing / dropped / unreachable. Reads the logs only.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root (the directory with tiercheck.toml)")
+    p.add_argument("--limit", type=_nonneg_int, metavar="N", help="only the newest N versions")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser(
+        "show",
+        parents=[common],
+        help="show one version: entries, chunks, ratios, metadata",
+        description="Show a version: its entries (dtype, shape, size), chunks, dedup ratio, "
+        "changed chunks against its base, per-tier stored bytes, and metadata. Reads the "
+        "shard manifest only.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("version", metavar="VERSION", help=version_help)
+    p.add_argument("--rank", type=_nonneg_int, metavar="N", help="shard of rank N (default 0)")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "diff",
+        parents=[common],
+        help="compare two versions entry by entry",
+        description="List entries added, removed, changed (max abs difference, relative L2 "
+        "change) and unchanged between versions A and B. Entries whose chunks are identical "
+        "are decided without reading data.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("a", metavar="A", help=version_help)
+    p.add_argument("b", metavar="B", help=version_help)
+    p.add_argument("--rank", type=_nonneg_int, metavar="N", help="shard of rank N (default 0)")
+    p.add_argument("--unchanged", action="store_true", help="also list unchanged entries")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="re-hash every blob of every kept version",
+        description="Read and re-hash every blob (manifests, chunks, delta bases) of every "
+        "version each tier keeps. Exit status 1 if a problem remains. With --repair, bad or "
+        "missing copies are rewritten from an intact copy in another tier (takes the writer "
+        "lock).",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument(
+        "--tier",
+        action="append",
+        metavar="NAME",
+        help="check only this tier (name or URL; repeatable)",
+    )
+    p.add_argument("--repair", action="store_true", help="repair from another tier")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "gc",
+        parents=[common],
+        help="delete blobs no kept version references",
+        description="Mark and sweep every tier: blobs referenced by no version the tier keeps "
+        "are deleted once past the grace period. Takes the writer lock unless --dry-run.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument(
+        "--grace",
+        type=_nonneg_float,
+        metavar="SECONDS",
+        help="grace period for this run (default: the policy's, on this process's clock, "
+        "which starts now; 0 deletes at once: only when nothing is saving)",
+    )
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser(
+        "export",
+        parents=[common],
+        help="write a version to .safetensors or .pt",
+        description="Export a version's entries to OUT: .safetensors (tensors only; version, "
+        "step and metadata in the header) or .pt/.pth (a flat dict that loads with "
+        "torch.load(weights_only=True)). Keys are the flattened paths, e.g. "
+        "model/layers.0.weight; with --only PREFIX only those entries, the prefix removed.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("version", metavar="VERSION", help=version_help)
+    p.add_argument("out", metavar="OUT", help="output file (.safetensors, .pt or .pth)")
+    p.add_argument("--only", metavar="PREFIX", help="only entries under PREFIX, e.g. model/")
+    p.add_argument("--keep-prefix", action="store_true", help="keep PREFIX in the keys")
+    p.add_argument("--rank", type=_nonneg_int, metavar="N", help="shard of rank N (default 0)")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "migrate",
+        parents=[common],
+        help="copy a version (and its base) to a tier",
+        description="Copy a version, every rank's shard and the base it needs, to --to: one "
+        "of the store's tiers (name or URL; takes the writer lock) or any tier URL, which "
+        "then holds a self-contained copy.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("version", metavar="VERSION", help=version_help)
+    p.add_argument("--to", required=True, metavar="URL", help="target tier name or URL")
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser(
+        "peer",
+        help="run or query a peer-memory daemon",
+        description="The peer-memory daemon that serves peer:// tiers.",
+    )
+    peer = p.add_subparsers(dest="peer_command", metavar="COMMAND", required=True)
+    from tiercheck import peer_server
+
+    ps = peer.add_parser(
+        "serve",
+        parents=[common],
+        help="run the daemon",
+        description="Run the peer-memory daemon until SIGTERM/SIGINT; prints the bound "
+        "address once clients can connect.",
+    )
+    peer_server.add_serve_arguments(ps)
+    ps.set_defaults(func=cmd_peer_serve)
+    pq = peer.add_parser(
+        "status",
+        parents=[common],
+        help="show what a daemon holds",
+        description="Ask the daemon at HOST:PORT for its statistics. Exit status 1 if it "
+        "cannot be reached.",
+    )
+    peer_server.add_status_arguments(pq)
+    pq.set_defaults(func=cmd_peer_status)
+    return parser
+
+
+# --- entry point ------------------------------------------------------------------------
+
+
+def _fail(code: int, message: str) -> int:
+    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    print(f"{PROG}: error: {first}", file=sys.stderr)
+    return code
+
+
+def _quiet_logging(verbose: bool) -> None:
+    logger = logging.getLogger("tiercheck")
+    if verbose:
+        logging.basicConfig(
+            level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        )
+    else:
+        # The command reports problems itself; the engine's warnings would repeat them.
+        logger.setLevel(logging.CRITICAL + 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code) if isinstance(exc.code, int) else 2
+    func: Callable[[argparse.Namespace], int] = args.func
+    verbose = bool(getattr(args, "verbose", False))
+    if func is not cmd_peer_serve:
+        _quiet_logging(verbose)
+    try:
+        return func(args)
+    except UsageError as exc:
+        return _fail(2, str(exc))
+    except KeyboardInterrupt:
+        return _fail(130, "interrupted")
+    except BrokenPipeError:
+        return 0
+    except (TiercheckError, OSError) as exc:
+        if verbose:
+            raise
+        return _fail(1, f"{type(exc).__name__}: {exc}")
