@@ -85,8 +85,6 @@ from tiercheck.backends.base import (
     check_blob_id,
     invalid_url,
 )
-from tiercheck.formats.framing import frame_record, unframe_record
-
 from tiercheck.errors import (
     AlreadyExists,
     FormatVersionError,
@@ -97,6 +95,7 @@ from tiercheck.errors import (
     TierUnavailable,
     UnknownScheme,
 )
+from tiercheck.formats.framing import frame_record, unframe_record
 
 __all__ = ["FsspecTier"]
 
@@ -501,11 +500,22 @@ class _FsspecStore(_Store):
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
         if not self.fs.async_impl or len(paths) < 2:
             return [bool(self.fs.exists(p)) for p in paths]
-        results = self._gather([self.fs._exists(p) for p in paths])
+        probe = self._s3_head if self._s3 else self.fs._exists
+        results = self._gather([probe(p) for p in paths])
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         return [bool(r) for r in results]
+
+    async def _s3_head(self, path: str) -> bool:
+        # s3fs's exists() follows a missing key with a listing (is it a "directory"?):
+        # a blob is never a directory, so one HEAD answers.
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return False
+        return True
 
     def remove_many(self, paths: Sequence[str]) -> None:
         try:

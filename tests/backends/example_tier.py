@@ -12,9 +12,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
-from tiercheck.backends.base import Buffer, check_blob_id, invalid_url
-
 from tiercheck import Capabilities, FailureDomain, Tier, register_tier
+from tiercheck.backends.base import Buffer, check_blob_id, invalid_url
 from tiercheck.errors import NotFound, TierError, TierFull, TierUnavailable
 
 __all__ = ["SqliteTier"]

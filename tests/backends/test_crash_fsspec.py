@@ -16,6 +16,7 @@ from pathlib import Path
 
 import blake3
 import pytest
+
 from tiercheck.backends.registry import open_tier
 
 _CHILD = r"""

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tiercheck.backends import _fsspec
 from tiercheck.backends._fsspec import FsspecTier
 from tiercheck.backends.base import FailureDomain, Tier
 from tiercheck.backends.registry import open_tier
-
 from tiercheck.errors import (
     FormatVersionError,
     InvalidURL,
