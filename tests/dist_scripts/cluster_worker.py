@@ -1,0 +1,156 @@
+"""A rank of a multi-rank checkpointing job, run by torchrun in tests/test_cluster.py.
+
+Every rank holds a data-parallel replica (identical on all ranks) and a small tensor of
+its own, both a pure function of (step, rank), so a test can check any restored step.
+
+    save:    save every step 1..--steps; print one JSON line per acknowledged step
+    restore: restore the newest version every rank can restore; print what came back
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tiercheck
+from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+
+REPLICA = 256 * 1024  # floats: 1 MiB, 16 chunks of 64 KiB
+
+
+def state_for(step: int, rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 + step // 3)  # changes every 3 steps
+    replica = torch.randn(REPLICA, generator=g)
+    replica[: 1024 * (step % 3)] += 1.0  # small changes inside a base period
+    own = torch.randn(512, generator=torch.Generator().manual_seed(step * 100 + rank))
+    return {"model": {"w": replica}, "own": own, "meta": {"step": step, "rank": rank}}
+
+
+def specs(args: argparse.Namespace) -> list[TierSpec]:
+    out = [
+        TierSpec("shm", "shm://cluster-{rank}", {"root": f"{args.shm_root}/node{{rank}}"}),
+        TierSpec("lmdb", f"lmdb://{args.root}/node{{rank}}/lmdb-{{local_rank}}"),
+        TierSpec("remote", f"file://{args.root}/remote", {"survives": "cluster", "shared": True}),
+    ]
+    if args.peer_ports:
+        ports = [int(p) for p in args.peer_ports.split(",")]
+        rank = dist.get_rank()
+        port = ports[(rank + 1) % len(ports)]  # the daemon on the next "node"
+        out.insert(1, TierSpec("peer", f"peer://127.0.0.1:{port}/r{{rank}}", {"timeout": 5.0}))
+    return out
+
+
+def policy(args: argparse.Namespace) -> Policy:
+    remote = (
+        TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None)
+        if args.remote_sync
+        else TierPolicy(versions="base", mode="async", codec="zstd", keep_bases=None)
+    )
+    return Policy(base_every=3, chunk_size=64 * 1024, gc_grace_seconds=0, tiers={"remote": remote})
+
+
+EVENTS: list[str] = []
+
+
+def emit(**fields: Any) -> None:
+    """One JSON line per event, in this rank's own file (ranks share stdout)."""
+    with open(EVENTS[0], "a") as f:
+        f.write(json.dumps(fields) + "\n")
+
+
+def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
+    rank = dist.get_rank()
+    if args.kill_rank == rank:
+        import tiercheck.checkpointer as engine
+
+        real = engine.place_shard
+
+        def place_then_die(slot: Any, **kw: Any) -> Any:
+            if kw["step"] == args.kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of the save
+            return real(slot, **kw)
+
+        engine.place_shard = place_then_die  # type: ignore[assignment]
+    for step in range(1, args.steps + 1):
+        h = ckpt.save(step, state_for(step, rank))
+        try:
+            r = h.wait()
+        except tiercheck.errors.CheckpointError as exc:
+            emit(event="failed", rank=rank, step=step, error=str(exc))
+            continue
+        emit(
+            event="ack",
+            rank=rank,
+            step=step,
+            version=r.version,
+            role=r.role,
+            tiers=dict(r.tiers),
+            bytes=dict(r.bytes_written),
+            logical=r.logical_bytes,
+        )
+    ckpt.wait_migrations(timeout=120)
+    dist.barrier()
+    emit(
+        event="history",
+        rank=rank,
+        versions=[[v.id, v.step, v.role, dict(v.tiers)] for v in ckpt.history()],
+    )
+
+
+def restore(args: argparse.Namespace, ckpt: Checkpointer) -> None:
+    rank = dist.get_rank()
+    target = state_for(0, rank)
+    info = ckpt.restore(target)
+    expected = state_for(info.step, rank)
+    exact = (
+        all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in (
+                (target["model"]["w"], expected["model"]["w"]),
+                (target["own"], expected["own"]),
+            )
+        )
+        and target["meta"] == expected["meta"]
+    )
+    emit(
+        event="restored",
+        rank=rank,
+        step=info.step,
+        version=info.version,
+        source=info.source,
+        chunks_from=dict(info.chunks_from),
+        exact=exact,
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("phase", choices=["save", "restore"])
+    p.add_argument("--root", required=True)
+    p.add_argument("--shm-root", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--peer-ports", default="")
+    p.add_argument("--remote-sync", action="store_true")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    EVENTS.append(f"{args.root}/events-{args.phase}-{dist.get_rank()}.jsonl")
+    ckpt = Checkpointer(f"{args.root}/store", tiers=specs(args), policy=policy(args))
+    try:
+        save(args, ckpt) if args.phase == "save" else restore(args, ckpt)
+    finally:
+        ckpt.close(timeout=60)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Multi-rank checkpoints with real processes: torchrun, gloo, CPU.
+
+Each rank stands for a node: its shm and LMDB directories are its node's, so wiping them
+is a node loss; the remote tier is shared by every rank; peer daemons are real
+``tiercheck peer serve`` processes on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKER = Path(__file__).parent / "dist_scripts" / "cluster_worker.py"
+pytestmark = pytest.mark.timeout(240)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    shm = Path(f"/dev/shm/tiercheck-test-{uuid.uuid4().hex[:10]}")
+    yield tmp_path, shm
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def torchrun(
+    nproc: int, *args: str, env: dict[str, str] | None = None
+) -> tuple[int, list[dict[str, Any]]]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(WORKER),
+        *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=200)
+    root = Path(args[args.index("--root") + 1])
+    events = []
+    for path in sorted(root.glob(f"events-{args[0]}-*.jsonl")):
+        events += [json.loads(line) for line in path.read_text().splitlines()]
+        path.unlink()
+    if proc.returncode != 0 and not events:
+        print(proc.stdout[-4000:], proc.stderr[-4000:])
+    return proc.returncode, events
+
+
+def common(root: Path, shm: Path) -> list[str]:
+    return ["--root", str(root), "--shm-root", str(shm)]
+
+
+def by(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == kind]
+
+
+def test_rank_killed_mid_save_aborts_and_previous_restores(dirs: tuple[Path, Path]) -> None:
+    root, shm = dirs
+    rc, events = torchrun(
+        2, "save", *common(root, shm), "--steps", "5", "--kill-rank", "1", "--kill-step", "4"
+    )
+    assert rc != 0  # torchrun reports the dead rank
+    acks = by(events, "ack")
+    assert {(e["rank"], e["step"]) for e in acks} >= {(r, s) for r in (0, 1) for s in (1, 2, 3)}
+    assert not [e for e in acks if e["step"] >= 4]  # version of step 4 committed nowhere
+    rc, events = torchrun(2, "restore", *common(root, shm))
+    assert rc == 0, events
+    restored = by(events, "restored")
+    assert len(restored) == 2
+    for e in restored:
+        assert e["step"] == 3 and e["exact"], e
+
+
+def start_daemon(token: str) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiercheck.peer_server",
+            "--listen",
+            "127.0.0.1:0",
+            "--memory-limit",
+            "256MiB",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TIERCHECK_PEER_TOKEN": token},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("listening on"), line
+    return proc, int(line.rsplit(":", 1)[1])
+
+
+def test_replaced_node_restores_from_peer_and_remote(dirs: tuple[Path, Path]) -> None:
+    root, shm = dirs
+    token = uuid.uuid4().hex
+    daemons = [start_daemon(token) for _ in range(2)]
+    ports = ",".join(str(p) for _, p in daemons)
+    env = {"TIERCHECK_PEER_TOKEN": token}
+    try:
+        rc, events = torchrun(
+            2, "save", *common(root, shm), "--steps", "5", "--peer-ports", ports, env=env
+        )
+        assert rc == 0, events
+        last = [e for e in by(events, "ack") if e["step"] == 5]
+        assert all(e["tiers"]["peer"] == "committed" for e in last)
+        # node 1 is replaced: its shared memory and local disk are gone
+        shutil.rmtree(shm / "node1")
+        shutil.rmtree(root / "node1")
+        rc, events = torchrun(2, "restore", *common(root, shm), "--peer-ports", ports, env=env)
+        assert rc == 0, events
+        restored = {e["rank"]: e for e in by(events, "restored")}
+        assert restored[0]["step"] == restored[1]["step"] == 5
+        assert all(e["exact"] for e in restored.values())
+        assert restored[0]["source"] == "shm"
+        assert restored[1]["source"] == "peer"
+        assert set(restored[1]["chunks_from"]) <= {"peer", "remote"}
+    finally:
+        for proc, _ in daemons:
+            proc.kill()
+            proc.wait()
+
+
+def test_dead_peer_daemon_lowers_commit_level_and_restore_falls_back(
+    dirs: tuple[Path, Path],
+) -> None:
+    root, shm = dirs
+    token = uuid.uuid4().hex
+    daemons = [start_daemon(token) for _ in range(2)]
+    ports = ",".join(str(p) for _, p in daemons)
+    env = {"TIERCHECK_PEER_TOKEN": token}
+    for proc, _ in daemons:  # both peers die before the job runs its saves
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    rc, events = torchrun(
+        2, "save", *common(root, shm), "--steps", "4", "--peer-ports", ports, env=env
+    )
+    assert rc == 0, events
+    acks = by(events, "ack")
+    assert len(acks) == 8
+    assert all(e["tiers"]["shm"] == "committed" for e in acks)
+    assert all(e["tiers"].get("peer") in (None, "failed") for e in acks)
+    rc, events = torchrun(2, "restore", *common(root, shm), "--peer-ports", ports, env=env)
+    assert rc == 0, events
+    assert all(
+        e["step"] == 4 and e["exact"] and e["source"] == "shm" for e in by(events, "restored")
+    )
+
+
+def test_data_parallel_replicas_are_written_once_to_the_shared_tier(
+    dirs: tuple[Path, Path],
+) -> None:
+    root, shm = dirs
+    rc, events = torchrun(4, "save", *common(root, shm), "--steps", "1", "--remote-sync")
+    assert rc == 0, events
+    acks = by(events, "ack")
+    assert len(acks) == 4
+    to_remote = sum(e["bytes"]["remote"] for e in acks)
+    logical = acks[0]["logical"]
+    replica = 256 * 1024 * 4
+    # one copy of the replica plus each rank's own small part, not four copies
+    assert replica <= to_remote < replica + 4 * (logical - replica) + 64 * 1024
+    assert all(e["tiers"]["remote"] == "committed" for e in acks)
+    # every rank still wrote its whole shard to its own node's tiers
+    assert all(e["bytes"]["shm"] >= logical for e in acks)
