@@ -42,12 +42,19 @@ class Layout:
         cs = self.chunk_size
         return [(o, min(cs, self.stream_bytes - o)) for o in range(0, self.stream_bytes, cs)]
 
-    def signature(self) -> tuple[int, int, tuple[tuple[str, int, int], ...]]:
-        """What must match for chunk ``i`` of two versions to cover the same entries."""
+    def signature(self) -> tuple[int, tuple[tuple[str, int, int], ...]]:
+        """What must match for chunk ``i`` of two versions to cover the same tensor bytes.
+
+        Only tensor and array entries count: scalars are laid out after them, so a scalar
+        changing size (a loader position crossing a msgpack int width, a longer string)
+        moves no tensor and must not force a new base. The tail chunks holding scalars may
+        then differ in length from the base's; delta encoding handles that.
+        """
         return (
             self.chunk_size,
-            self.stream_bytes,
-            tuple((e.key, e.offset, e.nbytes) for e in self.entries),
+            tuple(
+                (e.key, e.offset, e.nbytes) for e in self.entries if e.kind in ("tensor", "ndarray")
+            ),
         )
 
 
