@@ -36,6 +36,7 @@ _BUILTIN: dict[str, str] = {
     "shm": "tiercheck.backends._shm:ShmTier",
     "lmdb": "tiercheck.backends._lmdb:LmdbTier",
     "peer": "tiercheck.backends._peer:PeerTier",
+    "collective": "tiercheck.backends._collective:CollectivePeerTier",
 }
 _FSSPEC = "tiercheck.backends._fsspec:FsspecTier"
 

@@ -114,23 +114,26 @@ def start_daemon(token: str) -> tuple[subprocess.Popen[str], int]:
     return proc, int(line.rsplit(":", 1)[1])
 
 
-def test_replaced_node_restores_from_peer_and_remote(dirs: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "collective"])
+def test_replaced_node_restores_from_peer_and_remote(
+    dirs: tuple[Path, Path], transport: str
+) -> None:
     root, shm = dirs
     token = uuid.uuid4().hex
-    daemons = [start_daemon(token) for _ in range(2)]
+    daemons = [start_daemon(token) for _ in range(2)] if transport == "tcp" else []
     ports = ",".join(str(p) for _, p in daemons)
+    peer = ["--peer-ports", ports] if transport == "tcp" else ["--collective"]
     env = {"TIERCHECK_PEER_TOKEN": token}
     try:
-        rc, events = torchrun(
-            2, "save", *common(root, shm), "--steps", "5", "--peer-ports", ports, env=env
-        )
+        rc, events = torchrun(2, "save", *common(root, shm), "--steps", "5", *peer, env=env)
         assert rc == 0, events
         last = [e for e in by(events, "ack") if e["step"] == 5]
+        assert len(last) == 2
         assert all(e["tiers"]["peer"] == "committed" for e in last)
         # node 1 is replaced: its shared memory and local disk are gone
         shutil.rmtree(shm / "node1")
         shutil.rmtree(root / "node1")
-        rc, events = torchrun(2, "restore", *common(root, shm), "--peer-ports", ports, env=env)
+        rc, events = torchrun(2, "restore", *common(root, shm), *peer, env=env)
         assert rc == 0, events
         restored = {e["rank"]: e for e in by(events, "restored")}
         assert restored[0]["step"] == restored[1]["step"] == 5

@@ -15,7 +15,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +226,7 @@ class _Job:
     tree: Any
     metadata: dict[str, Any]
     t_call: float
+    protected: list[str] = field(default_factory=list)
 
 
 class Checkpointer:
@@ -282,6 +284,9 @@ class Checkpointer:
         self._inflight: list[_Job] = []
         self._pending_error: BaseException | None = None
         self._gc = GCState()
+        # blob ids a save or migration relies on before its records are in the catalog
+        self._gc_lock = threading.Lock()
+        self._protected: Counter[str] = Counter()
         self._catalog = read_catalog(self.tierset.tiers())
         if self.world_size > 1 and self.policy.on_busy == "skip":
             raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
@@ -457,6 +462,7 @@ class Checkpointer:
                 self._pending_error = exc
             handle._fail(exc)
         finally:
+            self._unprotect(job.protected)
             with self._meta:
                 if job in self._inflight:
                     self._inflight.remove(job)
@@ -495,6 +501,9 @@ class Checkpointer:
             base_chunks = None
             if job.role == "diff" and self._last_base is not None:
                 base_chunks = self._last_base[2]
+            job.protected = self._protect(
+                [mid, *(c.id for c in chunks), *(c.id for c in base_chunks or ())]
+            )
             fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
             owned: set[str] | None = None
             if self.world_size > 1:
@@ -552,7 +561,9 @@ class Checkpointer:
             reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
             or ("no synchronous tier wants this version" if not results else ""),
         )
+        t_vote = time.perf_counter()
         decision = self.coordinator.decide(job.version, vote)
+        handle._time("voting", time.perf_counter() - t_vote)
         prepared_slots = [self.tierset.get(r.tier) for r in prepared]
         if not decision.commit:
             for slot in prepared_slots:
@@ -710,20 +721,32 @@ class Checkpointer:
         shared = slot.tier.capabilities.shared and self.world_size > 1
         with self._meta:
             owned = self._owned.get(info.id) if shared else None
-        migrate_shard(
-            info,
-            self.rank,
-            slot,
-            sources,
-            fetcher,
-            self._pool,
-            zstd_level=self.policy.zstd_level,
-            base_manifest_id=base_mid,
-            commit=not shared,
-            only=owned,
-        )
-        if shared and self.rank == 0:
-            self._commit_shared(info, slot)
+        mid = info.shards[self.rank]
+        ids = [mid, *(c.id for c in fetcher.manifest(mid, order=sources).chunks)]
+        if base_mid is not None:
+            ids += [base_mid, *(c.id for c in fetcher.manifest(base_mid, order=sources).chunks)]
+        protected = self._protect(ids)
+        try:
+            migrate_shard(
+                info,
+                self.rank,
+                slot,
+                sources,
+                fetcher,
+                self._pool,
+                zstd_level=self.policy.zstd_level,
+                base_manifest_id=base_mid,
+                commit=not shared,
+                only=owned,
+            )
+            if shared and self.rank == 0:
+                self._commit_shared(info, slot)
+            with self._meta:  # in the catalog before GC may see the blobs unprotected
+                self._catalog.logs.setdefault(slot.name, TierLog(slot.name)).committed[info.id] = (
+                    info
+                )
+        finally:
+            self._unprotect(protected)
 
     def _commit_shared(self, info: VersionInfo, slot: TierSlot) -> None:
         """Record the commit of ``info`` in a shared tier once every rank's prepare record
@@ -769,7 +792,22 @@ class Checkpointer:
     # --- retention and GC -----------------------------------------------------------------
 
     def _in_flight_ids(self) -> set[str]:
-        return set()
+        return set(self._protected)
+
+    def _protect(self, ids: Iterable[str]) -> list[str]:
+        """Keep ``ids`` from GC until :meth:`_unprotect`. Taken between GC passes, so a pass
+        either sees them or has finished deleting before the caller asks a tier what it has."""
+        out = list(ids)
+        with self._gc_lock, self._meta:
+            self._protected.update(out)
+        return out
+
+    def _unprotect(self, ids: Sequence[str]) -> None:
+        with self._meta:
+            self._protected.subtract(ids)
+            for i in ids:
+                if self._protected[i] <= 0:
+                    del self._protected[i]
 
     def _apply_retention(self) -> None:
         with self._meta:
@@ -793,17 +831,18 @@ class Checkpointer:
 
     def _collect(self, slot: TierSlot, tl: TierLog, *, dry_run: bool) -> GCReport:
         fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
-        with self._meta:
-            in_flight = self._in_flight_ids()
-        return collect_garbage(
-            slot,
-            tl,
-            fetcher.manifest,
-            in_flight=in_flight,
-            state=self._gc,
-            grace=self.policy.gc_grace_seconds,
-            dry_run=dry_run,
-        )
+        with self._gc_lock:  # protected ids are read before the mark, and none added until done
+            with self._meta:
+                in_flight = self._in_flight_ids()
+            return collect_garbage(
+                slot,
+                tl,
+                fetcher.manifest,
+                in_flight=in_flight,
+                state=self._gc,
+                grace=self.policy.gc_grace_seconds,
+                dry_run=dry_run,
+            )
 
     def gc(self, *, dry_run: bool = False) -> list[GCReport]:
         """Sweep unreferenced blobs past the grace period from every tier."""

@@ -44,6 +44,16 @@ def specs(args: argparse.Namespace) -> list[TierSpec]:
         rank = dist.get_rank()
         port = ports[(rank + 1) % len(ports)]  # the daemon on the next "node"
         out.insert(1, TierSpec("peer", f"peer://127.0.0.1:{port}/r{{rank}}", {"timeout": 5.0}))
+    if args.collective:
+        # each rank stands for a node: the partner of rank r is rank r+1 (mod world)
+        out.insert(
+            1,
+            TierSpec(
+                "peer",
+                "collective://cpeer",
+                {"ranks_per_node": 1, "shm_root": f"{args.shm_root}/node{{rank}}"},
+            ),
+        )
     return out
 
 
@@ -140,6 +150,7 @@ def main() -> int:
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--peer-ports", default="")
     p.add_argument("--remote-sync", action="store_true")
+    p.add_argument("--collective", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     EVENTS.append(f"{args.root}/events-{args.phase}-{dist.get_rank()}.jsonl")
