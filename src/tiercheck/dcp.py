@@ -16,7 +16,8 @@ It names a version of the coordinator's store (see below):
   ``"version:N"`` loads version ``N``; ``None`` loads the newest restorable DCP version.
 
 **Stores and ranks.** ``TierWriter(root)`` opens (creating if needed) one store per rank at
-``root/rank{r}``; ``TierWriter(checkpointer)`` uses the caller's store for this rank. Each
+``root/rank{r}``; ``TierWriter(checkpointer)`` uses the caller's store for this rank (it must
+be a one-rank store: ``coordinator=LocalCoordinator()`` under torch.distributed). Each
 rank saves the items DCP assigns it as one version of its own store (a one-rank shard); the
 coordinator (DCP's rank 0) saves its items *together with* the global DCP metadata, after
 every rank has reported its writes (``finish``). That coordinator version is the DCP
@@ -86,6 +87,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from tiercheck.checkpointer import Checkpointer
+from tiercheck.cluster import LocalCoordinator
 from tiercheck.config import TierSpec
 from tiercheck.entries import torch_dtype
 from tiercheck.errors import (
@@ -649,7 +651,10 @@ class TierWriter(StorageWriter):
         if tiers is not None and (root / "tiercheck.toml").exists():
             tiers = None  # an existing store keeps its configuration
         root.mkdir(parents=True, exist_ok=True)
-        self._ckpt = Checkpointer(root, tiers=tiers, policy=self._policy)
+        # a one-rank store: DCP's own collectives order the ranks (see the module docstring)
+        self._ckpt = Checkpointer(
+            root, tiers=tiers, policy=self._policy, coordinator=LocalCoordinator()
+        )
         self._owned = True
         return self._ckpt
 
@@ -869,7 +874,7 @@ class TierReader(StorageReader):
             root = Path(recorded[1])
         if not (root / "tiercheck.toml").exists():
             raise NoRestorableVersion(f"no tiercheck store for rank {rank} at {root}")
-        return Checkpointer(root, read_only=True), True
+        return Checkpointer(root, read_only=True, coordinator=LocalCoordinator()), True
 
     @contextlib.contextmanager
     def _opened(self, rank: int) -> Iterator[Checkpointer]:
