@@ -924,15 +924,26 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
-def _quiet_logging(verbose: bool) -> None:
+@contextlib.contextmanager
+def _logging_for(verbose: bool) -> Iterator[None]:
+    """Quiet tiercheck's logger for the command (it reports problems itself); restored after,
+    so that calling :func:`main` in a process leaves its logging as it was."""
     logger = logging.getLogger("tiercheck")
+    level = logger.level
+    handler: logging.Handler | None = None
     if verbose:
-        logging.basicConfig(
-            level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-        )
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     else:
-        # The command reports problems itself; the engine's warnings would repeat them.
         logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if handler is not None:
+            logger.removeHandler(handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -944,10 +955,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else 2
     func: Callable[[argparse.Namespace], int] = args.func
     verbose = bool(getattr(args, "verbose", False))
-    if func is not cmd_peer_serve:
-        _quiet_logging(verbose)
     try:
-        return func(args)
+        if func is cmd_peer_serve:  # configures its own logging
+            return func(args)
+        with _logging_for(verbose):
+            return func(args)
     except UsageError as exc:
         return _fail(2, str(exc))
     except KeyboardInterrupt:
