@@ -1,0 +1,27 @@
+"""The demo end to end: train, SIGKILL, restore, and the bit-identity proof."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tiercheck.config import CONFIG_NAME, load_config
+
+
+def test_demo_crash_restore_is_bit_identical(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    args = ["--steps", "5", "--crash-at", "3", "--root", str(root)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiercheck.demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "SIGKILL" in out
+    assert "PROOF: bit-identical" in out
+    assert "from tier shm" in out
+    shm = [s for s in load_config(root / CONFIG_NAME).tiers if s.url.startswith("shm://")]
+    assert shm and not Path("/dev/shm/tiercheck", shm[0].url[len("shm://") :]).exists()
