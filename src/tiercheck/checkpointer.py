@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -59,7 +59,7 @@ from tiercheck.manifest_log import (
     read_tier_log,
 )
 from tiercheck.migration import migrate_shard
-from tiercheck.pipeline import build_manifest, commit_on, hash_stream, place_shard
+from tiercheck.pipeline import PlaceResult, build_manifest, commit_on, hash_stream, place_shard
 from tiercheck.placement import Policy
 from tiercheck.restore import bind, choose_version, fetch_into, materialize
 from tiercheck.retention import GCReport, GCState, collect_garbage, drop_versions, plan_drops
@@ -299,6 +299,7 @@ class Checkpointer:
         self._pending_migrations: list[tuple[VersionInfo, str, SaveHandle | None]] = []
         self._pinned: dict[int, int] = {}
         self._owned: dict[int, set[str] | None] = {}
+        self._info: VersionInfo | None = None
         self.coordinator_timeout = 300.0
         self._migrator: threading.Thread | None = None
         if not read_only:
@@ -518,7 +519,7 @@ class Checkpointer:
             def base_lookup(cid: str) -> bytes:
                 return bytes(fetcher.fetch(cid)[0])
 
-            futures = [
+            futures = {
                 self._tier_pool.submit(
                     place_shard,
                     slot,
@@ -535,77 +536,33 @@ class Checkpointer:
                     base_lookup=base_lookup,
                     zstd_level=self.policy.zstd_level,
                     only=owned if slot.tier is not None and slot.tier.capabilities.shared else None,
-                )
+                ): slot
                 for slot in sync
-            ]
-            results = [f.result() for f in futures]
+            }
+            try:
+                committed, shared_ready = self._vote_and_commit(job, handle, futures, mid, t0)
+            finally:
+                for f in futures:  # tier writes read the buffer: let them all end first
+                    f.exception()
         finally:
             self._staging.release()
-        prepared = [r for r in results if r.ok]
-        for r in results:
-            handle._bytes[r.tier] = r.bytes_written
-            handle._chunks[r.tier] = r.chunks_written
-            handle._time(f"prepared:{r.tier}", r.seconds)
-            if not r.ok:
-                handle._set_tier(r.tier, "failed", r.error)
-        with self._meta:
-            for r in prepared:
-                self._catalog.logs.setdefault(r.tier, TierLog(r.tier)).prepared.setdefault(
-                    job.version, {}
-                )
-        vote = Vote(
-            rank=self.rank,
-            ok=bool(prepared),
-            manifest=mid,
-            tiers=tuple(r.tier for r in prepared),
-            reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
-            or ("no synchronous tier wants this version" if not results else ""),
-        )
-        t_vote = time.perf_counter()
-        decision = self.coordinator.decide(job.version, vote)
-        handle._time("voting", time.perf_counter() - t_vote)
-        prepared_slots = [self.tierset.get(r.tier) for r in prepared]
-        if not decision.commit:
-            for slot in prepared_slots:
-                assert slot.tier is not None
-                try:
-                    append_record(slot.tier, AbortRecord(job.version, decision.reason))
-                except TiercheckError as exc:
-                    log.warning("could not record abort in %s: %s", slot.name, exc)
-            raise CommitAborted(f"version {job.version} aborted: {decision.reason}")
-        info = VersionInfo(
-            id=job.version,
-            step=job.info_step,
-            role=job.role,
-            base=job.base,
-            world_size=self.world_size,
-            shards=decision.shards,
-            time=time.time(),
-            logical_bytes=job.layout.stream_bytes,
-            metadata=job.metadata,
-        )
-        writers = []
-        for slot in prepared_slots:
-            assert slot.tier is not None
-            if slot.tier.capabilities.shared and slot.name not in decision.shared_tiers:
-                handle._set_tier(slot.name, "failed", "not every rank prepared in this tier")
-            elif slot.tier.capabilities.shared and self.rank != 0:
-                handle._set_tier(slot.name, "committed")  # rank 0 records it for all
-            else:
-                writers.append(slot)
-        errors = list(self._tier_pool.map(lambda s: commit_on(s, info), writers))
-        committed = [
-            s
-            for s in prepared_slots
-            if s not in writers and s.name in decision.shared_tiers and self.rank != 0
-        ]
-        for slot, error in zip(writers, errors):
-            if error is None:
-                committed.append(slot)
-                handle._set_tier(slot.name, "committed")
-                handle._time(f"committed:{slot.name}", time.perf_counter() - t0)
-            else:
-                handle._set_tier(slot.name, "failed", error)
+        info = self._info
+        assert info is not None
+        if self.world_size > 1 and any(
+            s.tier is not None and s.tier.capabilities.shared for s in sync
+        ):
+            agreed = self.coordinator.agree_tiers([s.name for s in shared_ready])
+            for slot in shared_ready:
+                if slot.name not in agreed:
+                    handle._set_tier(slot.name, "failed", "not every rank prepared in this tier")
+                    continue
+                error = commit_on(slot, info) if self.rank == 0 else None
+                if error is None:
+                    committed.append(slot)
+                    handle._set_tier(slot.name, "committed")
+                    handle._time(f"committed:{slot.name}", time.perf_counter() - t0)
+                else:
+                    handle._set_tier(slot.name, "failed", error)
         if not committed:
             raise CheckpointError(
                 f"version {job.version} could not be committed in any tier: {handle._errors}"
@@ -623,6 +580,99 @@ class Checkpointer:
         handle._done.set()
         self._queue_migrations(info, handle, committed)
         self._apply_retention()
+
+    def _vote_and_commit(
+        self,
+        job: _Job,
+        handle: SaveHandle,
+        futures: Mapping[Future[PlaceResult], TierSlot],
+        manifest_id: str,
+        t0: float,
+    ) -> tuple[list[TierSlot], list[TierSlot]]:
+        """Vote once one tier holds the shard, then commit each tier as it is prepared.
+
+        A fast tier (shm) is thus committed, and reported, without waiting for a slow one
+        (LMDB, a peer). Returns the committed slots and the prepared shared slots, whose
+        commit needs every rank's agreement first.
+        """
+        results: list[PlaceResult] = []
+        pending = set(futures)
+        while pending and not any(r.ok for r in results):
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            results += [f.result() for f in done]
+        ok = [r for r in results if r.ok]
+        vote = Vote(
+            rank=self.rank,
+            ok=bool(ok),
+            manifest=manifest_id,
+            tiers=tuple(r.tier for r in ok),
+            reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
+            or ("no synchronous tier wants this version" if not futures else ""),
+        )
+        t_vote = time.perf_counter()
+        decision = self.coordinator.decide(job.version, vote)
+        handle._time("voting", time.perf_counter() - t_vote)
+        if not decision.commit:
+            results += [f.result() for f in pending]
+            for r in results:
+                self._note_placed(handle, r)
+                if r.ok:
+                    slot = self.tierset.get(r.tier)
+                    assert slot.tier is not None
+                    try:
+                        append_record(slot.tier, AbortRecord(job.version, decision.reason))
+                    except TiercheckError as exc:
+                        log.warning("could not record abort in %s: %s", slot.name, exc)
+            raise CommitAborted(f"version {job.version} aborted: {decision.reason}")
+        info = VersionInfo(
+            id=job.version,
+            step=job.info_step,
+            role=job.role,
+            base=job.base,
+            world_size=self.world_size,
+            shards=decision.shards,
+            time=time.time(),
+            logical_bytes=job.layout.stream_bytes,
+            metadata=job.metadata,
+        )
+        self._info = info
+        committed: list[TierSlot] = []
+        shared_ready: list[TierSlot] = []
+
+        def settle(r: PlaceResult) -> None:
+            self._note_placed(handle, r)
+            if not r.ok:
+                return
+            slot = self.tierset.get(r.tier)
+            assert slot.tier is not None
+            if slot.tier.capabilities.shared and self.world_size > 1:
+                shared_ready.append(slot)
+                return
+            error = commit_on(slot, info)
+            if error is None:
+                committed.append(slot)
+                with self._meta:
+                    self._catalog.logs.setdefault(slot.name, TierLog(slot.name)).committed[
+                        info.id
+                    ] = info
+                handle._set_tier(slot.name, "committed")
+                handle._time(f"committed:{slot.name}", time.perf_counter() - t0)
+            else:
+                handle._set_tier(slot.name, "failed", error)
+
+        for r in results:
+            settle(r)
+        for f in as_completed(pending):
+            settle(f.result())
+        return committed, shared_ready
+
+    @staticmethod
+    def _note_placed(handle: SaveHandle, r: PlaceResult) -> None:
+        handle._bytes[r.tier] = r.bytes_written
+        handle._chunks[r.tier] = r.chunks_written
+        handle._time(f"prepared:{r.tier}", r.seconds)
+        if not r.ok:
+            handle._set_tier(r.tier, "failed", r.error)
 
     # --- migration ------------------------------------------------------------------------
 

@@ -75,6 +75,10 @@ class Coordinator(Protocol):
         """True iff ``flag`` is true on every rank."""
         ...
 
+    def agree_tiers(self, tiers: Sequence[str]) -> set[str]:
+        """The tiers in every rank's ``tiers``."""
+        ...
+
     def next_version_id(self, local_max: int) -> int:
         """Agree on the id of the next version across ranks."""
         ...
@@ -103,6 +107,9 @@ class LocalCoordinator:
 
     def all_true(self, flag: bool) -> bool:
         return flag
+
+    def agree_tiers(self, tiers: Sequence[str]) -> set[str]:
+        return set(tiers)
 
     def next_version_id(self, local_max: int) -> int:
         return local_max + 1
@@ -229,6 +236,10 @@ class DistCoordinator:
 
     def all_true(self, flag: bool) -> bool:
         return all(self.all_gather_obj(bool(flag)))
+
+    def agree_tiers(self, tiers: Sequence[str]) -> set[str]:
+        sets = [set(t) for t in self.all_gather_obj(list(tiers))]
+        return set.intersection(*sets) if sets else set()
 
 
 def owned_chunks(per_rank: Sequence[Sequence[Sequence[Any]]], rank: int) -> set[str]:

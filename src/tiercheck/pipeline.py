@@ -46,6 +46,8 @@ log = logging.getLogger("tiercheck")
 
 BaseLookup = Callable[[str], bytes]
 
+BATCH_BYTES = 64 * 1024 * 1024  # bytes per transaction on tiers with atomic_batch
+
 
 def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
     """Chunk ids of every window of the staged stream, hashed on ``threads`` cores."""
@@ -171,11 +173,25 @@ def place_shard(
             tier.put(cid, blob)
             return len(blob), base_id, cid
 
-        for nbytes, base_id, cid in pool.map(write, [first[c] for c in missing]):
+        def note(nbytes: int, base_id: str | None, cid: str) -> None:
             result.chunks_written += 1
             result.bytes_written += nbytes
             if base_id is not None:
                 result.deltas[cid] = base_id
+
+        indices = [first[c] for c in missing]
+        if tier.capabilities.atomic_batch:
+            # a transactional tier pays one durable commit per transaction, not per chunk:
+            # encode a window of chunks in parallel, write it as one transaction
+            window = max(1, BATCH_BYTES // max(1, manifest.chunk_size))
+            for lo in range(0, len(indices), window):
+                encoded = list(pool.map(encode, indices[lo : lo + window]))
+                tier.put_many([(cid, blob) for cid, blob, _ in encoded])
+                for cid, blob, base_id in encoded:
+                    note(len(blob), base_id, cid)
+        else:
+            for nbytes, base_id, cid in pool.map(write, indices):
+                note(nbytes, base_id, cid)
         manifest_blob = b""
         if manifest_id not in present:
             manifest_blob = encode_blob(manifest_bytes, Codec.ZSTD, level=zstd_level)
