@@ -116,8 +116,10 @@ def _clean_floats(obj: Any) -> Any:
 
 
 def emit_json(obj: Any) -> None:
-    """Print ``obj`` as JSON (non-finite floats as strings, bytes as hex)."""
-    text = json.dumps(_clean_floats(obj), indent=2, default=_json_default, allow_nan=False)
+    """Print ``obj`` as JSON (non-finite floats as strings, bytes as hex): indented on a
+    terminal, compact when piped (json's C encoder only runs without indentation)."""
+    indent = 2 if sys.stdout.isatty() else None
+    text = json.dumps(_clean_floats(obj), indent=indent, default=_json_default, allow_nan=False)
     sys.stdout.write(text + "\n")
 
 
