@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tiercheck.backends.base import Tier
 from tiercheck.errors import (
     BlobCorrupt,
     FormatVersionError,
@@ -29,6 +30,8 @@ from tiercheck.tierset import TierSlot
 __all__ = ["ChunkFetcher", "FetchStats", "repair_codec"]
 
 log = logging.getLogger("tiercheck")
+
+_SCRATCH = 4 * 1024 * 1024 + 4096  # a default-size chunk and its blob header
 
 
 def repair_codec(slot: TierSlot) -> Codec:
@@ -58,6 +61,7 @@ class ChunkFetcher:
         self.stats = FetchStats()
         self._lock = threading.Lock()
         self._bases: dict[str, bytes] = {}
+        self._local = threading.local()
         self._manifests: dict[str, ShardManifest] = {}
 
     def manifest(
@@ -73,6 +77,16 @@ class ChunkFetcher:
         with self._lock:
             self._manifests[manifest_id] = m
         return m
+
+    def _read(self, tier: Tier, chunk_id: str) -> memoryview:
+        """Read a blob into this thread's reusable buffer (no fresh pages per chunk)."""
+        scratch: bytearray | None = getattr(self._local, "buf", None)
+        if scratch is None:
+            scratch = self._local.buf = bytearray(_SCRATCH)
+        try:
+            return tier.get(chunk_id, memoryview(scratch))
+        except ValueError:  # larger than the scratch buffer
+            return tier.get(chunk_id)
 
     def _base(self, base_id: str) -> bytes:
         with self._lock:
@@ -104,15 +118,22 @@ class ChunkFetcher:
         bad: list[TierSlot] = []
         errors: list[str] = []
         any_corrupt = False
+        newer: FormatVersionError | None = None
         for slot in slots:
             tier = slot.tier
             if tier is None:
                 continue
             try:
-                blob = tier.get(chunk_id)
+                blob = self._read(tier, chunk_id)
                 raw = decode_blob(blob, chunk_id, base_lookup=self._base, out=out)
-            except FormatVersionError:
-                raise
+                if raw.obj is getattr(self._local, "buf", None):
+                    raw = memoryview(bytes(raw))  # the scratch buffer is reused by the next read
+            except FormatVersionError as exc:
+                # a newer writer's copy, or a damaged version byte: another tier may still
+                # hold a copy this reader can use; refuse only if none does
+                newer = exc
+                errors.append(f"{slot.name}: {exc}")
+                continue
             except BlobCorrupt as exc:
                 any_corrupt = True
                 bad.append(slot)
@@ -139,6 +160,8 @@ class ChunkFetcher:
                 self._repair(chunk_id, raw, bad)
             return raw, slot.name
         detail = "; ".join(errors) or "no tier to read from"
+        if newer is not None:
+            raise newer
         if any_corrupt:
             raise BlobCorrupt(f"no intact copy of chunk ({detail})", key=chunk_id)
         raise NotFound(f"chunk is in no reachable tier ({detail})", key=chunk_id)
