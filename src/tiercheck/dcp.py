@@ -662,6 +662,7 @@ class TierWriter(StorageWriter):
         self._pending = None
         self._pending_results = []
         self._ref = CheckpointRef()
+        self.checkpoint_id = None
         self._step = None
         if self._ephemeral:
             self.close()
@@ -815,9 +816,8 @@ class TierWriter(StorageWriter):
         return not isinstance(checkpoint_id, os.PathLike) and _valid_id(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
-        # no checkpoint_id: the step is the version's own; a varying-length id would change
-        # the metadata entry's size and with it the layout (forcing a base version)
-        return StorageMeta(save_id=uuid.uuid4().hex)
+        cid = None if self.checkpoint_id is None else str(self.checkpoint_id)
+        return StorageMeta(checkpoint_id=cid, save_id=uuid.uuid4().hex)
 
 
 # --- the reader -------------------------------------------------------------------------
