@@ -55,7 +55,8 @@ def render() -> str:
     try:
         parts = [HEADER]
         for path, parser in _subcommands(build_parser(), ["tiercheck"]):
-            parts.append(f"## `{' '.join(path)}`\n\n```text\n{parser.format_help().rstrip()}\n```\n")
+            text = parser.format_help().rstrip()
+            parts.append(f"## `{' '.join(path)}`\n\n```text\n{text}\n```\n")
         return "\n".join(parts)
     finally:
         if old is None:
