@@ -80,6 +80,9 @@ class ChunkFetcher:
 
     def _read(self, tier: Tier, chunk_id: str) -> memoryview:
         """Read a blob into this thread's reusable buffer (no fresh pages per chunk)."""
+        if getattr(self._local, "in_base", 0):
+            # a delta's base: the delta blob being decoded still occupies the scratch buffer
+            return tier.get(chunk_id)
         scratch: bytearray | None = getattr(self._local, "buf", None)
         if scratch is None:
             scratch = self._local.buf = bytearray(_SCRATCH)
@@ -93,7 +96,11 @@ class ChunkFetcher:
             cached = self._bases.get(base_id)
         if cached is not None:
             return cached
-        data = bytes(self.fetch(base_id)[0])
+        self._local.in_base = getattr(self._local, "in_base", 0) + 1
+        try:
+            data = bytes(self.fetch(base_id)[0])
+        finally:
+            self._local.in_base -= 1
         with self._lock:
             if len(self._bases) > 64:
                 self._bases.clear()
