@@ -1,0 +1,131 @@
+"""Two nodes on one machine: two concurrent ``torchrun --nnodes 2 --node-rank 0|1`` launches
+with a static rendezvous on 127.0.0.1, gloo, CPU.
+
+Each launch is a node: ``GROUP_RANK`` differs, node-local tiers sit under that node's
+directories (``{node}`` in the tier URLs), so wiping node 1's directories loses its shm and
+LMDB for real. Node 1 must then restore from its partner on node 0 (``collective://``, the
+default partner map) and the shared remote tier, bit-exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKER = Path(__file__).parent / "dist_scripts" / "node_worker.py"
+pytestmark = pytest.mark.timeout(120)
+STEPS = 5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    shm = Path(f"/dev/shm/tiercheck-nodes-{uuid.uuid4().hex[:10]}")
+    yield tmp_path, shm
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def two_nodes(nproc: int, phase: str, root: Path, shm: Path) -> list[dict[str, Any]]:
+    """Run both nodes' torchrun launches concurrently; return every rank's events."""
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                str(nproc),
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                str(WORKER),
+                phase,
+                "--root",
+                str(root),
+                "--shm-root",
+                str(shm),
+                "--steps",
+                str(STEPS),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for node in (0, 1)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=90)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    events = []
+    for path in sorted(root.glob(f"events-{phase}-*.jsonl")):
+        events += [json.loads(line) for line in path.read_text().splitlines()]
+        path.unlink()
+    codes = [proc.returncode for proc in procs]
+    assert codes == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    return events
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_node_lost_restores_from_partner_on_other_node_and_remote(
+    dirs: tuple[Path, Path], nproc: int
+) -> None:
+    root, shm = dirs
+    world = 2 * nproc
+    events = two_nodes(nproc, "save", root, shm)
+    acks = [e for e in events if e["event"] == "ack"]
+    assert len(acks) == world * STEPS
+    for e in acks:
+        # the node is torchrun's GROUP_RANK, and the partner lives on the other node
+        assert e["node"] == e["group_rank"] == e["rank"] // nproc
+        assert e["local_rank"] == e["rank"] % nproc
+        assert e["partner"] == (e["rank"] + nproc) % world
+        assert e["partner"] // nproc != e["node"]
+    assert {(e["rank"], e["step"]) for e in acks} == {
+        (r, s) for r in range(world) for s in range(1, STEPS + 1)
+    }
+    for e in acks:  # node-local LMDB takes base versions only (its default placement)
+        assert e["tiers"]["shm"] == e["tiers"]["peer"] == "committed", e
+        assert e["tiers"]["lmdb"] == ("committed" if e["role"] == "base" else "skipped"), e
+    # node 1 is replaced: its shared memory and local disk are gone
+    assert (shm / "node1").is_dir() and (root / "node1").is_dir()
+    shutil.rmtree(shm / "node1")
+    shutil.rmtree(root / "node1")
+
+    restored = {e["rank"]: e for e in two_nodes(nproc, "restore", root, shm)}
+    assert sorted(restored) == list(range(world))
+    for e in restored.values():
+        assert e["step"] == STEPS and e["exact"], e
+        if e["node"] == 0:
+            assert e["source"] == "shm", e
+        else:
+            assert e["source"] == "peer", e
+            assert set(e["chunks_from"]) <= {"peer", "remote"}, e
