@@ -1,0 +1,457 @@
+"""Tables and plots of a ``benchmarks/run.py`` result: stdout, docs/benchmarks.md and
+docs/benchmarks/*.png (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "bytes":
+        return f"{value / MIB:,.1f} MiB" if value < 10 * GIB else f"{value / GIB:.2f} GiB"
+    if unit == "s":
+        return f"{value * 1e3:,.1f} ms" if value < 10 else f"{value:.1f} s"
+    return f"{value:.3f} {unit}"
+
+
+def _ratio(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x"
+
+
+def comparison_rows(res: dict[str, Any]) -> list[list[str]]:
+    units = {k: v["unit"] for k, v in res["metrics"].items()}
+    rows = []
+    for c in res["comparisons"]:
+        target = "-" if c["target"] is None else f"<= {c['target']:g}x"
+        met = {True: "yes", False: "**no**", None: "-"}[c["met"]]
+        rows.append(
+            [
+                c["name"],
+                _fmt(c["tiercheck_value"], units.get(c["tiercheck"], "s")),
+                _fmt(c["peer_value"], units.get(c["peer"], "s")),
+                _ratio(c["ratio"]),
+                target,
+                met,
+            ]
+        )
+    return rows
+
+
+def metric_rows(res: dict[str, Any], docs: dict[str, str]) -> list[list[str]]:
+    rows = []
+    for k, m in res["metrics"].items():
+        runs = m["runs"]
+        spread = (
+            f"{_fmt(min(runs), m['unit'])} .. {_fmt(max(runs), m['unit'])}"
+            if len(runs) > 1 and None not in runs
+            else ""
+        )
+        rows.append([f"`{k}`", _fmt(m["median"], m["unit"]), spread, docs.get(k, "")])
+    return rows
+
+
+def bpv_rows(res: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for scen, b in res["bytes_per_version"].items():
+        if "status" in b:
+            rows.append([scen, b["status"], "", "", "", "", "", b["reason"]])
+            continue
+        full = b["torch_save_bytes"]
+
+        def cell(x: float | None, full: float = full) -> str:
+            return "n/a" if x is None else f"{x / MIB:.2f} MiB ({x / full:.3f}x)"
+
+        rows.append(
+            [
+                scen,
+                f"{b['trainable_params'] / 1e6:.2f} M of {b['params'] / 1e6:.2f} M",
+                f"{full / MIB:.2f} MiB",
+                cell(b["base_shm_bytes"]),
+                cell(b["diff_shm_bytes"]),
+                cell(b["diff_delta_bytes"]),
+                cell(b["base_remote_bytes"]),
+                "",
+            ]
+        )
+    return rows
+
+
+def sweep_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    keys = [k for k in res["sweep"][0] if k != "state_bytes"] if res["sweep"] else []
+    head = ["state", *[f"`{k}`" for k in keys]]
+    rows = []
+    for row in res["sweep"]:
+        rows.append(
+            [
+                _fmt(row["state_bytes"], "bytes"),
+                *[_fmt(row[k], "bytes" if k.endswith("bytes") else "s") for k in keys],
+            ]
+        )
+    return head, rows
+
+
+def _md(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def print_table(res: dict[str, Any]) -> None:
+    head = ["comparison", "tiercheck", "peer", "ratio", "target", "met"]
+    rows = comparison_rows(res)
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    t = res["training"]
+    print(
+        f"training {t['steps']} steps: none {t['none_s']:.2f} s, "
+        f"tiercheck {t['tiercheck_s']:.2f} s "
+        f"({t['tiercheck_slowdown']:.2f}x), dcp async {t['dcp_async_s']:.2f} s "
+        f"({t['dcp_async_slowdown']:.2f}x)"
+    )
+
+
+# --- plots ----------------------------------------------------------------------------------
+
+
+def _bars(ax: Any, labels: list[str], values: list[float], colors: list[str], unit: str) -> None:
+    ys = list(range(len(labels)))
+    ax.barh(ys, values, color=colors)
+    ax.set_yticks(ys, labels)
+    ax.invert_yaxis()
+    top = max([v for v in values if v == v] or [1.0])
+    for y, v in zip(ys, values):
+        if v == v:
+            ax.text(v + top * 0.01, y, _fmt(v, unit), va="center", fontsize=8)
+    ax.set_xlim(0, top * 1.25)
+
+
+TC = "#1b7837"
+PEER = "#762a83"
+REF = "#999999"
+
+
+def _m(res: dict[str, Any], k: str) -> float:
+    v = res["metrics"].get(k, {}).get("median")
+    return float("nan") if v is None else float(v)
+
+
+def plot_save(res: dict[str, Any], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    gib = res["state"]["bytes"] / GIB
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    items = [
+        ("tiercheck save() blocked (first)", "tc_blocked_first_s", TC),
+        ("tiercheck save() blocked", "tc_blocked_s", TC),
+        ("DCP async_save blocked (first)", "dcp_async_blocked_first_s", PEER),
+        ("DCP async_save blocked", "dcp_async_blocked_s", PEER),
+        ("tiercheck staged", "tc_staged_s", TC),
+        ("DCP async staged", "dcp_async_staged_s", PEER),
+        ("plain copy, warm buffer", "copy_warm_s", REF),
+        ("plain copy, fresh memory", "copy_fresh_s", REF),
+    ]
+    _bars(
+        axes[0], [i[0] for i in items], [_m(res, i[1]) for i in items], [i[2] for i in items], "s"
+    )
+    axes[0].set_xlabel("seconds")
+    axes[0].set_title(f"Time the trainer waits ({gib:.2f} GiB state)")
+    items = [
+        ("tiercheck committed: shm", "tc_committed_shm_s", TC),
+        ("tiercheck committed: LMDB", "tc_committed_lmdb_s", TC),
+        ("tiercheck committed: file (zstd)", "tc_committed_file_s", TC),
+        ("tiercheck default store: shm+LMDB", "tc_committed_default_s", TC),
+        ("tiercheck default: migrated to remote", "tc_migrated_remote_s", TC),
+        ("torch.save -> /dev/shm", "torch_save_shm_s", PEER),
+        ("torch.save -> disk + fsync", "torch_save_disk_fsync_s", PEER),
+        ("safetensors -> /dev/shm", "safetensors_save_shm_s", PEER),
+        ("dcp.save -> disk", "dcp_save_disk_s", PEER),
+        ("DCP async -> disk committed", "dcp_async_committed_disk_s", PEER),
+    ]
+    _bars(
+        axes[1], [i[0] for i in items], [_m(res, i[1]) for i in items], [i[2] for i in items], "s"
+    )
+    axes[1].set_xlabel("seconds")
+    axes[1].set_title("Time until the checkpoint is committed / written")
+    fig.tight_layout()
+    fig.savefig(out / "save.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_restore(res: dict[str, Any], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    s3 = res["metrics"].get("s3_state_bytes", {}).get("median")
+    s3_note = f" ({s3 / MIB:.0f} MiB state)" if s3 else ""
+    items = [
+        ("tiercheck restore: shm", "tc_restore_shm_s", TC),
+        ("tiercheck restore: LMDB", "tc_restore_lmdb_s", TC),
+        ("tiercheck restore: file", "tc_restore_file_s", TC),
+        ("torch.load <- /dev/shm", "torch_load_shm_s", PEER),
+        ("dcp.load <- /dev/shm", "dcp_load_shm_s", PEER),
+        ("safetensors load <- /dev/shm", "safetensors_load_shm_s", PEER),
+    ]
+    _bars(ax, [i[0] for i in items], [_m(res, i[1]) for i in items], [i[2] for i in items], "s")
+    ax.set_xlabel("seconds")
+    ax.set_title(
+        f"Restore ({res['state']['bytes'] / GIB:.2f} GiB; s3 via moto{s3_note}: "
+        f"{_fmt(_m(res, 'tc_restore_s3_s'), 's')})"
+    )
+    fig.tight_layout()
+    fig.savefig(out / "restore.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_ratios(res: dict[str, Any], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    comps = [c for c in res["comparisons"] if c["ratio"] is not None]
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(comps) + 1.2))
+    ys = list(range(len(comps)))
+    colors = [TC if c["met"] is True else ("#d73027" if c["met"] is False else REF) for c in comps]
+    ax.barh(ys, [c["ratio"] for c in comps], color=colors)
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", lw=0.8)
+    for y, c in zip(ys, comps):
+        if c["target"] is not None:
+            ax.plot([c["target"]] * 2, [y - 0.4, y + 0.4], color="black", lw=2)
+        ax.text(c["ratio"] * 1.05, y, f"{c['ratio']:.2f}x", va="center", fontsize=8)
+    ax.set_yticks(ys, [c["name"] for c in comps], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(
+        "tiercheck / peer (log; < 1 is better for tiercheck). Black tick: target. "
+        "Green: target met, red: missed, grey: no target"
+    )
+    ax.set_title("Ratios, tiercheck / peer, same run")
+    fig.tight_layout()
+    fig.savefig(out / "ratios.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(res: dict[str, Any], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    sw = res["sweep"]
+    if not sw:
+        return
+    x = [r["state_bytes"] / GIB for r in sw]
+    panels = [
+        (
+            "Blocked in save",
+            [("tiercheck", "tc_blocked_s", TC), ("DCP async", "dcp_async_blocked_s", PEER)],
+        ),
+        (
+            "Until staged (state may change)",
+            [
+                ("tiercheck", "tc_staged_s", TC),
+                ("DCP async", "dcp_async_staged_s", PEER),
+                ("plain copy (warm)", "copy_warm_s", REF),
+            ],
+        ),
+        (
+            "Until committed",
+            [
+                ("tiercheck at shm", "tc_committed_shm_s", TC),
+                ("torch.save /dev/shm", "torch_save_shm_s", PEER),
+                ("DCP async (disk)", "dcp_async_committed_disk_s", "#c2a5cf"),
+            ],
+        ),
+        (
+            "Restore",
+            [
+                ("tiercheck from shm", "tc_restore_shm_s", TC),
+                ("torch.load /dev/shm", "torch_load_shm_s", PEER),
+            ],
+        ),
+        (
+            "Peak extra RSS / state",
+            [
+                ("tiercheck", "tc_peak_extra_rss_bytes", TC),
+                ("DCP async", "dcp_async_peak_extra_rss_bytes", PEER),
+            ],
+        ),
+    ]
+    fig, grid = plt.subplots(2, 3, figsize=(13, 7.5))
+    axes = list(grid.flat)
+    axes[-1].axis("off")
+    for ax, (title, lines) in zip(axes, panels):
+        for label, key, color in lines:
+            ys = [r[key] for r in sw]
+            if key.endswith("bytes"):
+                ys = [None if y is None else y / r["state_bytes"] for y, r in zip(ys, sw)]
+            ax.plot(
+                x, [float("nan") if y is None else y for y in ys], "o-", label=label, color=color
+            )
+        ax.set_xscale("log")
+        ax.set_xticks(x, [f"{v * 1024:.0f}" for v in x])
+        ax.minorticks_off()
+        if not lines[0][1].endswith("bytes"):
+            ax.set_yscale("log")
+            ax.set_ylabel("seconds")
+        else:
+            ax.set_ylabel("x state size")
+            ax.axhline(1.5, color="black", lw=0.8, ls="--")
+        ax.set_xlabel("state MiB")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_bytes(res: dict[str, Any], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    scen = [(k, v) for k, v in res["bytes_per_version"].items() if "status" not in v]
+    if not scen:
+        return
+    series = [
+        ("torch.save / DCP (every version)", "torch_save_bytes", PEER),
+        ("tiercheck base, shm (raw)", "base_shm_bytes", "#a6dba0"),
+        ("tiercheck diff, shm (raw, dedup)", "diff_shm_bytes", TC),
+        ("tiercheck diff, delta tier", "diff_delta_bytes", "#00441b"),
+        ("tiercheck base, remote (zstd)", "base_remote_bytes", REF),
+    ]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.16
+    for i, (label, key, color) in enumerate(series):
+        xs = [j + (i - 2) * width for j in range(len(scen))]
+        ys = [(v[key] or 0) / MIB for _, v in scen]
+        ax.bar(xs, ys, width, label=label, color=color)
+        for x, y, (_, v) in zip(xs, ys, scen):
+            ax.text(
+                x,
+                y,
+                f"{y / (v['torch_save_bytes'] / MIB):.2f}x",
+                ha="center",
+                va="bottom",
+                fontsize=6,
+                rotation=90,
+            )
+    ax.set_xticks(
+        range(len(scen)), [f"{k}\n({v['trainable_params'] / 1e6:.2f} M trainable)" for k, v in scen]
+    )
+    ax.set_ylabel("MiB written per version")
+    ax.set_title("Bytes written per version (labels: ratio to a torch.save file)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "bytes_per_version.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_training(res: dict[str, Any], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    t = res["training"]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    labels = ["no checkpoints", "tiercheck every step", "DCP async_save every step"]
+    vals = [t["none_s"], t["tiercheck_s"], t["dcp_async_s"]]
+    _bars(ax, labels, vals, [REF, TC, PEER], "s")
+    for y, v in enumerate(vals):
+        ax.text(
+            v * 0.5,
+            y,
+            f"{v / t['none_s']:.2f}x",
+            va="center",
+            color="white",
+            fontsize=9,
+            weight="bold",
+        )
+    ax.set_xlabel(f"seconds for {t['steps']} steps")
+    ax.set_title("Training overhead (demo model)")
+    fig.tight_layout()
+    fig.savefig(out / "training.png", dpi=110)
+    plt.close(fig)
+
+
+def write_docs(
+    res: dict[str, Any], docs: Path, fields: dict[str, str], metric_docs: dict[str, str]
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    img = docs / "benchmarks"
+    img.mkdir(parents=True, exist_ok=True)
+    for fn in (plot_save, plot_restore, plot_ratios, plot_sweep, plot_bytes, plot_training):
+        fn(res, img)
+    m = res["machine"]
+    st = res["state"]
+    t = res["training"]
+    sweep_head, sweep_body = sweep_rows(res)
+    versions = res["bytes_per_version"]["dense"].get("versions", "")
+    bpv_head = ["scenario", "trainable", "torch.save", "base, shm", "diff, shm"]
+    bpv_head += ["diff, delta tier", "base, remote", "note"]
+    text = f"""# Benchmarks
+
+Generated by `python benchmarks/run.py` on {res["created"]} ({m["cpus"]} CPUs,
+{m["memory_gib"]} GiB, Python {m["python"]}, torch {m["torch"]}, tiercheck
+{m["tiercheck"]}; load average {m["loadavg_start"][0]:.1f} at the start,
+{m["loadavg_end"][0]:.1f} at the end). Every number is the median of {res["repeats"]}
+runs in the same process, one system after the other, on the same state:
+{st["params"] / 1e6:.1f} M parameters + AdamW moments, {st["bytes"] / GIB:.2f} GiB
+({st["tensors"]} tensors). Raw data: `benchmarks/results/latest.json`.
+
+tiercheck rows use one store per tier (that tier alone, every save a base written
+synchronously, its default codec: raw for shm and LMDB, zstd for file and s3), the state
+changed densely between saves (so every chunk is new), and `prepare(state)` called once
+before the first save. The default store row is `Checkpointer(root)`: shm and LMDB
+synchronous, bases migrated to the `file://` remote tier in the background.
+
+## Targets (issue 3) and ratios
+
+![ratios](benchmarks/ratios.png)
+
+{_md(["comparison", "tiercheck", "peer", "ratio", "target", "met"], comparison_rows(res))}
+
+![save](benchmarks/save.png)
+
+![restore](benchmarks/restore.png)
+
+## Bytes written per version
+
+Real training of the demo model (`tiercheck.demo`), {versions} versions, base every 10.
+The `delta` tier is a memory tier with the delta codec (XOR
+against the base's chunk, byte-shuffle, zstd), as the peer tier uses; the remote tier gets
+bases only, zstd. Ratios are to the size of a `torch.save` file of the same state (DCP
+writes the same amount every version).
+
+{_md(bpv_head, bpv_rows(res))}
+
+![bytes](benchmarks/bytes_per_version.png)
+
+## State-size sweep
+
+{_md(sweep_head, sweep_body)}
+
+![sweep](benchmarks/sweep.png)
+
+## Training overhead
+
+The demo model trained {t["steps"]} steps with no checkpoints ({t["none_s"]:.2f} s), with
+tiercheck saving every step to the default tiers ({t["tiercheck_s"]:.2f} s,
+**{t["tiercheck_slowdown"]:.2f}x**), and with `dcp.async_save` + `DefaultStager` every
+step to /dev/shm ({t["dcp_async_s"]:.2f} s, **{t["dcp_async_slowdown"]:.2f}x**).
+
+![training](benchmarks/training.png)
+
+## Every metric
+
+{_md(["metric", "median", "min .. max", "what"], metric_rows(res, metric_docs))}
+
+## JSON fields (`benchmarks/results/latest.json`, schema {res["schema"]})
+
+{_md(["field", "meaning"], [[f"`{k}`", v] for k, v in fields.items()])}
+
+Metric names (under `metrics`) end in `_s` (seconds), `_bytes` or `_s_per_gib`; names
+starting `tc_` are tiercheck's. `sweep` rows carry a subset of the same names. Names are
+kept across versions; new ones are only added.
+"""
+    (docs / "benchmarks.md").write_text(text)
