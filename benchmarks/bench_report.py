@@ -225,11 +225,11 @@ def plot_ratios(res: dict[str, Any], out: Path) -> None:
         ax.text(c["ratio"] * 1.05, y, f"{c['ratio']:.2f}x", va="center", fontsize=8)
     ax.set_yticks(ys, [c["name"] for c in comps], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel(
-        "tiercheck / peer (log; < 1 is better for tiercheck). Black tick: target. "
-        "Green: target met, red: missed, grey: no target"
+    ax.set_xlabel("tiercheck / peer (log scale; < 1: tiercheck better)")
+    ax.set_title(
+        "Ratios tiercheck / peer, same run (black tick: target; green met, red missed)",
+        fontsize=10,
     )
-    ax.set_title("Ratios, tiercheck / peer, same run")
     fig.tight_layout()
     fig.savefig(out / "ratios.png", dpi=110)
     plt.close(fig)

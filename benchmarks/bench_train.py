@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_lib import SHM, dcp_stager, disk_dir, median, shm_cleanup
+from bench_lib import SHM, dcp_stager, dir_bytes, disk_dir, median, shm_cleanup
 from torch import nn
 
 import tiercheck
@@ -99,9 +99,9 @@ def bytes_per_version(scenario: str, versions: int) -> dict[str, Any]:
             rows.append(
                 {"role": r.role, "logical": r.logical_bytes, "bytes": dict(r.bytes_written)}
             )
-        remote = {
-            v.id: v.stored_bytes for v in ckpt.history() if v.tiers.get("remote") == "committed"
-        }
+        ckpt.wait_migrations()
+        bases_remote = sum(1 for v in ckpt.history() if v.tiers.get("remote") == "committed")
+        remote_total = dir_bytes(root / "remote")
         with tempfile.TemporaryDirectory(dir=SHM) as d:
             torch.save({"model": tr.model.state_dict(), "optim": tr.optim.state_dict()}, f"{d}/x")
             torch_bytes = Path(f"{d}/x").stat().st_size
@@ -123,7 +123,8 @@ def bytes_per_version(scenario: str, versions: int) -> dict[str, Any]:
         for tier in ("shm", "delta", "lmdb"):
             xs = [float(r["bytes"][tier]) for r in sel if tier in r["bytes"]]
             out[f"{role}_{tier}_bytes"] = median(xs) if xs else None
-    out["base_remote_bytes"] = median([float(x) for x in remote.values()]) if remote else None
+    # the remote tier's bytes on disk (blobs, manifests, log) per base it holds
+    out["base_remote_bytes"] = remote_total / bases_remote if bases_remote else None
     return out
 
 
