@@ -239,6 +239,8 @@ def fetch_into(
         ref = manifest.chunks[ref_index]
         lo, hi = ref.offset, ref.offset + ref.length
         k = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while k > 0 and starts[k - 1] == starts[k]:  # a zero-size entry shares its offset
+            k -= 1
         overlaps = []
         while k < len(entries):
             e = manifest.entries[entries[k]]
