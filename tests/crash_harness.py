@@ -104,8 +104,8 @@ def bit_mismatch(got: Any, want: Any, key: str = "") -> str | None:
         assert isinstance(got, torch.Tensor)
         if got.dtype != want.dtype or got.shape != want.shape:
             return f"{key}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
-        a = got.contiguous().view(torch.uint8) if got.numel() else got
-        b = want.contiguous().view(torch.uint8) if want.numel() else want
+        a = got.contiguous().reshape(-1).view(torch.uint8)
+        b = want.contiguous().reshape(-1).view(torch.uint8)
         return None if torch.equal(a, b) else f"{key}: tensor bits differ"
     if isinstance(want, dict):
         assert isinstance(got, dict)
@@ -239,11 +239,11 @@ def install_kill_point(point: str, nth: int) -> None:
         def hook(event: FaultEvent) -> None:
             _die()
 
-        plan.hook(hook, op, nth=nth, count=1, after=when == "after")  # type: ignore[arg-type]
+        plan.hook(hook, op, nth=nth, count=1, after=when == "after")  # type: ignore[arg-type,unused-ignore]
         return FaultyTier(inner, plan)
 
     tier_name_scheme = {"shm": "shm", "lmdb": "lmdb", "remote": "file"}[tier_name]
-    tierset_mod.open_tier = open_with_hook  # type: ignore[assignment]
+    tierset_mod.open_tier = open_with_hook  # type: ignore[assignment,unused-ignore]
 
 
 def choose_kill(rng: random.Random, steps: int) -> tuple[str, int]:

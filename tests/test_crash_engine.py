@@ -83,14 +83,13 @@ def test_sigkill_at_random_points_loses_nothing(tmp_path: Path) -> None:
     assert {"ack", "put", "append", "delete", "gc", "migrate"} <= points
 
 
-def _run(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(HARNESS), *args],
         capture_output=True,
         text=True,
         check=False,
         timeout=120,
-        **kw,  # type: ignore[arg-type]
     )
 
 

@@ -57,7 +57,7 @@ def assert_same(got: Any, want: Any) -> None:
 # --- the wrapper ------------------------------------------------------------------------------
 
 
-class TestFaultyTierConformance(TierConformance):
+class TestFaultyTierConformance(TierConformance):  # type: ignore[misc,unused-ignore]
     """With an empty plan the wrapper is transparent: it passes the whole tier contract."""
 
     def make_tier(self, tmp_path: Path) -> Tier:
@@ -148,7 +148,7 @@ def test_corrupt_blob_in_each_tier_detected_fallback_repaired(
     rng = random.Random(f"{victim}{how}")
     victims = [manifest.chunks[0].id, info.shards[0]]  # a chunk and the manifest itself
     for bid in victims:
-        slot.tier.put(bid, damage_bytes(slot.tier.get(bid), how, rng), overwrite=True)  # type: ignore[arg-type]
+        slot.tier.put(bid, damage_bytes(slot.tier.get(bid), how, rng), overwrite=True)  # type: ignore[arg-type,unused-ignore]
     assert any(victim in p for p in check_store(ckpt))  # detected
     others = [s for s in ckpt.tierset.by_speed() if s is not slot]
     fetcher = ChunkFetcher([slot, *others], repair=True)
