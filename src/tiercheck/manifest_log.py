@@ -103,17 +103,28 @@ class Catalog:
     def holders(self, version: int) -> list[str]:
         return [name for name, tl in self.logs.items() if tl.holds(version)]
 
-    def restorable(self, version: int, *, _depth: int = 0) -> bool:
+    def restorable(self, version: int) -> bool:
         """Held by a reachable tier, and (for a diff) its base is restorable too."""
-        info = self.versions.get(version)
-        if info is None or not self.holders(version) or _depth > 1000:
-            return False
-        if info.role == "diff" and info.base is not None:
-            return self.restorable(info.base, _depth=_depth + 1)
-        return True
+        return version in self._restorable_set(self.versions)
 
     def restorable_versions(self) -> list[int]:
-        return [v for v in self.versions if self.restorable(v)]
+        versions = self.versions
+        good = self._restorable_set(versions)
+        return [v for v in versions if v in good]
+
+    def _restorable_set(self, versions: Mapping[int, VersionInfo]) -> set[int]:
+        held: set[int] = set()
+        for tl in self.logs.values():
+            held.update(v for v in tl.committed if v not in tl.dropped)
+        good: set[int] = set()
+        for vid in sorted(versions):  # a base always has a smaller id than its diffs
+            info = versions[vid]
+            if vid not in held:
+                continue
+            if info.role == "diff" and info.base is not None and info.base not in good:
+                continue
+            good.add(vid)
+        return good
 
 
 def read_tier_log(name: str, tier: Tier) -> TierLog:
