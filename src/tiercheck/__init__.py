@@ -6,26 +6,53 @@ The public API::
     h = ckpt.save(step, {"model": model, "optim": opt, "rng": tiercheck.rng_state()})
     h.wait_staged(); h.wait()
     info = ckpt.restore({"model": model, "optim": opt})
+
+The engine's names are imported on first use (PEP 562), so that tier-only users — the
+``tiercheck peer serve`` daemon, third-party tiers, ``open_tier`` — do not import torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from tiercheck import errors
 from tiercheck.backends import Capabilities, FailureDomain, Tier, open_tier, register_tier
-from tiercheck.checkpointer import (
-    Checkpointer,
-    RestoreInfo,
-    SaveHandle,
-    SaveResult,
-    VersionSummary,
-)
-from tiercheck.config import TierSpec
-from tiercheck.placement import Policy, TierPolicy
-from tiercheck.rng import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from tiercheck.checkpointer import (
+        Checkpointer,
+        RestoreInfo,
+        SaveHandle,
+        SaveResult,
+        VersionSummary,
+    )
+    from tiercheck.config import TierSpec
+    from tiercheck.history import Diff, Version
+    from tiercheck.placement import Policy, TierPolicy
+    from tiercheck.rng import rng_state, set_rng_state
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Checkpointer": "tiercheck.checkpointer",
+    "RestoreInfo": "tiercheck.checkpointer",
+    "SaveHandle": "tiercheck.checkpointer",
+    "SaveResult": "tiercheck.checkpointer",
+    "VersionSummary": "tiercheck.checkpointer",
+    "TierSpec": "tiercheck.config",
+    "Diff": "tiercheck.history",
+    "Version": "tiercheck.history",
+    "Policy": "tiercheck.placement",
+    "TierPolicy": "tiercheck.placement",
+    "rng_state": "tiercheck.rng",
+    "set_rng_state": "tiercheck.rng",
+}
 
 __all__ = [
     "Capabilities",
     "Checkpointer",
+    "Diff",
     "FailureDomain",
     "Policy",
     "RestoreInfo",
@@ -34,6 +61,7 @@ __all__ = [
     "Tier",
     "TierPolicy",
     "TierSpec",
+    "Version",
     "VersionSummary",
     "__version__",
     "errors",
@@ -42,3 +70,16 @@ __all__ = [
     "rng_state",
     "set_rng_state",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiercheck' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
