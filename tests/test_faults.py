@@ -220,8 +220,8 @@ def test_remote_down_during_saves_and_migration(
     assert ckpt.wait_migrations() is True
     tiers = {v.id: v.tiers for v in ckpt.history()}
     assert tiers[3]["s3"] == "committed" and tiers[0]["s3"] == "committed"
-    ckpt.save(5, state_of(5)).wait()  # and saves reach the remote tier again
-    assert ckpt.refresh().logs["s3sync"].holds(5)
+    r5 = ckpt.save(5, state_of(5), role="base").wait()  # and saves reach the remote again
+    assert r5.tiers["s3sync"] == "committed" and ckpt.refresh().logs["s3sync"].holds(5)
     for vid, step in ((3, 3), (0, 0)):
         assert_same(ckpt.restore(None, version=vid, tiers=["s3"]).state, state_of(step))
     assert_same(ckpt.restore(None).state, state_of(5))
