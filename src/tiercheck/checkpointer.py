@@ -892,6 +892,8 @@ class Checkpointer:
                 state=self._gc,
                 grace=self.policy.gc_grace_seconds,
                 dry_run=dry_run,
+                # a per-rank tier holds this rank's shards only: other manifests are elsewhere
+                rank=None if slot.tier is None or slot.tier.capabilities.shared else self.rank,
             )
 
     def gc(self, *, dry_run: bool = False) -> list[GCReport]:

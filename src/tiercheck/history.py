@@ -944,7 +944,13 @@ def collect(
         if tl is not None:
             reports.append(
                 collect_garbage(
-                    slot, tl, fetcher.manifest, state=state, grace=grace, dry_run=dry_run
+                    slot,
+                    tl,
+                    fetcher.manifest,
+                    state=state,
+                    grace=grace,
+                    dry_run=dry_run,
+                    rank=None if slot.tier is None or slot.tier.capabilities.shared else store.rank,
                 )
             )
     return reports

@@ -74,12 +74,18 @@ class GCReport:
 
 
 def mark(
-    tl: TierLog, manifest: Callable[[str], ShardManifest], extra: Iterable[str] = ()
+    tl: TierLog,
+    manifest: Callable[[str], ShardManifest],
+    extra: Iterable[str] = (),
+    *,
+    rank: int | None = None,
 ) -> set[str]:
-    """Every blob id the tier must keep."""
+    """Every blob id the tier must keep. ``rank``: the tier holds only that rank's shard of
+    each version (a per-rank tier of a multi-rank job); ``None``: every shard (shared)."""
     live: set[str] = set(extra)
     for v in tl.held():
-        for mid in tl.committed[v].shards:
+        shards = tl.committed[v].shards
+        for mid in shards if rank is None else shards[rank : rank + 1]:
             live.add(mid)
             live.update(c.id for c in manifest(mid).chunks)
     # delta bases, transitively
@@ -103,11 +109,13 @@ def collect_garbage(
     grace: float,
     dry_run: bool = False,
     now: float | None = None,
+    rank: int | None = None,
 ) -> GCReport:
-    """Sweep ``slot``'s unreferenced blobs that are past the grace period."""
+    """Sweep ``slot``'s unreferenced blobs that are past the grace period (``rank``: see
+    :func:`mark`)."""
     assert slot.tier is not None
     now = time.time() if now is None else now
-    live = mark(tl, manifest, in_flight)
+    live = mark(tl, manifest, in_flight, rank=rank)
     report = GCReport(slot.name)
     seen = state.first_seen.setdefault(slot.name, {})
     unreferenced = []
