@@ -300,6 +300,7 @@ class Checkpointer:
         self._pinned: dict[int, int] = {}
         self._owned: dict[int, set[str] | None] = {}
         self._info: VersionInfo | None = None
+        self._gc_due: set[str] = {slot.name for slot in self.tierset.slots}
         self.coordinator_timeout = 300.0
         self._migrator: threading.Thread | None = None
         if not read_only:
@@ -875,7 +876,16 @@ class Checkpointer:
                     with self._meta:
                         drop_versions(slot, drops, tl)
                     log.debug("retention dropped %s from %s", drops, slot.name)
-                self._collect(slot, tl, dry_run=False)
+                # Listing a tier is not free (a remote one especially): sweep only after a
+                # drop, while swept candidates wait out their grace, and once after opening
+                # (for what a crashed writer left behind).
+                if drops or slot.name in self._gc_due:
+                    report = self._collect(slot, tl, dry_run=False)
+                    with self._meta:
+                        if report.waiting:
+                            self._gc_due.add(slot.name)
+                        else:
+                            self._gc_due.discard(slot.name)
             except TiercheckError as exc:
                 log.warning("retention/gc on tier %s failed: %s", slot.name, exc)
 
