@@ -74,6 +74,9 @@ def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
         emit(event="ack", step=step, version=r.version, role=r.role, tiers=dict(r.tiers), **where)
     ckpt.wait_migrations(timeout=60)
     dist.barrier()
+    # a GC pass reads only this rank's manifests on its per-rank tiers
+    reports = ckpt.gc(dry_run=True)
+    emit(event="gc", kept={r.tier: r.kept for r in reports}, **where)
 
 
 def restore(args: argparse.Namespace, ckpt: Checkpointer) -> None:
@@ -108,7 +111,9 @@ def main() -> int:
     dist.init_process_group("gloo")
     EVENTS.append(f"{args.root}/events-{args.phase}-{dist.get_rank()}.jsonl")
     node = os.environ["GROUP_RANK"]
-    policy = Policy(base_every=3, chunk_size=64 * 1024, gc_grace_seconds=0)
+    # the default GC grace: rank 0 sweeps the shared tier while other ranks may still be
+    # migrating into it, and only the grace period keeps their new blobs
+    policy = Policy(base_every=3, chunk_size=64 * 1024)
     ckpt = Checkpointer(f"{args.root}/node{node}/store", tiers=specs(args), policy=policy)
     try:
         save(args, ckpt) if args.phase == "save" else restore(args, ckpt)
