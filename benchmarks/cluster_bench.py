@@ -202,7 +202,8 @@ def bench_peer(ranks: int, mib: int, saves: int, transport: str) -> dict[str, An
         args = ["peer", "--transport", transport, "--mib", str(mib), "--saves", str(saves)]
         args += ["--shm-root", str(shm)]
         if transport == "tcp":
-            # one rank's versions: the newest and the one retention drops after its commit
+            # one rank's versions: the newest, and the previous one until retention drops it
+            # after the newest commits (gc_grace_seconds=0), plus room to spare
             daemons = [start_daemon(token, f"{3 * mib + 64}MiB") for _ in range(ranks)]
             args += ["--ports", ",".join(str(p) for _, p in daemons)]
         torchrun(ranks, root, *args, env={"TIERCHECK_PEER_TOKEN": token})

@@ -86,10 +86,11 @@ def run_dedup(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]
                 f"file://{args.root}/remote-{{rank}}",
                 {"survives": "cluster", "shared": False},
             )
+        # the default GC grace: rank 0 sweeps the shared tier after each commit while the
+        # other ranks may already write the next version's blobs there
         policy = Policy(
             base_every=1,
             chunk_size=CHUNK,
-            gc_grace_seconds=0,
             tiers={"remote": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None)},
         )
         saves = []
