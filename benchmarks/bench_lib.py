@@ -348,10 +348,14 @@ def dcp_stager() -> Any:
 def dcp_async(bs: BenchState, where: Path, repeats: int) -> dict[str, Any]:
     """dcp.async_save with a DefaultStager (one stager for every call, as a trainer keeps
     it); ``blocked`` = async_save returning, ``staged`` = staging_completion, ``committed`` =
-    upload_completion (FileSystemWriter, fsync on). The first call is reported apart."""
+    upload_completion (FileSystemWriter, fsync on). The first call is reported apart.
+    Peak extra RSS is relative to before the stager was made (as tiercheck's is relative
+    to before ``prepare``); the stager's shared-memory copy counts once touched."""
     import torch.distributed.checkpoint as dcp
 
     blocked, staged, committed, cpu, rss = [], [], [], [], []
+    gc.collect()
+    base_rss = psutil.Process().memory_info().rss  # before the stager: its copy counts
     stager = dcp_stager()
     try:
         with scratch(where) as d:
@@ -360,6 +364,7 @@ def dcp_async(bs: BenchState, where: Path, repeats: int) -> dict[str, Any]:
                 path = d / f"async-{i}"
                 c0 = cpu_seconds()
                 with PeakRSS() as mem:
+                    mem.base = base_rss
                     t0 = time.perf_counter()
                     resp = dcp.async_save(
                         bs.state,

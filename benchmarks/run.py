@@ -425,7 +425,7 @@ def main() -> int:
         int(float(s) * MIB)
         for s in (args.sizes_mib or ("2,6" if quick else "64,256,1056,2048")).split(",")
     ]
-    train_steps = args.train_steps or (2 if quick else 20)
+    train_steps = args.train_steps or (2 if quick else 12)
     s3_bytes = int((2 if quick else 64) * MIB)
     write_docs = (not quick) if args.docs is None else args.docs
     torch.manual_seed(0)
