@@ -120,16 +120,28 @@ def print_table(res: dict[str, Any]) -> None:
 # --- plots ----------------------------------------------------------------------------------
 
 
-def _bars(ax: Any, labels: list[str], values: list[float], colors: list[str], unit: str) -> None:
+def _bars(
+    ax: Any,
+    labels: list[str],
+    values: list[float],
+    colors: list[str],
+    unit: str,
+    log: bool = False,
+) -> None:
     ys = list(range(len(labels)))
     ax.barh(ys, values, color=colors)
     ax.set_yticks(ys, labels)
     ax.invert_yaxis()
-    top = max([v for v in values if v == v] or [1.0])
+    finite = [v for v in values if v == v and v > 0] or [1.0]
+    top = max(finite)
     for y, v in zip(ys, values):
         if v == v:
-            ax.text(v + top * 0.01, y, _fmt(v, unit), va="center", fontsize=8)
-    ax.set_xlim(0, top * 1.25)
+            ax.text(v * 1.1 if log else v + top * 0.01, y, _fmt(v, unit), va="center", fontsize=8)
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlim(min(finite) / 2, top * 6)
+    else:
+        ax.set_xlim(0, top * 1.25)
 
 
 TC = "#1b7837"
@@ -158,9 +170,14 @@ def plot_save(res: dict[str, Any], out: Path) -> None:
         ("plain copy, fresh memory", "copy_fresh_s", REF),
     ]
     _bars(
-        axes[0], [i[0] for i in items], [_m(res, i[1]) for i in items], [i[2] for i in items], "s"
+        axes[0],
+        [i[0] for i in items],
+        [_m(res, i[1]) for i in items],
+        [i[2] for i in items],
+        "s",
+        log=True,
     )
-    axes[0].set_xlabel("seconds")
+    axes[0].set_xlabel("seconds (log scale)")
     axes[0].set_title(f"Time the trainer waits ({gib:.2f} GiB state)")
     items = [
         ("tiercheck committed: shm", "tc_committed_shm_s", TC),

@@ -417,7 +417,13 @@ def main() -> int:
         default=None,
         help="write docs/benchmarks.md and PNGs (default: on for full runs)",
     )
+    p.add_argument("--render", type=Path, default=None, help="only redraw docs from this JSON")
     args = p.parse_args()
+    if args.render is not None:
+        from bench_report import write_docs as render
+
+        render(json.loads(args.render.read_text()), REPO / "docs", FIELDS, METRICS)
+        return 0
     quick = args.quick
     repeats = args.repeats or (1 if quick else 5)
     state_bytes = int((args.state_mib or (8 if quick else 1056)) * MIB)
