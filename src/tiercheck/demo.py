@@ -645,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Train a small GPT, SIGKILL it, restore from the fastest tier, and "
         "prove the result is bit-identical to an uninterrupted run.",
     )
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     p.add_argument("--crash-at", type=int, default=None, help="kill after this step is committed")
     p.add_argument("--root", type=Path, default=None, help="store root (default: a fresh temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the store and its shm tier")
