@@ -50,6 +50,7 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import lmdb
+
 from tiercheck.backends.base import (
     Buffer,
     Capabilities,
@@ -58,9 +59,8 @@ from tiercheck.backends.base import (
     check_blob_id,
     invalid_url,
 )
-from tiercheck.formats.framing import frame_record, unframe_record
-
 from tiercheck.errors import NotFound, TierError, TierFull
+from tiercheck.formats.framing import frame_record, unframe_record
 
 __all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
 

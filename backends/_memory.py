@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 
 from tiercheck.backends.base import Buffer, Capabilities, FailureDomain, Tier, check_blob_id
 from tiercheck.backends.base import invalid_url as _invalid_url
-
 from tiercheck.errors import NotFound
 
 __all__ = ["MemoryTier"]

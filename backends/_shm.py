@@ -53,9 +53,8 @@ from tiercheck.backends.base import (
     check_blob_id,
     invalid_url,
 )
-from tiercheck.formats.framing import FRAME_HEADER, frame_record, iter_frames
-
 from tiercheck.errors import NotFound, TierError, TierFull
+from tiercheck.formats.framing import FRAME_HEADER, frame_record, iter_frames
 
 __all__ = ["DEFAULT_ROOT", "ShmTier"]
 

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 import zstandard
-from tiercheck.formats import Codec, chunk_id, chunk_ids, decode_blob, encode_blob
 from torch import nn
+
+from tiercheck.formats import Codec, chunk_id, chunk_ids, decode_blob, encode_blob
 
 CHUNK = 4 << 20
 

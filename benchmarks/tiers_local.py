@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import blake3
+
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tiercheck.errors import BlobCorrupt, ConfigError, FormatVersionError, NotFound
 from tiercheck.formats import (
     BLOB_HEADER_SIZE,
     FORMAT_MAJOR,
@@ -25,8 +27,6 @@ from tiercheck.formats import (
     read_header,
 )
 from tiercheck.formats.codecs import _header_check
-
-from tiercheck.errors import BlobCorrupt, ConfigError, FormatVersionError, NotFound
 
 FAST = settings(max_examples=40, deadline=None)
 SLOW = settings(max_examples=15, deadline=None)

@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tiercheck.backends._memory import MemoryTier
-from tiercheck.formats.codecs import Codec, encode_blob
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.backends._memory import MemoryTier
 from tiercheck.errors import (
     CheckpointError,
     ConfigError,
@@ -27,6 +26,7 @@ from tiercheck.errors import (
     TierUnavailable,
     UnsupportedValue,
 )
+from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.manifest_log import read_tier_log
 
 CHUNK = 4096
@@ -289,7 +289,6 @@ def _manifest(store: Checkpointer, mid: str) -> Any:
 
 def test_retention_never_drops_a_base_a_kept_diff_needs() -> None:
     from tiercheck.formats.manifest import VersionInfo
-
     from tiercheck.manifest_log import TierLog
     from tiercheck.retention import plan_drops
 
@@ -414,7 +413,7 @@ def test_default_config_is_written_and_reread(tmp_path: Path) -> None:
     text = (root / "tiercheck.toml").read_text()
     assert "[[tier]]" in text and shm_url in text
     with Checkpointer(root) as again:
-        assert [s.spec.url for s in again.tierset.slots][0] == shm_url
+        assert again.tierset.slots[0].spec.url == shm_url
         assert again.restore(state_of(1)).version == 0
         shm = again.tierset.get("shm").tier
         assert shm is not None

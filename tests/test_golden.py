@@ -18,6 +18,7 @@ from typing import Any
 import blake3
 import pytest
 import zstandard
+
 from tiercheck.formats import (
     Codec,
     chunk_id,

@@ -29,6 +29,7 @@ from typing import Any
 
 import blake3
 import pytest
+
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 

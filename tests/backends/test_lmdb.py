@@ -10,11 +10,11 @@ from urllib.parse import quote
 
 import lmdb
 import pytest
+
 from tiercheck.backends import _lmdb
 from tiercheck.backends._lmdb import LmdbTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-
 from tiercheck.errors import InvalidURL, ReadOnlyTier, TierError, TierFull
 from tiercheck.testing import TierConformance, blob
 

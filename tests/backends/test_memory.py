@@ -6,10 +6,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-
 from tiercheck.errors import InvalidURL
 from tiercheck.testing import TierConformance, blob
 

@@ -10,13 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from tiercheck.backends import _shm
 from tiercheck.backends._shm import ShmTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.formats.framing import frame_record
-
 from tiercheck.errors import InvalidURL, ReadOnlyTier, TierFull
+from tiercheck.formats.framing import frame_record
 from tiercheck.testing import TierConformance, blob
 
 

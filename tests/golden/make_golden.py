@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import zstandard
+
 from tiercheck.formats import Codec, chunk_id, encode_blob, frame_record
 from tiercheck.formats.manifest import (
     AbortRecord,
