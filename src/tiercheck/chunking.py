@@ -2,23 +2,28 @@
 
 Layout rule (SPEC.md, "Packing entries into chunks"): tensor and array entries come first,
 in flatten order, then msgpack/pickle entries; each entry starts at a 64-byte-aligned
-offset, and an entry of at least ``chunk_size`` bytes starts at a chunk boundary. Padding
-is zero. The stream is cut into windows of ``chunk_size`` bytes (the last may be shorter).
+offset. Padding is zero. An entry of at least ``chunk_size`` bytes is a segment of its
+own; the stretches between such entries are segments too; each segment is cut into
+windows of ``chunk_size`` bytes from its start, the last one shorter.
 
-Putting variable-size scalars last keeps every tensor's offset, and so every chunk
-boundary, where it was from one version to the next while only scalars change size:
-unchanged tensors then hash to the same chunk ids and are stored once.
+So a large entry always starts a chunk and ends one (no chunk straddles it, and no padding
+is needed to get there), and small entries share chunks. Putting variable-size scalars
+last keeps every tensor's offset, and so every chunk boundary, where it was from one
+version to the next while only scalars change size: unchanged tensors then hash to the
+same chunk ids and are stored once.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercheck.entries import Leaf
-from tiercheck.formats.manifest import Entry
+from tiercheck.formats.manifest import ChunkRef, Entry
 
-__all__ = ["ALIGN", "DEFAULT_CHUNK_SIZE", "Layout", "chunks_of", "plan_layout"]
+__all__ = ["ALIGN", "DEFAULT_CHUNK_SIZE", "Layout", "chunks_of", "cut_windows", "plan_layout"]
 
 ALIGN = 64
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
@@ -35,12 +40,8 @@ class Layout:
     entries: tuple[Entry, ...]
     stream_bytes: int
     chunk_size: int
-
-    @property
-    def windows(self) -> list[tuple[int, int]]:
-        """``(offset, length)`` of every chunk window."""
-        cs = self.chunk_size
-        return [(o, min(cs, self.stream_bytes - o)) for o in range(0, self.stream_bytes, cs)]
+    windows: tuple[tuple[int, int], ...]
+    """``(offset, length)`` of every chunk window, in stream order."""
 
     def signature(self) -> tuple[int, tuple[tuple[str, int, int], ...]]:
         """What must match for chunk ``i`` of two versions to cover the same tensor bytes.
@@ -63,25 +64,38 @@ def plan_layout(leaves: Sequence[Leaf], chunk_size: int) -> Layout:
     if chunk_size < ALIGN or chunk_size % ALIGN:
         raise ValueError(f"chunk_size must be a positive multiple of {ALIGN}, got {chunk_size}")
     offsets: dict[int, int] = {}
+    cuts = {0}  # segment boundaries
     pos = 0
     order = [i for i, leaf in enumerate(leaves) if leaf.kind in ("tensor", "ndarray")]
     order += [i for i, leaf in enumerate(leaves) if leaf.kind not in ("tensor", "ndarray")]
     for i in order:
         n = leaves[i].nbytes
-        pos = _round_up(pos, chunk_size if n >= chunk_size else ALIGN)
+        pos = _round_up(pos, ALIGN)
         offsets[i] = pos
+        if n >= chunk_size:
+            cuts.update((pos, pos + n))
         pos += n
     entries = tuple(
         Entry(leaf.key, leaf.kind, leaf.dtype, leaf.shape, offsets[i], leaf.nbytes)
         for i, leaf in enumerate(leaves)
     )
-    return Layout(entries, pos, chunk_size)
+    return Layout(entries, pos, chunk_size, cut_windows(cuts, pos, chunk_size))
 
 
-def chunks_of(entry: Entry, chunk_size: int) -> range:
-    """Indices of the chunk windows that ``entry`` touches."""
-    if entry.nbytes == 0:
+def cut_windows(cuts: set[int], stream_bytes: int, chunk_size: int) -> tuple[tuple[int, int], ...]:
+    """Cut ``[0, stream_bytes)`` at ``cuts``, then every segment every ``chunk_size`` bytes."""
+    bounds = sorted(c for c in cuts | {stream_bytes} if 0 <= c <= stream_bytes)
+    windows: list[tuple[int, int]] = []
+    for start, end in itertools.pairwise(bounds):
+        windows.extend((o, min(chunk_size, end - o)) for o in range(start, end, chunk_size))
+    return tuple(windows)
+
+
+def chunks_of(entry: Entry, chunks: Sequence[ChunkRef]) -> range:
+    """Indices of the chunks (in stream order, as in a manifest) that ``entry`` overlaps."""
+    if entry.nbytes == 0 or not chunks:
         return range(0)
-    first = entry.offset // chunk_size
-    last = (entry.offset + entry.nbytes - 1) // chunk_size
-    return range(first, last + 1)
+    starts = [c.offset for c in chunks]
+    first = bisect.bisect_right(starts, entry.offset) - 1
+    last = bisect.bisect_left(starts, entry.offset + entry.nbytes) - 1
+    return range(max(first, 0), last + 1)

@@ -127,7 +127,7 @@ class EntryInfo:
 
 
 def _entry_info(entry: Entry, manifest: ShardManifest) -> EntryInfo:
-    ids = tuple(manifest.chunks[i].id for i in chunks_of(entry, manifest.chunk_size))
+    ids = tuple(manifest.chunks[i].id for i in chunks_of(entry, manifest.chunks))
     return EntryInfo(
         entry.key, entry.kind, entry.dtype, entry.shape, entry.nbytes, entry.offset, ids
     )
@@ -315,7 +315,7 @@ class _Reader:
             value, dest = _alloc(e)
             values.append(value)
             dests.append(dest)
-            for ci in chunks_of(e, m.chunk_size):
+            for ci in chunks_of(e, m.chunks):
                 need[ci].append(j)
 
         def one(ci: int) -> None:
