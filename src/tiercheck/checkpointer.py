@@ -291,8 +291,12 @@ class Checkpointer:
         if self.world_size > 1 and self.policy.on_busy == "skip":
             raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
         self._next_id = self.coordinator.agree_max(self._catalog.max_version_id()) + 1
-        self._last_base: tuple[int, tuple[Any, ...], tuple[ChunkRef, ...]] | None = None
-        self._since_base = 0
+        # roles are decided when save() is called, not when a save commits: a base still
+        # being written already counts, so two saves in a row never both become bases
+        self._plan_base: tuple[int, tuple[Any, ...]] | None = None  # version, layout signature
+        self._plan_since = 0  # diffs decided since that base
+        self._base_chunks: dict[int, tuple[ChunkRef, ...]] = {}  # committed bases' chunks
+        self._rebased: dict[int, int] = {}  # failed base -> the diff that became the base
         self._migrations: queue.Queue[tuple[VersionInfo, str, SaveHandle | None] | None] = (
             queue.Queue()
         )
@@ -436,16 +440,21 @@ class Checkpointer:
             version = self.coordinator.next_version_id(self._next_id - 1)
             self._next_id = version + 1
             sig = layout.signature()
+            plan = self._plan_base
             if role is None:
                 want_base = (
-                    self._last_base is None
-                    or self._last_base[1] != sig
-                    or self._since_base + 1 >= self.policy.base_every
+                    plan is None
+                    or plan[1] != sig
+                    or self._plan_since + 1 >= self.policy.base_every
                 )
                 role = "base" if want_base else "diff"
-            elif role == "diff" and (self._last_base is None or self._last_base[1] != sig):
+            elif role == "diff" and (plan is None or plan[1] != sig):
                 role = "base"  # a diff needs a base with the same layout
-            base = None if role == "base" or self._last_base is None else self._last_base[0]
+            base = None if role == "base" or plan is None else plan[0]
+            if role == "base":
+                self._plan_base, self._plan_since = (version, sig), 0
+            else:
+                self._plan_since += 1
             handle = SaveHandle(step, version, role, base)
             job = _Job(handle, step, version, role, base, leaves, layout, tree, meta, t_call)
             self._inflight.append(job)
@@ -493,6 +502,7 @@ class Checkpointer:
                 chunks=chunks,
                 tree=job.tree,
             )
+            base_chunks = self._resolve_base(job) if job.role == "diff" else None
             sync = [
                 s
                 for s in self.tierset.open()
@@ -500,9 +510,6 @@ class Checkpointer:
             ]
             for s in self.tierset.slots:
                 handle._set_tier(s.name, "pending")
-            base_chunks = None
-            if job.role == "diff" and self._last_base is not None:
-                base_chunks = self._last_base[2]
             job.protected = self._protect(
                 [mid, *(c.id for c in chunks), *(c.id for c in base_chunks or ())]
             )
@@ -573,14 +580,32 @@ class Checkpointer:
                 tl = self._catalog.logs.setdefault(slot.name, TierLog(slot.name))
                 tl.committed[info.id] = info
             if job.role == "base":
-                self._last_base = (job.version, job.layout.signature(), chunks)
-                self._since_base = 0
-            else:
-                self._since_base += 1
+                # a diff decided against an older base has run by now (saves run in order)
+                self._base_chunks = {job.version: chunks}
         handle._time("committed", time.perf_counter() - t0)
         handle._done.set()
         self._queue_migrations(info, handle, committed)
         self._apply_retention()
+
+    def _resolve_base(self, job: _Job) -> tuple[ChunkRef, ...] | None:
+        """The chunks of diff ``job``'s base; if that base failed, make ``job`` a base.
+
+        A diff decided while its base was still being written finds the base committed by
+        now (saves run in order) unless the base failed. Then the first such diff becomes
+        the base instead, and the later diffs decided against the failed base use it.
+        """
+        assert job.base is not None
+        with self._meta:
+            base = self._rebased.get(job.base, job.base)
+            chunks = self._base_chunks.get(base)
+            if chunks is not None:
+                job.base = job.handle.base = base
+                return chunks
+            self._rebased[job.base] = job.version
+            job.role, job.base = "base", None
+            job.handle.role, job.handle.base = "base", None
+        log.warning("version %d is a base: the base it was to follow failed", job.version)
+        return None
 
     def _vote_and_commit(
         self,
