@@ -189,3 +189,5 @@ def test_data_parallel_replicas_are_written_once_to_the_shared_tier(
     assert all(e["tiers"]["remote"] == "committed" for e in acks)
     # every rank still wrote its whole shard to its own node's tiers
     assert all(e["bytes"]["shm"] >= logical for e in acks)
+    # rank 0 swept the shared tier (gc_grace_seconds=0) and left rank 1's unprepared blob
+    assert [e["kept"] for e in by(events, "in-flight blob")] == [True] * 4

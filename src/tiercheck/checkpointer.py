@@ -77,6 +77,9 @@ __all__ = [
 
 log = logging.getLogger("tiercheck")
 
+# the least grace a tier shared by several ranks is swept with (see _collect)
+SHARED_GC_GRACE_FLOOR = 60.0
+
 TierState = Literal["committed", "pending", "migrating", "failed", "skipped"]
 
 
@@ -305,6 +308,7 @@ class Checkpointer:
         self._owned: dict[int, set[str] | None] = {}
         self._info: VersionInfo | None = None
         self._gc_due: set[str] = {slot.name for slot in self.tierset.slots}
+        self._grace_warned: set[str] = set()
         self.coordinator_timeout = 300.0
         self._migrator: threading.Thread | None = None
         if not read_only:
@@ -916,6 +920,22 @@ class Checkpointer:
 
     def _collect(self, slot: TierSlot, tl: TierLog, *, dry_run: bool) -> GCReport:
         fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
+        shared = slot.tier is not None and slot.tier.capabilities.shared
+        grace = self.policy.gc_grace_seconds
+        if shared and self.world_size > 1 and grace < SHARED_GC_GRACE_FLOOR:
+            # the blobs other ranks are writing into a shared tier (a save or migration in
+            # flight) are invisible to this rank: only the grace period keeps them
+            if slot.name not in self._grace_warned:
+                self._grace_warned.add(slot.name)
+                log.warning(
+                    "gc_grace_seconds=%s is too short for shared tier %s with %d ranks; "
+                    "sweeping it with %s s",
+                    grace,
+                    slot.name,
+                    self.world_size,
+                    SHARED_GC_GRACE_FLOOR,
+                )
+            grace = SHARED_GC_GRACE_FLOOR
         with self._gc_lock:  # protected ids are read before the mark, and none added until done
             with self._meta:
                 in_flight = self._in_flight_ids()
@@ -925,10 +945,10 @@ class Checkpointer:
                 fetcher.manifest,
                 in_flight=in_flight,
                 state=self._gc,
-                grace=self.policy.gc_grace_seconds,
+                grace=grace,
                 dry_run=dry_run,
                 # a per-rank tier holds this rank's shards only: other manifests are elsewhere
-                rank=None if slot.tier is None or slot.tier.capabilities.shared else self.rank,
+                rank=None if slot.tier is None or shared else self.rank,
             )
 
     def gc(self, *, dry_run: bool = False) -> list[GCReport]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.formats import Codec, chunk_id, encode_blob
 
 REPLICA = 256 * 1024  # floats: 1 MiB, 16 chunks of 64 KiB
 
@@ -88,6 +89,14 @@ def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
             return real(slot, **kw)
 
         engine.place_shard = place_then_die  # type: ignore[assignment]
+    # a blob another rank is writing into the shared tier, not yet named by any record (a
+    # save or migration in flight): rank 0's sweep must leave it, whatever the grace setting
+    remote = ckpt.tierset.get("remote").tier
+    assert remote is not None
+    raw = b"written by rank 1, not yet prepared"
+    if rank == 1:
+        remote.put(chunk_id(raw), encode_blob(raw, Codec.RAW))
+    dist.barrier()
     for step in range(1, args.steps + 1):
         h = ckpt.save(step, state_for(step, rank))
         try:
@@ -112,6 +121,7 @@ def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
         rank=rank,
         versions=[[v.id, v.step, v.role, dict(v.tiers)] for v in ckpt.history()],
     )
+    emit(event="in-flight blob", rank=rank, kept=chunk_id(raw) in remote.has([chunk_id(raw)]))
 
 
 def restore(args: argparse.Namespace, ckpt: Checkpointer) -> None:
