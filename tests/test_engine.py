@@ -17,6 +17,7 @@ import torch
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends._memory import MemoryTier
+from tiercheck.config import default_config
 from tiercheck.errors import (
     CheckpointError,
     ConfigError,
@@ -436,3 +437,31 @@ def test_encode_blob_imported_for_repair_codec() -> None:
     # a raw blob rewritten by repair must decode to the same chunk
     data = b"abc" * 100
     assert encode_blob(data, Codec.RAW) == encode_blob(data, Codec.RAW)
+
+
+def test_a_store_created_again_at_the_same_path_starts_empty(tmp_path: Path) -> None:
+    """Deleting a store's directory leaves its shm segment behind; a new store at the same
+    path must not read it (it gets a segment of its own)."""
+    root = tmp_path / "store"
+    with Checkpointer(root) as first:
+        first.save(0, state_of()).wait()
+        old = first.tierset.get("shm").spec.url
+    shutil.rmtree(root)  # the shm segment stays in /dev/shm
+    new = old
+    try:
+        with Checkpointer(root) as second:
+            new = second.tierset.get("shm").spec.url
+            assert new != old
+            assert second.history() == []
+            with pytest.raises(NoRestorableVersion):
+                second.restore(state_of(1))
+    finally:
+        for url in {old, new}:
+            shutil.rmtree(f"/dev/shm/tiercheck/{url.removeprefix('shm://')}", ignore_errors=True)
+
+
+def test_default_config_for_several_ranks_is_per_rank() -> None:
+    cfg = default_config(Path("/data/ckpt"), multi_rank=True)
+    urls = {s.name: s.url for s in cfg.tiers}
+    assert urls["shm"].endswith("-{rank}") and urls["lmdb"] == "lmdb:///data/ckpt/lmdb-{rank}"
+    assert default_config(Path("/data/ckpt")).tiers[0].url != urls["shm"].removesuffix("-{rank}")

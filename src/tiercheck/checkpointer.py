@@ -333,7 +333,13 @@ class Checkpointer:
         elif tiers is None:
             if self.read_only:
                 raise ConfigError(f"{self.root} is not a tiercheck store (no {CONFIG_NAME})")
-            cfg = default_config(self.root)
+            cfg = default_config(self.root, multi_rank=self.world_size > 1)
+            if policy is None:
+                # ranks opening one new root race to create it: the first config written wins
+                self.root.mkdir(parents=True, exist_ok=True)
+                if not save_config(path, cfg, exclusive=True):
+                    cfg = load_config(path)
+                return cfg
         else:
             cfg = StoreConfig(coerce_tiers(tiers), Policy())
         if policy is not None:

@@ -25,6 +25,7 @@ plain TOML so people can read and edit it::
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -72,14 +73,21 @@ class StoreConfig:
     policy: Policy
 
 
-def default_config(root: Path) -> StoreConfig:
-    """The embedded default tiers for ``root``."""
+def default_config(root: Path, *, multi_rank: bool = False) -> StoreConfig:
+    """The embedded default tiers for a new store at ``root``.
+
+    The shm segment is named after the root *and* a random id drawn now, so a store created
+    again at the same path never picks up a segment a deleted store left in /dev/shm. With
+    ``multi_rank``, the shm and LMDB tiers get a ``{rank}`` each, so ranks sharing the root
+    (and a node) do not share them.
+    """
     root = root.resolve()
-    tag = blake3.blake3(str(root).encode()).hexdigest()[:12]
+    tag = blake3.blake3(f"{root}\0{uuid.uuid4()}".encode()).hexdigest()[:12]
+    per_rank = "-{rank}" if multi_rank else ""
     return StoreConfig(
         tiers=(
-            TierSpec("shm", f"shm://tiercheck-{tag}"),
-            TierSpec("lmdb", f"lmdb://{root / 'lmdb'}"),
+            TierSpec("shm", f"shm://tiercheck-{tag}{per_rank}"),
+            TierSpec("lmdb", f"lmdb://{root / 'lmdb'}{per_rank}"),
             TierSpec(
                 "remote",
                 f"file://{root / 'remote'}",
@@ -168,8 +176,12 @@ def _toml_value(value: Any) -> str:
     raise ConfigError(f"cannot write {value!r} to TOML")
 
 
-def save_config(path: Path, config: StoreConfig) -> None:
-    """Write ``config`` to ``path`` atomically (temp file + fsync + rename)."""
+def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> bool:
+    """Write ``config`` to ``path`` atomically (temp file + fsync + rename).
+
+    ``exclusive``: only if ``path`` does not exist yet (a hard link, which fails on an
+    existing name, instead of the rename); returns False, writing nothing, if it does.
+    """
     lines = ["# tiercheck store configuration", f"format = {CONFIG_FORMAT}", "", "[policy]"]
     for name in sorted(_POLICY_KEYS):
         lines.append(f"{name} = {_toml_value(getattr(config.policy, name))}")
@@ -188,9 +200,18 @@ def save_config(path: Path, config: StoreConfig) -> None:
         if spec.options:
             lines.append(f"options = {_toml_value(spec.options)}")
     text = "\n".join(lines) + "\n"
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if not exclusive:
+        os.replace(tmp, path)
+        return True
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    return True
