@@ -23,9 +23,11 @@ coordinator (DCP's rank 0) saves its items *together with* the global DCP metada
 every rank has reported its writes (``finish``). That coordinator version is the DCP
 checkpoint: it exists iff every rank's shard was committed first, and it names each rank's
 version and store. A rank that dies mid-write leaves no coordinator version, so the previous
-checkpoint stays the newest one. When the multi-rank coordinator (:mod:`tiercheck.cluster`)
-lands, the per-rank versions become the shards of one global version committed by two-phase
-commit, and the metadata becomes an entry of the coordinator's shard in that version.
+checkpoint stays the newest one. DCP's own protocol (every rank's ``write_data``, then
+``finish`` on the coordinator with all their results) is thus the two-phase commit: the
+per-rank versions are the prepared shards and the coordinator version is the decision. The
+engine's multi-rank coordinator (:mod:`tiercheck.cluster`) is not used under DCP, so DCP
+saves get no cross-rank dedup on a shared tier: each rank writes its own store.
 
 ``TierReader(root)`` reads the metadata from ``root/rank0`` and each rank's items from
 ``root/rank{r}``; ``TierReader(checkpointer)`` reads the metadata from that store and the other
