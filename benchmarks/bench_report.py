@@ -62,6 +62,25 @@ def bpv_rows(res: dict[str, Any]) -> list[list[str]]:
         if "status" in b:
             rows.append([scen, b["status"], "", "", "", "", "", b["reason"]])
             continue
+        if b.get("kind") == "data_parallel":
+            full = b["all_shards_bytes"]
+            shared = b["shared_bytes"]
+            rows.append(
+                [
+                    scen,
+                    f"{b['ranks']} ranks: {b['replica_bytes'] / MIB:.0f} MiB replica + "
+                    f"{b['own_bytes'] / MIB:.0f} MiB own each",
+                    f"{full / MIB:.2f} MiB ({b['ranks']} files)",
+                    "",
+                    "",
+                    "",
+                    f"{shared / MIB:.2f} MiB ({shared / full:.3f}x)",
+                    f"shared tier, every version; without cross-rank dedup "
+                    f"{b['per_rank_bytes'] / MIB:.2f} MiB ({b['ratio_vs_no_dedup']:.2f}x more). "
+                    + b["note"],
+                ]
+            )
+            continue
         full = b["torch_save_bytes"]
 
         def cell(x: float | None, full: float = full) -> str:
@@ -327,7 +346,11 @@ def plot_sweep(res: dict[str, Any], out: Path) -> None:
 def plot_bytes(res: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
-    scen = [(k, v) for k, v in res["bytes_per_version"].items() if "status" not in v]
+    scen = [
+        (k, v)
+        for k, v in res["bytes_per_version"].items()
+        if "status" not in v and v.get("kind") != "data_parallel"
+    ]
     if not scen:
         return
     series = [
