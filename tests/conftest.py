@@ -25,6 +25,21 @@ from typing import Any
 
 import pytest
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak",
+        action="store_true",
+        help="long fault-injection run: thousands of kill points, 25x fuzz examples "
+        "(the same as TIERCHECK_SOAK=1)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--soak"):
+        os.environ["TIERCHECK_SOAK"] = "1"  # read by the test modules as they are imported
+
+
 _FAKE_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
