@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, open_tier
-from tiercheck.formats.codecs import Codec, encode_blob
+from tiercheck.formats.codecs import FORMAT_MAJOR, Codec, encode_blob
 from tiercheck.formats.ids import chunk_id
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,6 +190,16 @@ def _corrupt(url: str, blob_id: str) -> None:
         tier.close()
 
 
+def _newer_major(blob: bytes) -> bytes:
+    """``blob`` labelled with the next major format (SPEC.md sections 3, 5), payload as is."""
+    buf = bytearray(blob)
+    buf[4] = FORMAT_MAJOR + 1
+    header_size = int.from_bytes(buf[8:10], "little")
+    buf[12:16] = bytes(4)
+    buf[12:16] = blake3.blake3(bytes(buf[:header_size])).digest(length=4)
+    return bytes(buf)
+
+
 def test_verify_finds_and_repairs_a_corrupt_blob(
     store: Store, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -209,6 +220,32 @@ def test_verify_finds_and_repairs_a_corrupt_blob(
     fixed = tc_json("verify", store.root, "--repair")
     assert fixed["ok"] is True and fixed["repaired"] == 1
     assert tc_json("verify", store.root)["problems"] == []
+
+
+def test_verify_reports_a_newer_format_blob_and_goes_on(
+    store: Store, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = min(store.states)  # a base: the remote tier holds a copy to repair from
+    with Checkpointer(store.root, read_only=True) as r:
+        newer = r.version(first).entries["model/frozen"].chunks[0]
+        victim = r.version(first).entries["model/w"].chunks[0]
+    tier = open_tier(store.lmdb_url)
+    try:
+        tier.put(newer, _newer_major(bytes(tier.get(newer))), overwrite=True)
+    finally:
+        tier.close()
+    _corrupt(store.lmdb_url, victim)
+    report = tc_json("verify", store.root, ok=(1,))
+    kinds = {(p["tier"], p["id"]): p["kind"] for p in report["problems"]}
+    assert kinds == {("lmdb", newer): "newer-format", ("lmdb", victim): "corrupt"}
+    assert [t["tier"] for t in report["tiers"]] == ["lmdb", "remote"]
+    assert all(t["blobs"] > 1 for t in report["tiers"])
+    human = inproc(capsys, "verify", store.root, ok=1)
+    assert f"{newer}: newer-format" in human and "upgrade tiercheck" in human
+    # --repair fixes the corrupt copy and leaves the newer one alone: still exit status 1
+    fixed = inproc(capsys, "verify", store.root, "--repair", ok=1, as_json=True)
+    left = [p for p in fixed["problems"] if not p["repaired"]]
+    assert [(p["id"], p["kind"]) for p in left] == [(newer, "newer-format")]
 
 
 def test_export_safetensors_and_pt(

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import blake3
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.errors import NoRestorableVersion
-from tiercheck.formats.codecs import Codec, encode_blob
+from tiercheck.formats.codecs import FORMAT_MAJOR, Codec, encode_blob
 from tiercheck.history import Version, migrate, verify
 
 CHUNK = 16 * 1024
@@ -267,6 +268,88 @@ def test_verify_finds_and_repairs_corruption(
     repaired = verify(ckpt, repair=True)
     assert repaired.ok and repaired.repaired == 1
     assert verify(ckpt).ok and not verify(ckpt).problems
+
+
+def newer_major(blob: bytes) -> bytes:
+    """``blob`` as a writer of the next major format would label it (SPEC.md sections 3, 5):
+    the major byte bumped and the header check recomputed, payload unchanged."""
+    buf = bytearray(blob)
+    buf[4] = FORMAT_MAJOR + 1
+    header_size = int.from_bytes(buf[8:10], "little")
+    buf[12:16] = bytes(4)
+    buf[12:16] = blake3.blake3(bytes(buf[:header_size])).digest(length=4)
+    return bytes(buf)
+
+
+def _relabel(ckpt: Checkpointer, tier: str, blob_id: str) -> None:
+    slot = ckpt.tierset.get(tier).tier
+    assert slot is not None
+    slot.put(blob_id, newer_major(bytes(slot.get(blob_id))), overwrite=True)
+
+
+def test_verify_reports_a_newer_format_blob_and_checks_the_rest(
+    counted: tuple[Checkpointer, Counter[str]],
+) -> None:
+    ckpt, _ = counted
+    _save(ckpt, 0, _state(7))
+    v = ckpt.version("latest")
+    intact = verify(ckpt)
+    newer = v.entries["model/layers.1.weight"].chunks[0]
+    damaged = v.entries["model/layers.9.weight"].chunks[2]
+    _relabel(ckpt, "disk", newer)
+    disk = ckpt.tierset.get("disk").tier
+    assert disk is not None
+    disk.put(damaged, encode_blob(b"not the chunk", Codec.RAW), overwrite=True)
+
+    report = verify(ckpt)
+    assert not report.ok
+    kinds = {(p.tier, p.id): p.kind for p in report.problems}
+    assert kinds == {("disk", newer): "newer-format", ("disk", damaged): "corrupt"}
+    problem = next(p for p in report.problems if p.kind == "newer-format")
+    assert "upgrade tiercheck" in problem.detail and problem.versions == (v.id,)
+    assert problem.to_json()["kind"] == "newer-format"
+    # the pass went on: every blob of every tier was still read
+    assert [(t.tier, t.blobs) for t in report.tiers] == [(t.tier, t.blobs) for t in intact.tiers]
+    # a restore reads the other tier's copy
+    assert torch.equal(v["model/layers.1.weight"], _state(7)["model"]["layers.1.weight"])
+
+    repaired = verify(ckpt, repair=True)
+    by_kind = {p.kind: p for p in repaired.problems}
+    assert by_kind["corrupt"].repaired
+    assert not by_kind["newer-format"].repaired and "not repaired" in by_kind["newer-format"].detail
+    assert not repaired.ok  # a newer writer's copy is never overwritten with an older format
+    assert bytes(disk.get(newer))[4] == FORMAT_MAJOR + 1
+
+
+def test_verify_goes_on_past_a_newer_format_manifest(
+    counted: tuple[Checkpointer, Counter[str]],
+) -> None:
+    ckpt, _ = counted
+    state = _state(8)
+    old = _save(ckpt, 0, state)
+    state["model"]["bias"] += 1
+    new = _save(ckpt, 1, state)
+    manifest = ckpt.version(new).info.shards[0]
+    for tier in ("fast", "disk"):
+        _relabel(ckpt, tier, manifest)
+    damaged = ckpt.version(old).entries["model/layers.4.weight"].chunks[0]
+    disk = ckpt.tierset.get("disk").tier
+    assert disk is not None
+    disk.put(damaged, encode_blob(b"not the chunk", Codec.RAW), overwrite=True)
+
+    report = verify(ckpt)
+    got = sorted((p.tier, p.id, p.kind) for p in report.problems)
+    assert got == sorted(
+        [
+            ("fast", manifest, "newer-format"),
+            ("disk", manifest, "newer-format"),
+            ("disk", damaged, "corrupt"),
+        ]
+    )
+    for p in report.problems:
+        if p.id == manifest:
+            assert p.versions == (new,) and "chunks not checked" in p.detail
+    assert all(t.versions == 2 and t.blobs > 1 for t in report.tiers)
 
 
 def test_migrate_a_diff_takes_its_base(counted: tuple[Checkpointer, Counter[str]]) -> None:

@@ -496,15 +496,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
             console.print(t)
             for p in report.problems:
-                status = "[green]repaired[/green]" if p.repaired else "[red]" + p.kind + "[/red]"
+                if p.repaired:
+                    status = "[green]repaired[/green]"
+                elif p.kind == "newer-format":
+                    status = "[yellow]newer-format[/yellow]"
+                else:
+                    status = f"[red]{p.kind}[/red]"
                 where = f" (versions {', '.join(map(str, p.versions))})" if p.versions else ""
                 console.print(f"{p.tier} {p.id or '-'}: {status}{where}: {p.detail}")
+            left = [p for p in report.problems if not p.repaired]
+            newer = sum(p.kind == "newer-format" for p in left)
             if report.ok:
                 console.print(
                     "all blobs intact"
                     + (f" ({report.repaired} repaired)" if report.repaired else "")
                 )
-            elif not args.repair:
+            if newer:
+                console.print(
+                    f"{newer} blob(s) were written by a newer tiercheck format than this one "
+                    "reads: not known to be damaged, but not checked; upgrade tiercheck and "
+                    "verify again"
+                )
+            if not args.repair and len(left) > newer:
                 console.print("problems found; run again with --repair to fix them")
         return 0 if report.ok else 1
 

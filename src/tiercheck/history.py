@@ -716,14 +716,23 @@ def _batches(keys: Sequence[str], entries: Mapping[str, EntryInfo]) -> Iterator[
 # --- verify -----------------------------------------------------------------------------
 
 
+ProblemKind = Literal["corrupt", "missing", "unreadable", "newer-format"]
+
+
 @dataclass
 class BlobProblem:
-    """A blob a tier should hold that is ``corrupt``, ``missing`` or could not be read
-    (``unreadable``; also used for a whole tier that cannot be reached, with ``id=""``)."""
+    """A blob a tier should hold that is ``corrupt``, ``missing``, could not be read
+    (``unreadable``; also used for a whole tier that cannot be reached, with ``id=""``), or
+    was written by a newer major format than this tiercheck reads (``newer-format``: not
+    known to be damaged, but not checkable here either; upgrade tiercheck to check it).
+
+    ``--repair`` rewrites ``corrupt`` and ``missing`` copies only: it never replaces a newer
+    writer's copy with one in this reader's older format.
+    """
 
     tier: str
     id: str
-    kind: Literal["corrupt", "missing", "unreadable"]
+    kind: ProblemKind
     detail: str
     versions: tuple[int, ...] = ()
     repaired: bool = False
@@ -792,8 +801,8 @@ def _check_blob(
     try:
         blob = slot.tier.get(blob_id)
         decode_blob(blob, blob_id, base_lookup=base_lookup)
-    except FormatVersionError:
-        raise
+    except FormatVersionError as exc:  # this blob's header, or that of a delta base it needs
+        return 0, BlobProblem(slot.name, blob_id, "newer-format", str(exc))
     except BlobCorrupt as exc:
         return 0, BlobProblem(slot.name, blob_id, "corrupt", str(exc))
     except NotFound:
@@ -813,8 +822,11 @@ def verify(
     """Re-hash every blob of every version each tier (or each of ``tiers``) keeps.
 
     Checks each version's shard manifests, every chunk they name and the delta bases those
-    chunks need. With ``repair`` (the store must be open for writing), a corrupt or
-    missing copy is rewritten from an intact copy in another tier and checked again.
+    chunks need. Every problem is reported per blob copy and the pass goes on, including
+    for a blob or manifest written by a newer major format (``newer-format``: the chunks
+    of such a manifest cannot be listed, those of the other versions are still checked).
+    With ``repair`` (the store must be open for writing), a corrupt or missing copy is
+    rewritten from an intact copy in another tier and checked again.
     """
     if repair and store.read_only:
         raise CheckpointError("verify --repair needs the store open for writing")
@@ -833,6 +845,8 @@ def verify(
     report = VerifyReport()
     work: list[tuple[TierSlot, str]] = []
     refs: dict[tuple[str, str], set[int]] = defaultdict(set)
+    # manifests of a newer schema (or whose every copy is of a newer blob format)
+    unlisted: dict[tuple[str, str], BlobProblem] = {}
     for slot in chosen:
         tl = catalog.logs.get(slot.name)
         tv = TierVerify(slot.name)
@@ -851,6 +865,12 @@ def verify(
                 refs[(slot.name, mid)].add(vid)
                 try:
                     manifest = everywhere.manifest(mid)
+                except FormatVersionError as exc:
+                    # its chunks cannot be listed; the other versions are still checked
+                    unlisted[(slot.name, mid)] = BlobProblem(
+                        slot.name, mid, "newer-format", f"chunks not checked: {exc}"
+                    )
+                    continue
                 except (TierError, OSError) as exc:
                     report.problems.append(
                         BlobProblem(
@@ -884,11 +904,16 @@ def verify(
         tv = by_name[slot.name]
         tv.blobs += 1
         tv.bytes += n
+        if problem is None or problem.kind == "newer-format":
+            # one report per copy of a newer manifest, saying its chunks went unchecked
+            problem = unlisted.pop((slot.name, blob_id), None) or problem
         if problem is not None:
-            problem.versions = tuple(sorted(refs.get((slot.name, blob_id), ())))
             found.append(problem)
         if progress is not None and (done == total or done % 64 == 0):
             progress(done, total)
+    found.extend(unlisted.values())  # a newer manifest whose copy here is also damaged
+    for problem in found:
+        problem.versions = tuple(sorted(refs.get((problem.tier, problem.id), ())))
     if repair:
         for problem in found:
             _repair(store, problem, base_lookup)
@@ -898,6 +923,9 @@ def verify(
 
 def _repair(store: Checkpointer, problem: BlobProblem, base_lookup: Callable[[str], bytes]) -> None:
     slot = store.tierset.get(problem.tier)
+    if problem.kind == "newer-format":
+        problem.detail += "; not repaired: a newer writer's copy is left as it is"
+        return
     if slot.tier is None or problem.kind == "unreadable" or not problem.id:
         return
     others = [s for s in store.tierset.by_speed() if s.name != slot.name]
