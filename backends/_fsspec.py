@@ -221,6 +221,10 @@ class _Store(abc.ABC):
                 result.append(None)
         return result
 
+    def head(self, path: str, nbytes: int) -> bytes:
+        """The first ``nbytes`` bytes of ``path``; ``FileNotFoundError`` if absent."""
+        return bytes(self.read(path, None)[:nbytes])
+
     @abc.abstractmethod
     def size(self, path: str) -> int:
         """Size of ``path``; ``FileNotFoundError`` if absent."""
@@ -340,6 +344,18 @@ class _LocalStore(_Store):
                     raise OSError(errno.EIO, f"{path} shrank while being read")
                 pos += got
             return target
+
+    def head(self, path: str, nbytes: int) -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            parts = []
+            left = nbytes
+            while left > 0:
+                got = f.read(left)
+                if not got:
+                    break
+                parts.append(got)
+                left -= len(got)
+            return b"".join(parts)
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
@@ -479,6 +495,19 @@ class _FsspecStore(_Store):
             raise ValueError(f"buffer of {len(out)} bytes too small for blob of {len(data)} bytes")
         out[: len(data)] = data
         return out[: len(data)]
+
+    def head(self, path: str, nbytes: int) -> bytes:
+        if nbytes == 0:  # a ranged read of nothing is not portable: check existence only
+            if not self.fs.exists(path):
+                raise FileNotFoundError(errno.ENOENT, "not found", path)
+            return b""
+        try:
+            return bytes(self.fs.cat_file(path, start=0, end=nbytes))  # one ranged request
+        except OSError as exc:
+            # S3 answers a range over an empty object with 416 (s3fs: EINVAL)
+            if exc.errno == errno.EINVAL and self.fs.size(path) == 0:
+                return b""
+            raise
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         if not self.fs.async_impl or len(paths) < 2:
@@ -707,6 +736,17 @@ class FsspecTier(Tier):
         except ValueError as exc:
             raise ValueError(f"{exc} ({self.url} {blob_id})") from None
         return view
+
+    def head(self, blob_id: str, nbytes: int = 64) -> bytes:
+        """The first ``nbytes`` bytes, by a ranged read (local files: a short read)."""
+        path = self._blob_path(blob_id)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        try:
+            data: bytes = self._call("head", blob_id, lambda: self._store.head(path, nbytes))
+        except NotFound:
+            raise NotFound("blob not found", url=self.url, key=blob_id) from None
+        return data
 
     def size(self, blob_id: str) -> int:
         path = self._blob_path(blob_id)

@@ -372,6 +372,21 @@ class LmdbTier(Tier):
 
         return self._read(txn_get, "get", blob_id)
 
+    def head(self, blob_id: str, nbytes: int = 64) -> bytes:
+        """The first ``nbytes`` bytes, sliced from the mapped value: no full copy."""
+        check_blob_id(blob_id, self.url)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        key = bytes.fromhex(blob_id)
+
+        def txn_head(txn: lmdb.Transaction, e: _Env) -> bytes:
+            buf = txn.get(key, db=e.blobs)
+            if buf is None:
+                raise NotFound("blob not found", url=self.url, key=blob_id)
+            return bytes(buf[:nbytes])  # copied out before the transaction ends
+
+        return self._read(txn_head, "head", blob_id)
+
     def _has_keys(self, keys: builtins.list[bytes], blob_id: str = "") -> set[bytes]:
         def txn_has(txn: lmdb.Transaction, e: _Env) -> set[bytes]:
             return {k for k in keys if txn.get(k, db=e.blobs) is not None}

@@ -91,6 +91,16 @@ class MemoryTier(Tier):
             raise NotFound("blob not found", url=self.url, key=blob_id)
         return self._copy_out(data, out, self.url, blob_id)
 
+    def head(self, blob_id: str, nbytes: int = 64) -> bytes:
+        check_blob_id(blob_id, self.url)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        with self._store.lock:
+            data = self._store.blobs.get(blob_id)
+        if data is None:
+            raise NotFound("blob not found", url=self.url, key=blob_id)
+        return data[:nbytes]
+
     def has(self, blob_ids: Iterable[str]) -> set[str]:
         ids = list(blob_ids)
         for blob_id in ids:

@@ -342,6 +342,26 @@ class ShmTier(Tier):
             )
         return target
 
+    def head(self, blob_id: str, nbytes: int = 64) -> bytes:
+        """The first ``nbytes`` bytes: one ``pread`` of the prefix, not the whole blob."""
+        check_blob_id(blob_id, self.url)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        try:
+            fd = os.open(self._blob_path(blob_id), os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFound("blob not found", url=self.url, key=blob_id) from None
+        except OSError as exc:
+            raise self._os_error(exc, "head", blob_id) from exc
+        try:
+            target = memoryview(bytearray(min(nbytes, os.fstat(fd).st_size)))
+            n = _read_exact(fd, target)
+        except OSError as exc:
+            raise self._os_error(exc, "head", blob_id) from exc
+        finally:
+            os.close(fd)
+        return bytes(target[:n])
+
     def has(self, blob_ids: Iterable[str]) -> set[str]:
         ids = builtins.list(blob_ids)
         for blob_id in ids:

@@ -14,7 +14,8 @@ The engine's call sequence into a tier, which an implementation may rely on:
    passed as ``blobs`` in the same transaction as the record).
 3. Restoring: ``read_log()`` once, then ``get`` per blob (possibly into a caller buffer).
 4. Repair: ``put(id, data, overwrite=True)`` replaces a copy found corrupt.
-5. Retention / GC: ``list()`` and ``delete(ids)``, only for blobs no kept record references.
+5. Retention / GC: ``list()``, ``head(id)`` (a blob's header, to find a delta's base) and
+   ``delete(ids)``, only for blobs no kept record references.
 6. ``close()``; after it no call is made.
 
 Guarantees every tier gives (checked by :mod:`tiercheck.testing`):
@@ -149,6 +150,18 @@ class Tier(abc.ABC):
     def size(self, blob_id: str) -> int:
         """Stored size in bytes of ``blob_id``. Default reads the blob."""
         return len(self.get(blob_id))
+
+    def head(self, blob_id: str, nbytes: int = 64) -> bytes:
+        """The first ``nbytes`` bytes of ``blob_id`` (all of it if it is shorter).
+
+        Garbage collection reads blob headers with it (a delta blob names its base chunk
+        in its first 64 bytes). Raises ``NotFound`` if the blob is absent. The default
+        reads the whole blob; a tier that can read a prefix cheaply (a ranged read, a
+        slice of a mapped value) should override it.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        return bytes(self.get(blob_id)[:nbytes])
 
     # --- log -----------------------------------------------------------------------
 

@@ -245,6 +245,31 @@ class TierConformance:
         with pytest.raises(NotFound):
             tier.size(_fake_id(999))
 
+    def test_head(self, tier: Tier) -> None:
+        # head(id, n): the first n bytes (all of a shorter blob), as bytes; GC reads blob
+        # headers with it. Overridden or not, it must agree with get.
+        sizes = [0, 1, 63, 64, 65, 10_000]
+        for size in sizes:
+            bid, data = blob(size, seed=200 + size)
+            tier.put(bid, data)
+        for size in sizes:
+            bid, data = blob(size, seed=200 + size)
+            got = tier.head(bid)
+            assert isinstance(got, bytes)
+            assert got == data[:64]
+            for n in (0, 1, 64, 100, 4096, size, size + 1):
+                assert tier.head(bid, n) == data[:n]
+        bid, data = blob(5000, seed=201)
+        tier.put(bid, data, overwrite=True)
+        assert tier.head(bid, 16) == data[:16]
+        tier.delete([bid])
+        with pytest.raises(NotFound):
+            tier.head(bid)
+        with pytest.raises(NotFound):
+            tier.head(_fake_id(43), 64)
+        with pytest.raises(TierError):
+            tier.head("../" + "0" * 61)
+
     def test_missing_is_not_found(self, tier: Tier) -> None:
         bid = _fake_id(42)
         with pytest.raises(NotFound) as info:
