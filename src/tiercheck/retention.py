@@ -9,6 +9,20 @@ GC is mark-and-sweep per tier: the mark set is every chunk and manifest of every
 the tier holds, every delta base those chunks need, and every id a save or migration in
 flight references. A blob outside it is deleted only once it has been seen unreferenced
 for ``grace`` seconds, which protects blobs another process is writing right now.
+
+Delta bases come from two places. The log: a prepare record's ``deltas`` names the base of
+every delta blob that save wrote. And the blobs themselves: a save that crashed after
+writing a delta blob but before its prepare record leaves a delta no record describes, and
+a later save of the same chunk finds it present and reuses it without writing anything, so
+no record will ever name its base. On a tier that may hold deltas (its codec is ``delta``,
+or its log names any), the mark therefore reads the header (``Tier.head``, 64 bytes) of
+every live blob the log does not describe and keeps the base a delta header names,
+transitively. Headers are immutable while a blob exists (a repair rewrites a copy as raw or
+zstd, never as a delta), so :class:`GCState` remembers each answer for the life of the
+process: a blob's header is read once, and the steady-state cost is one small read per
+chunk newly written without a delta. A blob that is absent, or whose header is damaged or
+from a newer format, is skipped; a read that fails otherwise (tier unreachable) leaves the
+mark incomplete, and that tier is not swept in that round.
 """
 
 from __future__ import annotations
@@ -18,6 +32,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from tiercheck.backends.base import Tier
+from tiercheck.errors import BlobCorrupt, FormatVersionError, NotFound, TierError
+from tiercheck.formats.codecs import BLOB_HEADER_SIZE, BLOB_MAGIC, read_header
 from tiercheck.formats.manifest import DropRecord, ShardManifest
 from tiercheck.manifest_log import TierLog, append_record
 from tiercheck.placement import TierPolicy
@@ -58,9 +75,54 @@ def drop_versions(slot: TierSlot, versions: Iterable[int], tl: TierLog | None = 
 
 @dataclass
 class GCState:
-    """Per-tier memory of when each unreferenced blob was first seen (the grace clock)."""
+    """Per-tier memory of GC: when each unreferenced blob was first seen (the grace clock),
+    and what each blob header read so far said (``delta_bases``: blob id -> the base chunk
+    id of a delta blob, None for any other blob)."""
 
     first_seen: dict[str, dict[str, float]] = field(default_factory=dict)
+    delta_bases: dict[str, dict[str, str | None]] = field(default_factory=dict)
+
+
+_MAX_HEADER = 4096  # SPEC section 3: header_size is at most 4096
+
+
+class _HeaderReader:
+    """Finds the base of delta blobs the log does not describe, from their headers,
+    remembering every answer in ``cache``. ``incomplete`` is set when a header could not be
+    read for a reason other than absence or damage: the mark may then miss a base."""
+
+    def __init__(self, tier: Tier, name: str, cache: dict[str, str | None]) -> None:
+        self.tier = tier
+        self.name = name
+        self.cache = cache
+        self.reads = 0
+        self.incomplete: BaseException | None = None
+
+    def __call__(self, blob_id: str) -> str | None:
+        if blob_id in self.cache:
+            return self.cache[blob_id]
+        try:
+            self.reads += 1
+            data = self.tier.head(blob_id, BLOB_HEADER_SIZE)
+            if len(data) >= 10 and data[:4] == BLOB_MAGIC:
+                size = int.from_bytes(data[8:10], "little")
+                if BLOB_HEADER_SIZE < size <= _MAX_HEADER:  # a header with extension bytes
+                    data = self.tier.head(blob_id, size)
+        except NotFound:
+            log.debug("gc %s: blob %s is absent, no header to read", self.name, blob_id)
+            return None
+        except (TierError, OSError) as exc:
+            log.debug("gc %s: cannot read the header of %s: %s", self.name, blob_id, exc)
+            if self.incomplete is None:
+                self.incomplete = exc
+            return None
+        try:
+            header = read_header(data, expected_id=blob_id)
+        except (BlobCorrupt, FormatVersionError) as exc:
+            log.debug("gc %s: unreadable header of %s, skipped: %s", self.name, blob_id, exc)
+            return None
+        self.cache[blob_id] = header.base_id
+        return header.base_id
 
 
 @dataclass
@@ -71,6 +133,7 @@ class GCReport:
     deleted: int = 0
     waiting: int = 0
     deleted_ids: list[str] = field(default_factory=list)
+    headers_read: int = 0  # blob headers the mark read (delta bases the log does not name)
 
 
 def mark(
@@ -79,24 +142,37 @@ def mark(
     extra: Iterable[str] = (),
     *,
     rank: int | None = None,
+    delta_base: Callable[[str], str | None] | None = None,
 ) -> set[str]:
     """Every blob id the tier must keep. ``rank``: the tier holds only that rank's shard of
-    each version (a per-rank tier of a multi-rank job); ``None``: every shard (shared)."""
+    each version (a per-rank tier of a multi-rank job); ``None``: every shard (shared).
+
+    Delta bases are followed transitively: through the log's ``deltas`` and, for a blob
+    the log does not describe, through ``delta_base(blob_id)`` (the base a blob's header
+    names, None if it is no delta; see the module docstring) when it is given."""
     live: set[str] = set(extra)
+    manifests: set[str] = set()
     for v in tl.held():
         shards = tl.committed[v].shards
         for mid in shards if rank is None else shards[rank : rank + 1]:
             live.add(mid)
+            manifests.add(mid)
             live.update(c.id for c in manifest(mid).chunks)
     # delta bases, transitively
-    frontier = [c for c in live if c in tl.deltas]
+    frontier = list(live)
     while frontier:
-        base = tl.deltas[frontier.pop()]
-        if base not in live:
+        blob_id = frontier.pop()
+        base = tl.deltas.get(blob_id)
+        if base is None and delta_base is not None and blob_id not in manifests:
+            base = delta_base(blob_id)  # manifests are never deltas (SPEC 7.2)
+        if base is not None and base not in live:
             live.add(base)
-            if base in tl.deltas:
-                frontier.append(base)
+            frontier.append(base)
     return live
+
+
+def _may_hold_deltas(slot: TierSlot, tl: TierLog) -> bool:
+    return bool(tl.deltas) or (slot.policy is not None and slot.policy.codec == "delta")
 
 
 def collect_garbage(
@@ -115,11 +191,17 @@ def collect_garbage(
     :func:`mark`)."""
     assert slot.tier is not None
     now = time.time() if now is None else now
-    live = mark(tl, manifest, in_flight, rank=rank)
+    headers = None
+    if _may_hold_deltas(slot, tl):
+        cache = state.delta_bases.setdefault(slot.name, {})
+        headers = _HeaderReader(slot.tier, slot.name, cache)
+    live = mark(tl, manifest, in_flight, rank=rank, delta_base=headers)
     report = GCReport(slot.name)
     seen = state.first_seen.setdefault(slot.name, {})
     unreferenced = []
+    listed: set[str] = set()
     for blob_id in slot.tier.list():
+        listed.add(blob_id)
         if blob_id in live:
             report.kept += 1
         else:
@@ -129,17 +211,33 @@ def collect_garbage(
     for blob_id in list(seen):
         if blob_id not in current:
             del seen[blob_id]
+    if headers is not None:
+        # a blob gone from the tier (deleted by anyone) may come back with another header
+        for blob_id in [b for b in headers.cache if b not in listed]:
+            del headers.cache[blob_id]
     ripe = []
     for blob_id in unreferenced:
         first = seen.setdefault(blob_id, now)
         if now - first >= grace:
             ripe.append(blob_id)
+    if ripe and headers is not None and headers.incomplete is not None:
+        log.warning(
+            "gc %s: not sweeping %d blobs this round: a blob header could not be read "
+            "(%s), so a delta base may be unmarked",
+            slot.name,
+            len(ripe),
+            headers.incomplete,
+        )
+        ripe = []
     report.waiting = len(unreferenced) - len(ripe)
     if ripe and not dry_run:
         report.deleted = slot.tier.delete(ripe)
         for blob_id in ripe:
             seen.pop(blob_id, None)
+            if headers is not None:
+                headers.cache.pop(blob_id, None)
     report.deleted_ids = ripe
+    report.headers_read = headers.reads if headers is not None else 0
     if ripe:
         log.info(
             "gc %s: %d blobs %s", slot.name, len(ripe), "unreferenced" if dry_run else "deleted"
