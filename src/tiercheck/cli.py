@@ -24,10 +24,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tiercheck import history
-from tiercheck.config import CONFIG_NAME
 from tiercheck.errors import (
     ConfigError,
     FormatVersionError,
@@ -36,6 +34,11 @@ from tiercheck.errors import (
     StoreLocked,
     TiercheckError,
 )
+
+# The engine is imported by the commands that open a store, not here: `peer serve`,
+# `peer status` and `--help` start without it (and without torch, which it imports).
+if TYPE_CHECKING:
+    from tiercheck import history
 
 __all__ = [
     "UsageError",
@@ -166,6 +169,8 @@ def progress_bar(enabled: bool, description: str) -> Iterator[history.Progress |
 def open_store(root: str, *, write: bool = False) -> Any:
     """Open the store at ``root`` (read-only unless ``write``); UsageError if it is not one."""
     from tiercheck.checkpointer import Checkpointer
+    from tiercheck.cluster import LocalCoordinator
+    from tiercheck.config import CONFIG_NAME
 
     path = Path(root).expanduser()
     if not path.exists():
@@ -175,7 +180,8 @@ def open_store(root: str, *, write: bool = False) -> Any:
     if not (path / CONFIG_NAME).is_file():
         raise UsageError(f"{root}: not a tiercheck store (no {CONFIG_NAME})")
     try:
-        return Checkpointer(path, read_only=not write)
+        # one process, never in a process group: saying so spares importing torch.distributed
+        return Checkpointer(path, read_only=not write, coordinator=LocalCoordinator())
     except StoreLocked as exc:
         raise UsageError(str(exc)) from None
     except (ConfigError, InvalidURL, FormatVersionError) as exc:
@@ -184,6 +190,8 @@ def open_store(root: str, *, write: bool = False) -> Any:
 
 def pick_version(ckpt: Any, spec: str, rank: int | None = None) -> history.Version:
     """The version ``spec`` names (id, ``latest``, ``step:N``); UsageError if none."""
+    from tiercheck import history
+
     try:
         history.parse_version_spec(spec)
         return ckpt.version(spec, rank=rank)  # type: ignore[no-any-return]
@@ -423,6 +431,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from tiercheck import history
+
     with contextlib.closing(open_store(args.root)) as ckpt:
         va = pick_version(ckpt, args.a, args.rank)
         vb = pick_version(ckpt, args.b, args.rank)
@@ -470,6 +480,8 @@ def _describe(e: history.EntryInfo) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from tiercheck import history
+
     with contextlib.closing(open_store(args.root, write=args.repair)) as ckpt:
         tiers = _tier_names(ckpt, args.tier)
         with progress_bar(not args.json, "verifying") as progress:
@@ -523,6 +535,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from tiercheck import history
+
     with contextlib.closing(open_store(args.root, write=not args.dry_run)) as ckpt:
         with progress_bar(not args.json, "collecting") as progress:
             if progress is not None:
@@ -681,6 +695,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from tiercheck import history
+
     with contextlib.closing(open_store(args.root)) as probe:
         configured = any(args.to in (s.name, s.spec.url) for s in probe.tierset.slots)
     with contextlib.closing(open_store(args.root, write=configured)) as ckpt:

@@ -31,12 +31,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 
 from tiercheck.backends.registry import open_tier
 from tiercheck.chunking import chunks_of
 from tiercheck.config import TierSpec
-from tiercheck.entries import decode_scalar, torch_dtype
 from tiercheck.errors import (
     BlobCorrupt,
     CheckpointError,
@@ -62,7 +60,11 @@ from tiercheck.migration import migrate_shard
 from tiercheck.retention import GCReport, GCState, collect_garbage
 from tiercheck.tierset import TierSlot
 
+# torch (and tiercheck.entries, which imports it) is imported only where an entry's value
+# is made or compared, so that browsing a store (`tiercheck ls`, `show`) need not import it.
 if TYPE_CHECKING:
+    import torch
+
     from tiercheck.checkpointer import Checkpointer
 
 __all__ = [
@@ -134,6 +136,8 @@ def _entry_info(entry: Entry, manifest: ShardManifest) -> EntryInfo:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
+    import torch
+
     if t.numel() == 0:
         return memoryview(bytearray())
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
@@ -142,6 +146,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 def _alloc(entry: Entry) -> tuple[Any, memoryview]:
     """A fresh destination for ``entry`` and a writable byte view of it."""
     if entry.kind == "tensor":
+        import torch
+
+        from tiercheck.entries import torch_dtype
+
         t = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         return t, _byte_view(t)
     if entry.kind == "ndarray":
@@ -305,6 +313,8 @@ class _Reader:
         return self.fetcher.manifest(self.manifest_id, order=self.order)
 
     def read(self, keys: Sequence[str]) -> dict[str, Any]:
+        from tiercheck.entries import decode_scalar
+
         m = self.manifest
         by_key = {e.key: e for e in m.entries}
         entries = [by_key[k] for k in keys]
@@ -603,6 +613,8 @@ def _same_by_id(ea: EntryInfo, eb: EntryInfo, csa: int, csb: int) -> bool:
 
 
 def _as_float(value: Any) -> torch.Tensor:
+    import torch
+
     t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
     assert isinstance(t, torch.Tensor)
     if t.is_complex():
@@ -611,6 +623,8 @@ def _as_float(value: Any) -> torch.Tensor:
 
 
 def _numeric_change(a: Any, b: Any) -> tuple[float, float]:
+    import torch
+
     ta, tb = _as_float(a), _as_float(b)
     if ta.numel() == 0:
         return 0.0, 0.0
@@ -628,6 +642,8 @@ def _is_number(x: Any) -> bool:
 
 
 def _compare_values(ea: EntryInfo, eb: EntryInfo, va: Any, vb: Any) -> EntryChange | None:
+    import torch
+
     if ea.kind in ("tensor", "ndarray"):
         if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
             same = va.numel() == 0 or bool(
