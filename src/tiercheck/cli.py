@@ -856,7 +856,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read and re-hash every blob (manifests, chunks, delta bases) of every "
         "version each tier keeps. Exit status 1 if a problem remains. With --repair, bad or "
         "missing copies are rewritten from an intact copy in another tier (takes the writer "
-        "lock).",
+        "lock). A blob written by a newer major format is reported as newer-format (upgrade "
+        "tiercheck to check it) and left as it is.",
     )
     p.add_argument("root", metavar="ROOT", help="store root")
     p.add_argument(
