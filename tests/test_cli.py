@@ -135,7 +135,8 @@ def test_ls_json_and_table(store: Store, capsys: pytest.CaptureFixture[str]) -> 
     assert versions[0]["logical_bytes"] > 0 and versions[0]["stored_bytes"] > 0
     assert set(versions[0]) >= {"id", "time", "time_iso", "world_size"}
     table = tc("ls", store.root).stdout
-    assert "committed" in table and "missing" in table and "ago" in table
+    assert "committed" in table and "missing" in table
+    assert "ago" in table or "just now" in table  # relative times next to absolute ones
     limited = inproc(capsys, "ls", store.root, "--limit", "2", as_json=True)
     assert limited["versions"] == versions[-2:]
 
@@ -451,21 +452,19 @@ def test_peer_commands_and_help_do_not_import_torch(tmp_path: Path) -> None:
     assert "torch" not in imported_by(tmp_path, "--help")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="blocked outside cli.py/history.py: src/tiercheck/chunking.py imports "
-    "tiercheck.entries (for the Leaf annotation; entries imports torch), reached by "
-    "config/placement/tierset/fetch; checkpointer.py imports torch (for an annotation) and "
-    "entries, pipeline, staging and restore, which import torch at module level",
-)
 def test_browsing_does_not_import_torch(store: Store, tmp_path: Path) -> None:
-    commands = [("ls", store.root), ("show", store.root, "latest"), ("gc", store.root, "--dry-run")]
+    commands = [
+        ("ls", store.root),
+        ("show", store.root, "latest"),
+        ("gc", store.root, "--dry-run"),
+        ("verify", store.root),
+    ]
     found = {}
     for args in commands:
         modules = imported_by(tmp_path, *args, "--json")
         assert "tiercheck.checkpointer" in modules  # the command opened the store
         found[args[0]] = "torch" in modules
-    assert found == {"ls": False, "show": False, "gc": False}
+    assert found == {"ls": False, "show": False, "gc": False, "verify": False}
 
 
 def test_cli_reference_matches_the_parser() -> None:

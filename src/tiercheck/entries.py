@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import torch
 
 from tiercheck.errors import StateError, UnsupportedValue
 from tiercheck.formats.manifest import EntryKind
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Leaf",
@@ -60,6 +62,8 @@ class Leaf:
 
 def is_stateful(obj: object) -> bool:
     """True for objects saved through ``state_dict()`` and restored by ``load_state_dict``."""
+    import torch
+
     return (
         not isinstance(obj, (torch.Tensor, np.ndarray, dict, list, tuple))
         and callable(getattr(obj, "state_dict", None))
@@ -69,6 +73,8 @@ def is_stateful(obj: object) -> bool:
 
 def torch_dtype(name: str) -> torch.dtype:
     """Map a dtype name from a manifest (``float32``) back to ``torch.float32``."""
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise StateError(f"unknown torch dtype {name!r} in checkpoint")
@@ -154,6 +160,8 @@ def decode_scalar(kind: str, data: bytes | memoryview, key: str, allow_pickle: b
 
 
 def _check_tensor(t: torch.Tensor, key: str) -> None:
+    import torch
+
     if t.layout != torch.strided:
         raise UnsupportedValue(f"{t.layout} tensors are not supported; convert to dense", key=key)
     if t.is_meta:
@@ -172,6 +180,8 @@ def _check_tensor(t: torch.Tensor, key: str) -> None:
 
 
 def _holds_arrays(obj: Any) -> bool:
+    import torch
+
     if isinstance(obj, (torch.Tensor, np.ndarray)) or is_stateful(obj):
         return True
     if isinstance(obj, dict):
@@ -191,6 +201,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf]]
     Calls ``state_dict()`` on stateful objects. Nothing is copied: tensor leaves reference
     the caller's tensors, so the caller must not mutate them until staging completes.
     """
+    import torch
+
     if not isinstance(state, dict):
         raise StateError(f"a state must be a dict, got {type(state).__qualname__}")
     leaves: list[Leaf] = []

@@ -13,9 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tiercheck.chunking import Layout
 from tiercheck.entries import torch_dtype
@@ -33,6 +31,9 @@ from tiercheck.formats.manifest import (
 )
 from tiercheck.manifest_log import append_record
 from tiercheck.tierset import TierSlot
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = [
     "PlaceResult",
@@ -96,6 +97,8 @@ class PlaceResult:
 
 def _elem_size(layout: Layout, offset: int) -> int:
     """Element size of the entry holding byte ``offset`` (for the delta byte-shuffle)."""
+    import torch
+
     for e in layout.entries:
         if e.offset <= offset < e.offset + e.nbytes:
             if e.kind == "tensor":

@@ -19,10 +19,9 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from tiercheck.entries import decode_scalar, is_stateful, torch_dtype
 from tiercheck.errors import NoRestorableVersion, StateError
@@ -30,6 +29,9 @@ from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import Entry, ShardManifest, VersionInfo
 from tiercheck.manifest_log import Catalog
 from tiercheck.tierset import TierSlot
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Binding", "bind", "choose_version", "fetch_into", "materialize"]
 
@@ -80,6 +82,8 @@ class Binding:
 
 
 def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:
+    import torch
+
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -87,6 +91,8 @@ def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:
 
 
 def _fits(entry: Entry, target: Any) -> bool:
+    import torch
+
     if entry.kind == "tensor" and isinstance(target, torch.Tensor):
         return bool(
             str(target.dtype).removeprefix("torch.") == entry.dtype
@@ -98,6 +104,8 @@ def _fits(entry: Entry, target: Any) -> bool:
 
 
 def _mismatch(entry: Entry, target: Any) -> str:
+    import torch
+
     if isinstance(target, torch.Tensor):
         have = f"tensor {str(target.dtype).removeprefix('torch.')} {tuple(target.shape)}"
     elif isinstance(target, np.ndarray):
@@ -112,6 +120,8 @@ _MISSING = object()
 
 def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding:
     """Match the saved tree against ``state``; allocate destinations for every entry."""
+    import torch
+
     b = Binding()
     entries = manifest.entries
 
@@ -271,6 +281,8 @@ def materialize(
     manifest: ShardManifest, binding: Binding, state: Any, *, allow_pickle: bool = False
 ) -> Any:
     """Put restored values into ``state`` (in place where possible) and return it."""
+    import torch
+
     entries = manifest.entries
 
     def value_of(i: int, target: Any) -> Any:

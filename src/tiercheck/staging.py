@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tiercheck.chunking import Layout
 from tiercheck.entries import Leaf, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["StagingBuffer"]
 
@@ -40,6 +43,8 @@ class StagingBuffer:
 
     def ensure(self, nbytes: int, *, pinned: bool = False) -> None:
         """Make the buffer at least ``nbytes`` long (pinned if asked), pre-faulting pages."""
+        import torch
+
         pinned = pinned and torch.cuda.is_available()
         if self._buf is not None and self.capacity >= nbytes and (self._pinned or not pinned):
             return
@@ -75,6 +80,8 @@ class StagingBuffer:
         CPU copies are complete on return. CUDA copies are queued on a side stream; the
         returned event completes when they have landed.
         """
+        import torch
+
         needs_cuda = any(leaf.kind == "tensor" and leaf.value.is_cuda for leaf in leaves)
         self.ensure(layout.stream_bytes, pinned=needs_cuda)
         buf = self.tensor()
