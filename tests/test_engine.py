@@ -465,3 +465,19 @@ def test_default_config_for_several_ranks_is_per_rank() -> None:
     urls = {s.name: s.url for s in cfg.tiers}
     assert urls["shm"].endswith("-{rank}") and urls["lmdb"] == "lmdb:///data/ckpt/lmdb-{rank}"
     assert default_config(Path("/data/ckpt")).tiers[0].url != urls["shm"].removesuffix("-{rank}")
+
+
+def test_a_store_without_a_diff_tier_saves_every_version_as_a_base(tmp_path: Path) -> None:
+    """LMDB alone takes bases only by default: every save must still land (as a base)."""
+    with Checkpointer(tmp_path / "s", tiers=[("lmdb", f"lmdb://{tmp_path / 'lmdb'}")]) as ckpt:
+        roles = [ckpt.save(i, state_of(i)).wait().role for i in range(3)]
+        assert roles == ["base"] * 3
+        assert ckpt.restore(state_of(0)).step == 2
+
+
+def test_a_store_of_remote_tiers_only_commits_synchronously_to_one(tmp_path: Path) -> None:
+    remote = TierSpec("remote", f"file://{tmp_path / 'r'}", {"survives": "cluster", "shared": True})
+    with Checkpointer(tmp_path / "s", tiers=[remote]) as ckpt:
+        r = ckpt.save(0, state_of(0)).wait()
+        assert r.tiers == {"remote": "committed"}
+        assert ckpt.tierset.get("remote").policy.mode == "sync"  # type: ignore[union-attr]

@@ -20,9 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from tiercheck.chunking import Layout, plan_layout
 from tiercheck.cluster import Coordinator, DistCoordinator, LocalCoordinator, Vote
@@ -65,6 +63,9 @@ from tiercheck.restore import bind, choose_version, fetch_into, materialize
 from tiercheck.retention import GCReport, GCState, collect_garbage, drop_versions, plan_drops
 from tiercheck.staging import StagingBuffer
 from tiercheck.tierset import TierSet, TierSlot
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Checkpointer",
@@ -300,6 +301,12 @@ class Checkpointer:
         self._plan_since = 0  # diffs decided since that base
         self._base_chunks: dict[int, tuple[ChunkRef, ...]] = {}  # committed bases' chunks
         self._rebased: dict[int, int] = {}  # failed base -> the diff that became the base
+        self._takes_diffs = self.coordinator.all_true(
+            any(
+                s.policy is not None and s.policy.mode == "sync" and s.policy.versions == "all"
+                for s in self.tierset.open()
+            )
+        )
         self._migrations: queue.Queue[tuple[VersionInfo, str, SaveHandle | None] | None] = (
             queue.Queue()
         )
@@ -451,11 +458,11 @@ class Checkpointer:
             self._next_id = version + 1
             sig = layout.signature()
             plan = self._plan_base
+            if not self._takes_diffs:
+                role = "base"  # no synchronous tier takes diff versions: every one is a base
             if role is None:
                 want_base = (
-                    plan is None
-                    or plan[1] != sig
-                    or self._plan_since + 1 >= self.policy.base_every
+                    plan is None or plan[1] != sig or self._plan_since + 1 >= self.policy.base_every
                 )
                 role = "base" if want_base else "diff"
             elif role == "diff" and (plan is None or plan[1] != sig):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
@@ -54,6 +54,19 @@ class TierSet:
                 self.slots.append(TierSlot(spec, None, None, str(exc)))
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
+        self._ensure_a_sync_tier(policy)
+
+    def _ensure_a_sync_tier(self, policy: Policy) -> None:
+        """A save commits at its synchronous tiers: if the defaults left none (a store of
+        remote tiers only), the fastest tier without an explicit policy becomes one."""
+        open_ = self.by_speed()
+        if any(s.policy is not None and s.policy.mode == "sync" for s in open_):
+            return
+        for slot in open_:
+            if slot.policy is not None and slot.name not in policy.tiers:
+                slot.policy = replace(slot.policy, mode="sync")
+                log.info("no synchronous tier by default: %s is made one", slot.name)
+                return
 
     def __iter__(self) -> Iterator[TierSlot]:
         return iter(self.slots)
