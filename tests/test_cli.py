@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import blake3
 import pytest
 import torch
+from _blobs import newer_major
 
 from tiercheck import Checkpointer, Policy, TierPolicy, open_tier
-from tiercheck.formats.codecs import FORMAT_MAJOR, Codec, encode_blob
+from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.ids import chunk_id
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,16 +191,6 @@ def _corrupt(url: str, blob_id: str) -> None:
         tier.close()
 
 
-def _newer_major(blob: bytes) -> bytes:
-    """``blob`` labelled with the next major format (SPEC.md sections 3, 5), payload as is."""
-    buf = bytearray(blob)
-    buf[4] = FORMAT_MAJOR + 1
-    header_size = int.from_bytes(buf[8:10], "little")
-    buf[12:16] = bytes(4)
-    buf[12:16] = blake3.blake3(bytes(buf[:header_size])).digest(length=4)
-    return bytes(buf)
-
-
 def test_verify_finds_and_repairs_a_corrupt_blob(
     store: Store, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -232,7 +222,7 @@ def test_verify_reports_a_newer_format_blob_and_goes_on(
         victim = r.version(first).entries["model/w"].chunks[0]
     tier = open_tier(store.lmdb_url)
     try:
-        tier.put(newer, _newer_major(bytes(tier.get(newer))), overwrite=True)
+        tier.put(newer, newer_major(bytes(tier.get(newer))), overwrite=True)
     finally:
         tier.close()
     _corrupt(store.lmdb_url, victim)

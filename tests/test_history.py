@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-import blake3
 import pytest
 import torch
+from _blobs import newer_major
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy
@@ -268,17 +268,6 @@ def test_verify_finds_and_repairs_corruption(
     repaired = verify(ckpt, repair=True)
     assert repaired.ok and repaired.repaired == 1
     assert verify(ckpt).ok and not verify(ckpt).problems
-
-
-def newer_major(blob: bytes) -> bytes:
-    """``blob`` as a writer of the next major format would label it (SPEC.md sections 3, 5):
-    the major byte bumped and the header check recomputed, payload unchanged."""
-    buf = bytearray(blob)
-    buf[4] = FORMAT_MAJOR + 1
-    header_size = int.from_bytes(buf[8:10], "little")
-    buf[12:16] = bytes(4)
-    buf[12:16] = blake3.blake3(bytes(buf[:header_size])).digest(length=4)
-    return bytes(buf)
 
 
 def _relabel(ckpt: Checkpointer, tier: str, blob_id: str) -> None:
