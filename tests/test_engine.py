@@ -481,3 +481,27 @@ def test_a_store_of_remote_tiers_only_commits_synchronously_to_one(tmp_path: Pat
         r = ckpt.save(0, state_of(0)).wait()
         assert r.tiers == {"remote": "committed"}
         assert ckpt.tierset.get("remote").policy.mode == "sync"  # type: ignore[union-attr]
+
+
+def test_migration_delta_encodes_with_the_entry_element_size(tmp_path: Path) -> None:
+    """A diff migrated to a delta tier is byte-shuffled by its tensor's element size, as a
+    synchronous delta tier does (so deltas of fp32 weights compress as well there)."""
+    from tiercheck.formats.codecs import read_header
+
+    slow = TierPolicy(versions="all", mode="async", codec="delta", keep_bases=None)
+    w = torch.randn(64 * 1024, generator=torch.Generator().manual_seed(0))
+    with Checkpointer(
+        tmp_path / "s",
+        tiers=[("mem", f"memory://{uuid.uuid4().hex}"), ("deltas", f"memory://{uuid.uuid4().hex}")],
+        policy=Policy(chunk_size=CHUNK, base_every=10, tiers={"deltas": slow}),
+    ) as ckpt:
+        ckpt.save(0, {"w": w}).wait_migrated()
+        w[:100] += 1e-3
+        r = ckpt.save(1, {"w": w}).wait_migrated()
+        assert r.role == "diff" and r.tiers["deltas"] == "committed"
+        changed = ckpt.version(r.version).entries["w"].chunks[0]
+        tier = ckpt.tierset.get("deltas").tier
+        assert tier is not None
+        header = read_header(bytes(tier.get(changed)))
+        assert (header.codec.name, header.elem_size) == ("DELTA", 4)
+        assert torch.equal(ckpt.version(r.version)["w"], w)

@@ -20,6 +20,7 @@ from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob
 from tiercheck.formats.manifest import CommitRecord, PrepareRecord, VersionInfo, unpack_manifest
 from tiercheck.manifest_log import append_record
+from tiercheck.pipeline import elem_size
 from tiercheck.tierset import TierSlot
 
 __all__ = ["MigrationResult", "migrate_shard"]
@@ -81,7 +82,8 @@ def migrate_shard(
         elif base_chunks is not None and index < len(base_chunks):
             base_id = base_chunks[index].id
             base_raw, _ = fetcher.fetch(base_id, order=sources)
-            used, blob = delta_or_raw(raw, base_raw, base_id, 1, zstd_level)
+            elem = elem_size(manifest.entries, manifest.chunks[index].offset)
+            used, blob = delta_or_raw(raw, base_raw, base_id, elem, zstd_level)
             if used is Codec.DELTA:
                 deltas[cid] = base_id
             else:

@@ -23,6 +23,7 @@ from tiercheck.formats.ids import chunk_id, chunk_ids
 from tiercheck.formats.manifest import (
     ChunkRef,
     CommitRecord,
+    Entry,
     PrepareRecord,
     Role,
     ShardManifest,
@@ -39,6 +40,7 @@ __all__ = [
     "PlaceResult",
     "build_manifest",
     "commit_on",
+    "elem_size",
     "hash_stream",
     "place_shard",
 ]
@@ -95,11 +97,11 @@ class PlaceResult:
     deltas: dict[str, str] = field(default_factory=dict)
 
 
-def _elem_size(layout: Layout, offset: int) -> int:
+def elem_size(entries: Sequence[Entry], offset: int) -> int:
     """Element size of the entry holding byte ``offset`` (for the delta byte-shuffle)."""
     import torch
 
-    for e in layout.entries:
+    for e in entries:
         if e.offset <= offset < e.offset + e.nbytes:
             if e.kind == "tensor":
                 return torch.empty((), dtype=torch_dtype(e.dtype)).element_size()
@@ -165,7 +167,7 @@ def place_shard(
                 except (NotFound, TierError) as exc:
                     log.debug("no base for delta of %s: %s", ref.id, exc)
                 else:
-                    elem = _elem_size(layout, ref.offset)
+                    elem = elem_size(layout.entries, ref.offset)
                     used, blob = delta_or_raw(raw, base_raw, base_id, elem, zstd_level)
                     if used is Codec.DELTA:
                         return ref.id, blob, base_id
