@@ -9,7 +9,8 @@ Run by ``tests/test_crash_engine.py``; also usable by hand::
 thread, then for each iteration forks
 
 1. a **trainer**: opens the store (shm + LMDB + a ``file://`` remote tier, all under
-   ``--root``; base every 3 versions; GC grace 0), restores the newest version (step ``s``),
+   ``--root``; base every 3 versions; GC grace 0; the LMDB tier's codec is zstd, or
+   ``TIERCHECK_CRASH_LMDB_CODEC``), restores the newest version (step ``s``),
    then saves steps ``s+1, s+2, ...`` and writes ``ACK step`` to a pipe after each
    ``handle.wait()`` returns. It dies by SIGKILL either at a named **kill point** (it kills
    itself the Nth time a code point is reached: staging, hashing, manifest building,
@@ -67,9 +68,10 @@ FUNCTION_POINTS = (
     "migrate",
 )
 TIER_OPS = ("put", "append", "delete", "get")
-# The LMDB tier's codec. "delta" finds an open bug (issue 8 note): a chunk a crashed save
-# left behind as a delta blob is reused by a later version whose prepare record does not
-# name its delta base, so GC may delete the base; about one failure per 200 lives.
+# The LMDB tier's codec (CI runs one zygote on zstd, one on delta). With "delta" a crashed
+# save can leave a delta blob that no prepare record describes, which a later version
+# reuses: GC keeps its base by reading the blob's header (retention.py; this lost data
+# about once per 200 lives until it did).
 LMDB_CODEC = cast(
     Literal["raw", "zstd", "delta"], os.environ.get("TIERCHECK_CRASH_LMDB_CODEC", "zstd")
 )
@@ -474,6 +476,7 @@ def run(root: Path, seed: int, iterations: int, steps: int) -> dict[str, Any]:
         previous = f"{point}#{nth}" if sig == signal.SIGKILL else "none (ran to the end)"
     return {
         "seed": seed,
+        "lmdb_codec": LMDB_CODEC,
         "iterations": min(it, iterations),
         "kills": reached,
         "kills_by_point": dict(sorted(kills.items())),
