@@ -112,9 +112,15 @@ def bit_mismatch(got: Any, want: Any, key: str = "") -> str | None:
         assert isinstance(got, torch.Tensor)
         if got.dtype != want.dtype or got.shape != want.shape:
             return f"{key}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
-        a = got.contiguous().reshape(-1).view(torch.uint8)
-        b = want.contiguous().reshape(-1).view(torch.uint8)
-        return None if torch.equal(a, b) else f"{key}: tensor bits differ"
+        if want.numel() == 0:
+            return None
+
+        def raw(t: torch.Tensor) -> torch.Tensor:
+            # a fresh dense copy: contiguous() keeps the odd stride of a 1-element view,
+            # which view(uint8) refuses
+            return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+        return None if torch.equal(raw(got), raw(want)) else f"{key}: tensor bits differ"
     if isinstance(want, dict):
         assert isinstance(got, dict)
         if list(got) != list(want):
