@@ -505,3 +505,26 @@ def test_migration_delta_encodes_with_the_entry_element_size(tmp_path: Path) -> 
         header = read_header(bytes(tier.get(changed)))
         assert (header.codec.name, header.elem_size) == ("DELTA", 4)
         assert torch.equal(ckpt.version(r.version)["w"], w)
+
+
+def test_a_delta_tier_that_lost_the_base_stores_the_diff_whole(tmp_path: Path) -> None:
+    """A delta against a base chunk the tier does not hold would depend on another tier's
+    copy, which that tier's retention may drop: such chunks are stored zstd instead."""
+    from tiercheck.formats.codecs import read_header
+
+    every = TierPolicy(versions="all", codec="delta", keep_bases=None)
+    w = torch.randn(16 * 1024, generator=torch.Generator().manual_seed(0))
+    with Checkpointer(
+        tmp_path / "s",
+        tiers=[("mem", f"memory://{uuid.uuid4().hex}"), ("d", f"memory://{uuid.uuid4().hex}")],
+        policy=Policy(chunk_size=CHUNK, base_every=10, tiers={"d": every}),
+    ) as ckpt:
+        ckpt.save(0, {"w": w}).wait()
+        tier = ckpt.tierset.get("d").tier
+        assert tier is not None
+        tier.delete(list(tier.list()))  # the base's blobs are lost from this tier only
+        w[:10] += 1e-3
+        r = ckpt.save(1, {"w": w}).wait()
+        assert r.role == "diff" and r.tiers["d"] == "committed"
+        codecs = {read_header(tier.head(c)).codec.name for c in tier.list()}
+        assert codecs == {"ZSTD"}

@@ -73,13 +73,20 @@ def migrate_shard(
         except (NotFound, TierError):
             base_chunks = None
     deltas: dict[str, str] = {}
+    local_bases: set[str] = set()
+    if base_chunks is not None and missing:  # see place_shard: only bases the target holds
+        local_bases = tier.has(list({c.id for c in base_chunks}))
 
     def copy(cid: str) -> int:
         raw, _ = fetcher.fetch(cid, order=sources)
         index = first[cid]
         if codec == "raw":
             blob = encode_blob(raw, Codec.RAW)
-        elif base_chunks is not None and index < len(base_chunks):
+        elif (
+            base_chunks is not None
+            and index < len(base_chunks)
+            and base_chunks[index].id in local_bases
+        ):
             base_id = base_chunks[index].id
             base_raw, _ = fetcher.fetch(base_id, order=sources)
             elem = elem_size(manifest.entries, manifest.chunks[index].offset)

@@ -148,6 +148,11 @@ def place_shard(
             first.setdefault(ref.id, i)
         present = tier.has([*first, manifest_id])
         missing = [cid for cid in first if cid not in present and (only is None or cid in only)]
+        # a delta is only as safe as its base: encode against base chunks this tier holds
+        # (GC keeps them while the delta lives), never against a copy held elsewhere only
+        local_bases: set[str] = set()
+        if codec == "delta" and role == "diff" and base_chunks is not None and missing:
+            local_bases = tier.has(list({c.id for c in base_chunks}))
 
         def encode(index: int) -> tuple[str, bytes, str | None]:
             ref = manifest.chunks[index]
@@ -160,6 +165,7 @@ def place_shard(
                 and base_chunks is not None
                 and base_lookup is not None
                 and index < len(base_chunks)
+                and base_chunks[index].id in local_bases
             ):
                 base_id = base_chunks[index].id
                 try:
