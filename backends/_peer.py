@@ -252,6 +252,17 @@ class PeerTier(Tier):
             return payload
         return self._copy_out(payload, out, self.url, blob_id)
 
+    def head(self, blob_id: str, nbytes: int = 64) -> bytes:
+        """The first ``nbytes`` of a blob: the daemon sends only those (``get`` with a
+        ``length``; a daemon that ignores the field sends the whole blob, sliced here)."""
+        check_blob_id(blob_id, self.url)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        _, payload, _ = self._request({"op": "get", "id": blob_id, "length": nbytes}, key=blob_id)
+        if payload is None:
+            raise TierError("peer daemon sent a get reply without data", url=self.url, key=blob_id)
+        return bytes(payload[:nbytes])
+
     def size(self, blob_id: str) -> int:
         check_blob_id(blob_id, self.url)
         reply, _, _ = self._request({"op": "size", "id": blob_id}, key=blob_id)

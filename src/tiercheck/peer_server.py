@@ -787,10 +787,14 @@ class PeerServer:
 
     def _op_get(self, req: _Request) -> _Reply:
         blob_id = _blob_id(req.fields.get("id"))
+        length = req.fields.get("length")
+        if length is not None and (not isinstance(length, int) or length < 0):
+            raise _Refused("BadRequest", "get 'length' must be a non-negative int")
         blob = self._store.checkout(req.ns, blob_id)
         if blob is None:
             raise _Refused("NotFound", f"blob {blob_id} not found in namespace {req.ns!r}")
-        return _Reply({}, blob.data, done=lambda: self._store.checkin(blob))
+        data = blob.data if length is None else blob.data[:length]  # length: a prefix (head)
+        return _Reply({}, data, done=lambda: self._store.checkin(blob))
 
     def _op_size(self, req: _Request) -> _Reply:
         blob_id = _blob_id(req.fields.get("id"))
