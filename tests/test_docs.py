@@ -9,12 +9,6 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 PAGES = sorted([*DOCS.glob("*.md"), REPO / "README.md"])
 
-# Links known to be broken, with why; each must still be broken (else drop it from here).
-KNOWN_BROKEN = {
-    # DESIGN.md is kept outside the repository; the page should point elsewhere
-    ("docs/writing-a-tier.md", "../DESIGN.md"),
-}
-
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 _CODE = re.compile(r"`[^`\n]*`")
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -40,8 +34,7 @@ def test_relative_links_resolve() -> None:
         for target in relative_links(page):
             if not _resolves(page, target):
                 broken.add((page.relative_to(REPO).as_posix(), target))
-    assert broken - KNOWN_BROKEN == set(), "broken relative links (page, target)"
-    assert KNOWN_BROKEN - broken == set(), "these links resolve now: drop them from KNOWN_BROKEN"
+    assert broken == set(), "broken relative links (page, target)"
 
 
 def test_index_links_every_page() -> None:
