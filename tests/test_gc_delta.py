@@ -208,6 +208,26 @@ def test_mark_follows_delta_headers_transitively_and_reads_each_once() -> None:
     assert ids["f"] not in state.delta_bases["t"]
 
 
+def test_a_blob_rewritten_against_another_base_keeps_both() -> None:
+    """The log says chunk a is a delta of b (an old save's record), but a crashed save
+    rewrote a, after it was swept, as a delta of c: GC must keep c (and b, to be safe)."""
+    tier = open_tier(f"memory://{uuid.uuid4().hex}")
+    raw = {name: blake3.blake3(name.encode()).digest(length=CHUNK) for name in "abc"}
+    ids = {name: blob_id(data) for name, data in raw.items()}
+    tier.put(ids["a"], encode_blob(raw["a"], Codec.DELTA, base=raw["c"], base_id=ids["c"]))
+    for name in "bc":
+        tier.put(ids[name], encode_blob(raw[name], Codec.ZSTD))
+    manifest_id = "e" * 64
+    tl = TierLog("t")
+    tl.committed[1] = VersionInfo(1, 1, "diff", 0, 1, (manifest_id,), 0.0, 0)
+    tl.deltas[ids["a"]] = ids["b"]  # the stale record
+    m = _manifest([ids["a"]])
+    slot = TierSlot(TierSpec("t", "memory://t"), tier, TierPolicy(codec="delta"))
+    report = collect_garbage(slot, tl, lambda mid: m, state=GCState(), grace=0)
+    assert report.deleted_ids == []
+    assert set(tier.list()) == set(ids.values())
+
+
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_no_header_reads_on_a_tier_without_deltas(codec: Literal["raw", "zstd"]) -> None:
     tier = open_tier(f"memory://{uuid.uuid4().hex}")

@@ -16,11 +16,13 @@ writing a delta blob but before its prepare record leaves a delta no record desc
 a later save of the same chunk finds it present and reuses it without writing anything, so
 no record will ever name its base. On a tier that may hold deltas (its codec is ``delta``,
 or its log names any), the mark therefore reads the header (``Tier.head``, 64 bytes) of
-every live blob the log does not describe and keeps the base a delta header names,
-transitively. Headers are immutable while a blob exists (a repair rewrites a copy as raw or
-zstd, never as a delta), so :class:`GCState` remembers each answer for the life of the
+every live blob and keeps the base a delta header names as well as any base the log names,
+transitively. (Even a blob the log describes: if its chunk was swept and a crashed save
+then wrote it again as a delta of another base, the record names the old base.) Headers
+are immutable while a blob exists (a repair rewrites a copy as raw or zstd, never as a
+delta), so :class:`GCState` remembers each answer for the life of the
 process: a blob's header is read once, and the steady-state cost is one small read per
-chunk newly written without a delta. A blob that is absent, or whose header is damaged or
+chunk newly written. A blob that is absent, or whose header is damaged or
 from a newer format, is skipped; a read that fails otherwise (tier unreachable) leaves the
 mark incomplete, and that tier is not swept in that round.
 """
@@ -87,7 +89,7 @@ _MAX_HEADER = 4096  # SPEC section 3: header_size is at most 4096
 
 
 class _HeaderReader:
-    """Finds the base of delta blobs the log does not describe, from their headers,
+    """Finds the base a delta blob's header names (None for other blobs),
     remembering every answer in ``cache``. ``incomplete`` is set when a header could not be
     read for a reason other than absence or damage: the mark may then miss a base."""
 
@@ -133,7 +135,7 @@ class GCReport:
     deleted: int = 0
     waiting: int = 0
     deleted_ids: list[str] = field(default_factory=list)
-    headers_read: int = 0  # blob headers the mark read (delta bases the log does not name)
+    headers_read: int = 0  # blob headers the mark read (the delta bases blobs name)
 
 
 def mark(
@@ -147,9 +149,9 @@ def mark(
     """Every blob id the tier must keep. ``rank``: the tier holds only that rank's shard of
     each version (a per-rank tier of a multi-rank job); ``None``: every shard (shared).
 
-    Delta bases are followed transitively: through the log's ``deltas`` and, for a blob
-    the log does not describe, through ``delta_base(blob_id)`` (the base a blob's header
-    names, None if it is no delta; see the module docstring) when it is given."""
+    Delta bases are followed transitively: through the log's ``deltas`` and, when it is
+    given, through ``delta_base(blob_id)`` (the base a blob's header names, None if it is
+    no delta; see the module docstring); a blob keeps both if they differ."""
     live: set[str] = set(extra)
     manifests: set[str] = set()
     for v in tl.held():
@@ -162,12 +164,15 @@ def mark(
     frontier = list(live)
     while frontier:
         blob_id = frontier.pop()
-        base = tl.deltas.get(blob_id)
-        if base is None and delta_base is not None and blob_id not in manifests:
-            base = delta_base(blob_id)  # manifests are never deltas (SPEC 7.2)
-        if base is not None and base not in live:
-            live.add(base)
-            frontier.append(base)
+        bases = {tl.deltas.get(blob_id)}
+        if delta_base is not None and blob_id not in manifests:  # manifests are never deltas
+            # the header too, even where the log names a base: a crashed save may have
+            # rewritten a swept chunk as a delta of another base, which no record names
+            bases.add(delta_base(blob_id))
+        for base in bases:
+            if base is not None and base not in live:
+                live.add(base)
+                frontier.append(base)
     return live
 
 
