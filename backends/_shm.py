@@ -309,17 +309,21 @@ class ShmTier(Tier):
                     pass
             raise self._os_error(exc, "put", blob_id) from exc
 
+    def _open_blob(self, blob_id: str, op: str) -> int:
+        """A read-only descriptor of ``blob_id``'s file (NotFound if there is none)."""
+        check_blob_id(blob_id, self.url)
+        try:
+            return os.open(self._blob_path(blob_id), os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFound("blob not found", url=self.url, key=blob_id) from None
+        except OSError as exc:
+            raise self._os_error(exc, op, blob_id) from exc
+
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
         """Read ``blob_id`` into ``out`` (or a new buffer) with ``preadv``, no mmap:
         a view into a mapped file would change under the caller if the file were
         deleted and its segment reused."""
-        check_blob_id(blob_id, self.url)
-        try:
-            fd = os.open(self._blob_path(blob_id), os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFound("blob not found", url=self.url, key=blob_id) from None
-        except OSError as exc:
-            raise self._os_error(exc, "get", blob_id) from exc
+        fd = self._open_blob(blob_id, "get")
         try:
             size = os.fstat(fd).st_size
             if out is None:
@@ -344,15 +348,9 @@ class ShmTier(Tier):
 
     def head(self, blob_id: str, nbytes: int = 64) -> bytes:
         """The first ``nbytes`` bytes: one ``pread`` of the prefix, not the whole blob."""
-        check_blob_id(blob_id, self.url)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        try:
-            fd = os.open(self._blob_path(blob_id), os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFound("blob not found", url=self.url, key=blob_id) from None
-        except OSError as exc:
-            raise self._os_error(exc, "head", blob_id) from exc
+        fd = self._open_blob(blob_id, "head")
         try:
             target = memoryview(bytearray(min(nbytes, os.fstat(fd).st_size)))
             n = _read_exact(fd, target)
