@@ -483,6 +483,15 @@ def test_a_store_of_remote_tiers_only_commits_synchronously_to_one(tmp_path: Pat
         assert ckpt.tierset.get("remote").policy.mode == "sync"  # type: ignore[union-attr]
 
 
+def memory_and_delta_tier(tmp_path: Path, name: str, tier_policy: TierPolicy) -> Checkpointer:
+    """A store of a memory tier and a second memory tier ``name`` placed by ``tier_policy``."""
+    return Checkpointer(
+        tmp_path / "s",
+        tiers=[("mem", f"memory://{uuid.uuid4().hex}"), (name, f"memory://{uuid.uuid4().hex}")],
+        policy=Policy(chunk_size=CHUNK, base_every=10, tiers={name: tier_policy}),
+    )
+
+
 def test_migration_delta_encodes_with_the_entry_element_size(tmp_path: Path) -> None:
     """A diff migrated to a delta tier is byte-shuffled by its tensor's element size, as a
     synchronous delta tier does (so deltas of fp32 weights compress as well there)."""
@@ -490,11 +499,7 @@ def test_migration_delta_encodes_with_the_entry_element_size(tmp_path: Path) -> 
 
     slow = TierPolicy(versions="all", mode="async", codec="delta", keep_bases=None)
     w = torch.randn(64 * 1024, generator=torch.Generator().manual_seed(0))
-    with Checkpointer(
-        tmp_path / "s",
-        tiers=[("mem", f"memory://{uuid.uuid4().hex}"), ("deltas", f"memory://{uuid.uuid4().hex}")],
-        policy=Policy(chunk_size=CHUNK, base_every=10, tiers={"deltas": slow}),
-    ) as ckpt:
+    with memory_and_delta_tier(tmp_path, "deltas", slow) as ckpt:
         ckpt.save(0, {"w": w}).wait_migrated()
         w[:100] += 1e-3
         r = ckpt.save(1, {"w": w}).wait_migrated()
@@ -514,11 +519,7 @@ def test_a_delta_tier_that_lost_the_base_stores_the_diff_whole(tmp_path: Path) -
 
     every = TierPolicy(versions="all", codec="delta", keep_bases=None)
     w = torch.randn(16 * 1024, generator=torch.Generator().manual_seed(0))
-    with Checkpointer(
-        tmp_path / "s",
-        tiers=[("mem", f"memory://{uuid.uuid4().hex}"), ("d", f"memory://{uuid.uuid4().hex}")],
-        policy=Policy(chunk_size=CHUNK, base_every=10, tiers={"d": every}),
-    ) as ckpt:
+    with memory_and_delta_tier(tmp_path, "d", every) as ckpt:
         ckpt.save(0, {"w": w}).wait()
         tier = ckpt.tierset.get("d").tier
         assert tier is not None
