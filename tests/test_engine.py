@@ -529,3 +529,13 @@ def test_a_delta_tier_that_lost_the_base_stores_the_diff_whole(tmp_path: Path) -
         assert r.role == "diff" and r.tiers["d"] == "committed"
         codecs = {read_header(tier.head(c)).codec.name for c in tier.list()}
         assert codecs == {"ZSTD"}
+
+
+def test_a_store_of_asynchronous_tiers_only_is_refused(tmp_path: Path) -> None:
+    lazy = TierPolicy(versions="all", mode="async", codec="zstd")
+    with pytest.raises(ConfigError, match="asynchronous"):
+        Checkpointer(
+            tmp_path / "s",
+            tiers=[("a", f"memory://{uuid.uuid4().hex}")],
+            policy=Policy(tiers={"a": lazy}),
+        )
