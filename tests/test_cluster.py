@@ -191,3 +191,27 @@ def test_data_parallel_replicas_are_written_once_to_the_shared_tier(
     assert all(e["bytes"]["shm"] >= logical for e in acks)
     # rank 0 swept the shared tier (gc_grace_seconds=0) and left rank 1's unprepared blob
     assert [e["kept"] for e in by(events, "in-flight blob")] == [True] * 4
+
+
+def test_the_default_store_under_torchrun_gives_each_rank_its_own_tiers(
+    dirs: tuple[Path, Path],
+) -> None:
+    """Checkpointer(root) with no config, opened by 2 ranks at once: one config wins, each
+    rank gets its own shm segment and LMDB, and a restart restores every rank bit-exactly."""
+    root, shm = dirs
+    rc, events = torchrun(2, "save", *common(root, shm), "--steps", "3", "--default-store")
+    config = (root / "default" / "tiercheck.toml").read_text()
+    segment = next(line for line in config.splitlines() if "shm://" in line)
+    segment = segment.split("shm://", 1)[1].rstrip('"')
+    try:
+        assert rc == 0, events
+        assert segment.endswith("-{rank}") and 'lmdb-{rank}"' in config
+        assert sorted(p.name for p in (root / "default").glob("lmdb-*")) == ["lmdb-0", "lmdb-1"]
+        assert sorted(e["step"] for e in by(events, "ack")) == [1, 1, 2, 2, 3, 3]
+        rc, events = torchrun(2, "restore", *common(root, shm), "--default-store")
+        assert rc == 0, events
+        restored = by(events, "restored")
+        assert [(e["step"], e["exact"], e["source"]) for e in restored] == [(3, True, "shm")] * 2
+    finally:
+        for r in (0, 1):
+            shutil.rmtree(f"/dev/shm/tiercheck/{segment.replace('{rank}', str(r))}", True)

@@ -161,10 +161,14 @@ def main() -> int:
     p.add_argument("--peer-ports", default="")
     p.add_argument("--remote-sync", action="store_true")
     p.add_argument("--collective", action="store_true")
+    p.add_argument("--default-store", action="store_true", help="Checkpointer(root): no config")
     args = p.parse_args()
     dist.init_process_group("gloo")
     EVENTS.append(f"{args.root}/events-{args.phase}-{dist.get_rank()}.jsonl")
-    ckpt = Checkpointer(f"{args.root}/store", tiers=specs(args), policy=policy(args))
+    if args.default_store:  # every rank opens one new root at once: they race to create it
+        ckpt = Checkpointer(f"{args.root}/default")
+    else:
+        ckpt = Checkpointer(f"{args.root}/store", tiers=specs(args), policy=policy(args))
     try:
         save(args, ckpt) if args.phase == "save" else restore(args, ckpt)
     finally:
