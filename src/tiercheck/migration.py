@@ -10,6 +10,7 @@ and nothing already committed elsewhere is affected.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -77,9 +78,17 @@ def migrate_shard(
     if base_chunks is not None and missing:  # see place_shard: only bases the target holds
         local_bases = tier.has(list({c.id for c in base_chunks}))
 
+    local = threading.local()
+
     def copy(cid: str) -> int:
-        raw, _ = fetcher.fetch(cid, order=sources)
         index = first[cid]
+        length = manifest.chunks[index].length
+        # decode into this thread's buffer: no fresh pages, and no copy out of the
+        # fetcher's scratch buffer (the encoded blob is the only new allocation)
+        buf: bytearray | None = getattr(local, "buf", None)
+        if buf is None or len(buf) < length:
+            buf = local.buf = bytearray(max(length, manifest.chunk_size))
+        raw, _ = fetcher.fetch(cid, memoryview(buf)[:length], order=sources)
         if codec == "raw":
             blob = encode_blob(raw, Codec.RAW)
         elif (
