@@ -539,3 +539,27 @@ def test_a_store_of_asynchronous_tiers_only_is_refused(tmp_path: Path) -> None:
             tiers=[("a", f"memory://{uuid.uuid4().hex}")],
             policy=Policy(tiers={"a": lazy}),
         )
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_the_first_config_written_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
+) -> None:
+    """Ranks opening one new root race to write its config: exactly one write lands, with or
+    without hard links on the file system."""
+    import os
+
+    from tiercheck.config import load_config, save_config
+
+    if not hard_links:
+
+        def no_link(*_: Any) -> None:
+            raise PermissionError("hard links are not supported here")
+
+        monkeypatch.setattr(os, "link", no_link)
+    path = tmp_path / "tiercheck.toml"
+    first, second = default_config(tmp_path), default_config(tmp_path)
+    assert save_config(path, first, exclusive=True)
+    assert not save_config(path, second, exclusive=True)
+    assert load_config(path).tiers == first.tiers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiercheck.toml"]  # no temp files

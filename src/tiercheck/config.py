@@ -212,6 +212,15 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
         os.link(tmp, path)
     except FileExistsError:
         return False
+    except OSError:  # a file system without hard links: create-if-absent, then write
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
     finally:
         tmp.unlink()
     return True
