@@ -41,7 +41,7 @@ import itertools
 import os
 import re
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from tiercheck.backends.base import (
@@ -273,20 +273,27 @@ class ShmTier(Tier):
     # --- blobs ---------------------------------------------------------------------
 
     def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
+        return self.put_parts(blob_id, (data,), overwrite=overwrite)
+
+    def put_parts(self, blob_id: str, parts: Sequence[Buffer], *, overwrite: bool = False) -> bool:
+        """As :meth:`put`, writing each part at its offset: no joined copy."""
         check_blob_id(blob_id, self.url)
         self._check_writable("put")
         final = self._blob_path(blob_id)
         if not overwrite and os.path.exists(final):
             return False
-        view = memoryview(data).cast("B")
-        size = len(view)
+        views = [memoryview(part).cast("B") for part in parts]
+        size = sum(len(v) for v in views)
         tmp = ""
         fd = -1
         try:
             tmp, fd, seg_size = self._claim_segment(size)
             if seg_size > size:
                 os.ftruncate(fd, size)  # frees only the pages past the new end
-            _write_all(fd, view, 0)
+            offset = 0
+            for view in views:
+                _write_all(fd, view, offset)
+                offset += len(view)
             os.close(fd)
             fd = -1
             if overwrite:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tiercheck.chunking import Layout
 from tiercheck.entries import torch_dtype
 from tiercheck.errors import NotFound, TierError
-from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob
+from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob, encode_blob_parts
 from tiercheck.formats.ids import chunk_id, chunk_ids
 from tiercheck.formats.manifest import (
     ChunkRef,
@@ -180,6 +180,11 @@ def place_shard(
             return ref.id, encode_blob(raw, Codec.ZSTD, level=zstd_level), None
 
         def write(index: int) -> tuple[int, str | None, str]:
+            if codec == "raw":  # header + a view of the staged chunk: no joined copy
+                ref = manifest.chunks[index]
+                parts = encode_blob_parts(view[ref.offset : ref.offset + ref.length], Codec.RAW)
+                tier.put_parts(ref.id, parts)
+                return sum(len(p) for p in parts), None, ref.id
             cid, blob, base_id = encode(index)
             tier.put(cid, blob)
             return len(blob), base_id, cid

@@ -198,6 +198,20 @@ class TierConformance:
         assert tier.put_many([*items[:5], blob(7, seed=1000)]) == 1
         assert tier.has(bid for bid, _ in items) == {bid for bid, _ in items}
 
+    def test_put_parts(self, tier: Tier) -> None:
+        bid, data = blob(70_000, seed=5)
+        backing = bytearray(data)
+        parts = [data[:64], memoryview(backing)[64:5000], bytearray(data[5000:])]
+        assert tier.put_parts(bid, parts) is True
+        assert bytes(tier.get(bid)) == data and tier.size(bid) == len(data)
+        backing[100] ^= 0xFF  # the tier kept no view of a caller's buffer
+        assert bytes(tier.get(bid)) == data
+        assert tier.put_parts(bid, [b"other"]) is False
+        assert tier.put_parts(bid, [b"ot", b"her"], overwrite=True) is True
+        assert bytes(tier.get(bid)) == b"other"
+        empty = _fake_id(9)
+        assert tier.put_parts(empty, []) is True and bytes(tier.get(empty)) == b""
+
     def test_has_many(self, tier: Tier) -> None:
         present = [_fake_id(i) for i in range(0, 200, 2)]
         absent = [_fake_id(i) for i in range(1, 200, 2)]
