@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tiercheck.errors import NotFound, TierError
 from tiercheck.fetch import ChunkFetcher
-from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob
+from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob, encode_blob_parts
 from tiercheck.formats.manifest import CommitRecord, PrepareRecord, VersionInfo, unpack_manifest
 from tiercheck.manifest_log import append_record
 from tiercheck.pipeline import elem_size
@@ -89,9 +89,11 @@ def migrate_shard(
         if buf is None or len(buf) < length:
             buf = local.buf = bytearray(max(length, manifest.chunk_size))
         raw, _ = fetcher.fetch(cid, memoryview(buf)[:length], order=sources)
-        if codec == "raw":
-            blob = encode_blob(raw, Codec.RAW)
-        elif (
+        if codec == "raw":  # header + this thread's buffer, written without joining
+            parts = encode_blob_parts(raw, Codec.RAW)
+            tier.put_parts(cid, parts)
+            return sum(len(p) for p in parts)
+        if (
             base_chunks is not None
             and index < len(base_chunks)
             and base_chunks[index].id in local_bases

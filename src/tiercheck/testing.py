@@ -35,7 +35,7 @@ from typing import ClassVar
 import blake3
 import pytest
 
-from tiercheck.backends.base import Capabilities, FailureDomain, Tier
+from tiercheck.backends.base import Buffer, Capabilities, FailureDomain, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import NotFound, ReadOnlyTier, TierError
 
@@ -201,7 +201,7 @@ class TierConformance:
     def test_put_parts(self, tier: Tier) -> None:
         bid, data = blob(70_000, seed=5)
         backing = bytearray(data)
-        parts = [data[:64], memoryview(backing)[64:5000], bytearray(data[5000:])]
+        parts: list[Buffer] = [data[:64], memoryview(backing)[64:5000], bytearray(data[5000:])]
         assert tier.put_parts(bid, parts) is True
         assert bytes(tier.get(bid)) == data and tier.size(bid) == len(data)
         backing[100] ^= 0xFF  # the tier kept no view of a caller's buffer
