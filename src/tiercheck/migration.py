@@ -21,7 +21,7 @@ from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob, encode_blob_parts
 from tiercheck.formats.manifest import CommitRecord, PrepareRecord, VersionInfo, unpack_manifest
 from tiercheck.manifest_log import append_record
-from tiercheck.pipeline import elem_size
+from tiercheck.pipeline import elem_size, held_bases
 from tiercheck.tierset import TierSlot
 
 __all__ = ["MigrationResult", "migrate_shard"]
@@ -75,8 +75,8 @@ def migrate_shard(
             base_chunks = None
     deltas: dict[str, str] = {}
     local_bases: set[str] = set()
-    if base_chunks is not None and missing:  # see place_shard: only bases the target holds
-        local_bases = tier.has(list({c.id for c in base_chunks}))
+    if base_chunks is not None and missing:
+        local_bases = held_bases(tier, base_chunks)
 
     local = threading.local()
 

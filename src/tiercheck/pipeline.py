@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tiercheck.backends.base import Tier
 from tiercheck.chunking import Layout
 from tiercheck.entries import torch_dtype
 from tiercheck.errors import NotFound, TierError
@@ -33,15 +34,13 @@ from tiercheck.formats.manifest import (
 from tiercheck.manifest_log import append_record
 from tiercheck.tierset import TierSlot
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
     "PlaceResult",
     "build_manifest",
     "commit_on",
     "elem_size",
     "hash_stream",
+    "held_bases",
     "place_shard",
 ]
 
@@ -113,6 +112,13 @@ def elem_size(entries: Sequence[Entry], offset: int) -> int:
     return 1
 
 
+def held_bases(tier: Tier, base_chunks: Sequence[ChunkRef]) -> set[str]:
+    """The base chunk ids ``tier`` holds: the only ones a delta on it may be encoded
+    against (a delta is only as safe as its base, and GC keeps a base the tier holds while
+    the delta lives; a copy held elsewhere only may be dropped there)."""
+    return tier.has(list({c.id for c in base_chunks}))
+
+
 def place_shard(
     slot: TierSlot,
     *,
@@ -148,11 +154,9 @@ def place_shard(
             first.setdefault(ref.id, i)
         present = tier.has([*first, manifest_id])
         missing = [cid for cid in first if cid not in present and (only is None or cid in only)]
-        # a delta is only as safe as its base: encode against base chunks this tier holds
-        # (GC keeps them while the delta lives), never against a copy held elsewhere only
         local_bases: set[str] = set()
         if codec == "delta" and role == "diff" and base_chunks is not None and missing:
-            local_bases = tier.has(list({c.id for c in base_chunks}))
+            local_bases = held_bases(tier, base_chunks)
 
         def encode(index: int) -> tuple[str, bytes, str | None]:
             ref = manifest.chunks[index]
