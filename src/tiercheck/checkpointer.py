@@ -271,17 +271,6 @@ class Checkpointer:
         try:
             specs = [_for_rank(spec, self.coordinator) for spec in self.config.tiers]
             self.tierset = TierSet(specs, self.policy, read_only=read_only)
-            slots = self.tierset.slots
-            if (
-                not read_only
-                and slots
-                and all(s.policy is not None and s.policy.mode == "async" for s in slots)
-            ):
-                self.tierset.close()
-                raise ConfigError(
-                    "every tier is asynchronous, so no save could ever commit: give one tier "
-                    "mode='sync' (asynchronous tiers receive committed versions by migration)"
-                )
         except BaseException:
             self._release_lock()
             raise

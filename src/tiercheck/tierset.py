@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.config import TierSpec
-from tiercheck.errors import InvalidURL, TierError
+from tiercheck.errors import ConfigError, InvalidURL, TierError
 from tiercheck.placement import Policy, TierPolicy
 
 __all__ = ["TierSet", "TierSlot"]
@@ -54,11 +54,13 @@ class TierSet:
                 self.slots.append(TierSlot(spec, None, None, str(exc)))
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
-        self._ensure_a_sync_tier(policy)
+        self._ensure_a_sync_tier(policy, writing=not read_only)
 
-    def _ensure_a_sync_tier(self, policy: Policy) -> None:
+    def _ensure_a_sync_tier(self, policy: Policy, *, writing: bool) -> None:
         """A save commits at its synchronous tiers: if the defaults left none (a store of
-        remote tiers only), the fastest tier without an explicit policy becomes one."""
+        remote tiers only), the fastest tier without an explicit policy becomes one; if
+        every tier is explicitly asynchronous, no save could ever commit (ConfigError when
+        opened for writing)."""
         open_ = self.by_speed()
         if any(s.policy is not None and s.policy.mode == "sync" for s in open_):
             return
@@ -67,6 +69,12 @@ class TierSet:
                 slot.policy = replace(slot.policy, mode="sync")
                 log.info("no synchronous tier by default: %s is made one", slot.name)
                 return
+        if writing and self.slots and all(s.policy is not None for s in self.slots):
+            self.close()
+            raise ConfigError(
+                "every tier is asynchronous, so no save could ever commit: give one tier "
+                "mode='sync' (asynchronous tiers receive committed versions by migration)"
+            )
 
     def __iter__(self) -> Iterator[TierSlot]:
         return iter(self.slots)
