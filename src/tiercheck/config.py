@@ -176,6 +176,14 @@ def _toml_value(value: Any) -> str:
     raise ConfigError(f"cannot write {value!r} to TOML")
 
 
+def _write_synced(fd: int, text: str) -> None:
+    """Write ``text`` to the file open as ``fd``, fsync it and close it."""
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> bool:
     """Write ``config`` to ``path`` atomically (temp file + fsync + rename).
 
@@ -201,10 +209,7 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
             lines.append(f"options = {_toml_value(spec.options)}")
     text = "\n".join(lines) + "\n"
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), text)
     if not exclusive:
         os.replace(tmp, path)
         return True
@@ -217,10 +222,7 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(fd, text)
     finally:
         tmp.unlink()
     return True
