@@ -46,7 +46,9 @@ from typing import Any, Literal, cast
 import blake3
 import torch
 
-import tiercheck.checkpointer as ck_mod
+import tiercheck.maintenance as maintenance_mod
+import tiercheck.migrating as migrating_mod
+import tiercheck.saving as saving_mod
 import tiercheck.tierset as tierset_mod
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.base import Tier
@@ -231,13 +233,13 @@ def install_kill_point(point: str, nth: int) -> None:
         after = parts[1:] == ["after"]
         target: tuple[Any, str] = {
             "stage": (StagingBuffer, "stage"),
-            "hash": (ck_mod, "hash_stream"),
-            "manifest": (ck_mod, "build_manifest"),
-            "place": (ck_mod, "place_shard"),
-            "commit": (ck_mod, "commit_on"),
-            "retention": (ck_mod, "drop_versions"),
-            "gc": (ck_mod, "collect_garbage"),
-            "migrate": (ck_mod, "migrate_shard"),
+            "hash": (saving_mod, "hash_stream"),
+            "manifest": (saving_mod, "build_manifest"),
+            "place": (saving_mod, "place_shard"),
+            "commit": (saving_mod, "commit_on"),
+            "retention": (maintenance_mod, "drop_versions"),
+            "gc": (maintenance_mod, "collect_garbage"),
+            "migrate": (migrating_mod, "migrate_shard"),
         }[parts[0]]
         _wrap_function(target[0], target[1], nth, after)
         return

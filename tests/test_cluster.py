@@ -39,7 +39,7 @@ def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 
 
 def torchrun(
-    nproc: int, *args: str, env: dict[str, str] | None = None
+    nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 200
 ) -> tuple[int, list[dict[str, Any]]]:
     cmd = [
         sys.executable,
@@ -55,7 +55,7 @@ def torchrun(
         *args,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=200)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
     root = Path(args[args.index("--root") + 1])
     events = []
     for path in sorted(root.glob(f"events-{args[0]}-*.jsonl")):
@@ -89,6 +89,61 @@ def test_rank_killed_mid_save_aborts_and_previous_restores(dirs: tuple[Path, Pat
     assert len(restored) == 2
     for e in restored:
         assert e["step"] == 3 and e["exact"], e
+
+
+@pytest.mark.parametrize("point", ["exchange", "decide", "confirm"])
+def test_a_rank_killed_at_each_protocol_step_aborts_the_version_on_every_rank(
+    dirs: tuple[Path, Path], point: str
+) -> None:
+    """Rank 1 dies just before a step of the commit protocol of step 2. Rank 0 learns it
+    from that step's collective (the dead rank's connection closes) and aborts at once:
+    the group's timeout is 600 s and this run may take 90, so no abort here waits for it.
+    Its next save fails at once too, saying why, instead of waiting on a dead group."""
+    root, shm = dirs
+    rc, events = torchrun(
+        2,
+        "save",
+        *common(root, shm),
+        "--steps",
+        "3",
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "2",
+        "--kill-at",
+        point,
+        timeout=90,
+    )
+    assert rc != 0  # torchrun reports the dead rank
+    assert {(e["rank"], e["step"]) for e in by(events, "ack")} == {(0, 1), (1, 1)}
+    seen = {e["step"]: e for e in events if e["rank"] == 0 and e["step"] > 1}
+    if point == "confirm":  # both ranks had committed step 2 in their own tiers
+        assert seen[2]["event"] == "short" and "could not confirm" in seen[2]["error"]
+    else:
+        assert seen[2]["event"] == "failed" and "aborted" in seen[2]["error"]
+    assert seen[3]["event"] == "failed" and "failed:" in seen[3]["error"]  # the cause, at once
+
+
+def test_a_rank_that_fails_a_save_aborts_it_on_every_rank_and_the_next_commits(
+    dirs: tuple[Path, Path],
+) -> None:
+    """Rank 1's staging fails in the save of step 2 (before the chunk exchange): it still
+    takes part in the protocol, carrying its failure, so rank 0 aborts step 2 at once, and
+    the ranks stay in step: step 3 commits on both."""
+    root, shm = dirs
+    rc, events = torchrun(
+        2, "save", *common(root, shm), "--steps", "3", "--fail-rank", "1", "--fail-step", "2"
+    )
+    assert rc == 0, events
+    assert sorted((e["rank"], e["step"]) for e in by(events, "ack")) == [
+        (0, 1),
+        (0, 3),
+        (1, 1),
+        (1, 3),
+    ]
+    failed = {e["rank"]: e["error"] for e in by(events, "failed")}
+    assert failed.keys() == {0, 1} and all(e["step"] == 2 for e in by(events, "failed"))
+    assert "rank 1: RuntimeError: injected staging failure" in failed[0]
 
 
 def start_daemon(token: str) -> tuple[subprocess.Popen[str], int]:
@@ -162,8 +217,9 @@ def test_dead_peer_daemon_lowers_commit_level_and_restore_falls_back(
         2, "save", *common(root, shm), "--steps", "4", "--peer-ports", ports, env=env
     )
     assert rc == 0, events
-    acks = by(events, "ack")
+    acks = by(events, "short")  # committed, but the peer tier is required and failed
     assert len(acks) == 8
+    assert all("required tier peer failed" in e["error"] for e in acks)
     assert all(e["tiers"]["shm"] == "committed" for e in acks)
     assert all(e["tiers"].get("peer") in (None, "failed") for e in acks)
     rc, events = torchrun(2, "restore", *common(root, shm), "--peer-ports", ports, env=env)
@@ -189,8 +245,12 @@ def test_data_parallel_replicas_are_written_once_to_the_shared_tier(
     assert all(e["tiers"]["remote"] == "committed" for e in acks)
     # every rank still wrote its whole shard to its own node's tiers
     assert all(e["bytes"]["shm"] >= logical for e in acks)
-    # rank 0 swept the shared tier (gc_grace_seconds=0) and left rank 1's unprepared blob
+    # rank 0's sweeps of the shared tier (gc_grace_seconds=0) left another writer's blob
+    # while that writer held its lease, and deleted it once the writer was gone
+    (gc,) = by(events, "gc")
+    assert "is writing to it" in gc["fenced"]
     assert [e["kept"] for e in by(events, "in-flight blob")] == [True] * 4
+    assert [e["kept"] for e in by(events, "leftover blob")] == [False] * 4
 
 
 def test_the_default_store_under_torchrun_gives_each_rank_its_own_tiers(

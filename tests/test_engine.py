@@ -21,10 +21,12 @@ from tiercheck.config import default_config
 from tiercheck.errors import (
     CheckpointError,
     ConfigError,
+    DurabilityError,
     NoRestorableVersion,
     StateError,
     StoreLocked,
     TierUnavailable,
+    UnfinishedWork,
     UnsupportedValue,
 )
 from tiercheck.formats.codecs import Codec, encode_blob
@@ -326,27 +328,59 @@ class FlakyTier(MemoryTier):
         return super().put(blob_id, data, overwrite=overwrite)
 
 
-def test_background_failure_raises_on_handle_and_next_save(tmp_path: Path) -> None:
+def test_a_background_failure_is_raised_by_its_own_handle_only(tmp_path: Path) -> None:
     tiercheck.register_tier("flaky", FlakyTier, replace=True)
     ckpt = Checkpointer(tmp_path / "s", tiers=["flaky://x"], policy=small_policy())
     try:
         FlakyTier.fail = True
         h = ckpt.save(0, state_of())
+        ckpt.save(1, state_of())  # fails too; nobody waits on its handle
+        ckpt.flush()
         with pytest.raises(CheckpointError, match="injected outage"):
             h.wait()
-        with pytest.raises(CheckpointError, match="previous save failed"):
-            ckpt.save(1, state_of())
         FlakyTier.fail = False
-        assert ckpt.save(2, state_of()).wait().committed_tiers == ("flaky",)
+        assert ckpt.save(2, state_of()).wait().committed_tiers == ("flaky",)  # not blamed
+    finally:
+        FlakyTier.fail = False
+        with pytest.raises(UnfinishedWork) as err:
+            ckpt.close()
+    assert [step for step, _, _ in err.value.saves] == [1]  # the failure nobody saw
+    assert "injected outage" in err.value.saves[0][2]
+
+
+def test_a_failing_required_tier_makes_wait_raise_and_the_version_stays_restorable(
+    tmp_path: Path,
+) -> None:
+    tiercheck.register_tier("flaky", FlakyTier, replace=True)
+    ckpt = Checkpointer(
+        tmp_path / "s", tiers=[("ok", mem()), ("flaky", "flaky://y")], policy=small_policy()
+    )
+    try:
+        FlakyTier.fail = True
+        h = ckpt.save(0, state_of())
+        with pytest.raises(DurabilityError, match="required tier flaky failed") as err:
+            h.wait()  # a synchronous tier is required by default
+        assert err.value.failed.keys() == {"flaky"}
+        assert "injected outage" in err.value.failed["flaky"]
+        assert err.value.committed == ("ok",) and "restored from ok" in str(err.value)
+        r = h.result_now()
+        assert r.tiers == {"ok": "committed", "flaky": "failed"}
+        (v,) = ckpt.history()
+        assert v.holders == ("ok",) and v.restorable and v.tiers["flaky"] == "missing"
+        out = ckpt.restore(state_of(9)).state
+        assert torch.equal(out["w"], state_of()["w"]) and out["meta"] == state_of()["meta"]
     finally:
         FlakyTier.fail = False
         ckpt.close()
 
 
-def test_one_failing_tier_lowers_the_commit_level(tmp_path: Path) -> None:
+def test_a_failing_best_effort_tier_only_lowers_the_commit_level(tmp_path: Path) -> None:
     tiercheck.register_tier("flaky", FlakyTier, replace=True)
+    best_effort = TierPolicy(keep_bases=None, guarantee="best_effort")
     ckpt = Checkpointer(
-        tmp_path / "s", tiers=[("ok", mem()), ("flaky", "flaky://y")], policy=small_policy()
+        tmp_path / "s",
+        tiers=[("ok", mem()), ("flaky", "flaky://y")],
+        policy=small_policy(flaky=best_effort),
     )
     try:
         FlakyTier.fail = True
@@ -356,6 +390,24 @@ def test_one_failing_tier_lowers_the_commit_level(tmp_path: Path) -> None:
     finally:
         FlakyTier.fail = False
         ckpt.close()
+
+
+def test_durability_asks_for_a_failure_domain(tmp_path: Path) -> None:
+    shm = f"shm://d{uuid.uuid4().hex[:10]}"
+    tiers = [
+        TierSpec("shm", shm, {"root": str(tmp_path / "shm")}),
+        ("disk", f"lmdb://{tmp_path}/l"),
+    ]
+    every = TierPolicy(keep_bases=None)
+    with Checkpointer(
+        tmp_path / "s", tiers=tiers, policy=small_policy(shm=every, disk=every)
+    ) as ckpt:
+        assert ckpt.save(0, state_of()).wait().committed_tiers == ("shm", "disk")
+    node = Policy(chunk_size=CHUNK, durability="node", tiers={"shm": every, "disk": every})
+    with Checkpointer(tmp_path / "s", tiers=tiers, policy=node) as ckpt:
+        with pytest.raises(DurabilityError, match="survives losing a node"):
+            ckpt.save(1, state_of(1)).wait()  # shm and LMDB are both lost with the node
+        assert ckpt.restore(state_of(9)).step == 1  # committed all the same
 
 
 def test_skip_when_busy_reports_skipped(tmp_path: Path) -> None:

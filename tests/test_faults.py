@@ -23,6 +23,7 @@ from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import (
+    DurabilityError,
     FormatVersionError,
     NoRestorableVersion,
     StoreLocked,
@@ -204,20 +205,22 @@ def test_remote_down_during_saves_and_migration(
         ],
         policy=policy(
             shm=EVERY,
-            s3sync=TierPolicy(versions="all", mode="sync", codec="zstd", keep_bases=None),
+            s3sync=TierPolicy(
+                versions="all", mode="sync", codec="zstd", keep_bases=None, guarantee="best_effort"
+            ),
             s3=TierPolicy(versions="base", mode="async", codec="zstd", keep_bases=None),
         ),
     )
     ckpt.save(0, state_of(0)).wait_migrated()
     with s3_server.down():
         results = [ckpt.save(step, state_of(step)).wait() for step in range(1, 5)]
-        assert ckpt.wait_migrations() is False  # the base versions' migrations are postponed
+        assert ckpt.wait_migrations(timeout=0) is False  # the base's migration is postponed
+        assert [(v, t) for v, t, _ in ckpt.pending_migrations()] == [(3, "s3")]
     for r in results:  # every save committed, at a lower level
         assert r.committed_tiers == ("shm",)
         assert r.tiers["s3sync"] == "failed" and "TierUnavailable" in r.errors["s3sync"]
     assert [r.tiers["s3"] for r in results if r.role == "base"] == ["migrating"]
-    assert ckpt.retry_migrations() == 1
-    assert ckpt.wait_migrations() is True
+    assert ckpt.wait_migrations(timeout=120) is True  # retried by itself once the tier is back
     tiers = {v.id: v.tiers for v in ckpt.history()}
     assert tiers[3]["s3"] == "committed" and tiers[0]["s3"] == "committed"
     r5 = ckpt.save(5, state_of(5), role="base").wait()  # and saves reach the remote again
@@ -245,8 +248,12 @@ def test_sync_tier_down_lowers_commit_level_then_recovers(tmp_path: Path) -> Non
     slot.tier = FaultyTier(slot.tier, plan)
     ckpt.save(0, state_of(0)).wait()
     plan.down()
-    r = ckpt.save(1, state_of(1)).wait()
+    h = ckpt.save(1, state_of(1))
+    with pytest.raises(DurabilityError, match="required tier b failed"):
+        h.wait()  # b is synchronous, so required: the caller hears of it
+    r = h.result_now()
     assert r.committed_tiers == ("a",) and r.tiers["b"] == "failed"
+    assert_same(ckpt.restore(None).state, state_of(1))  # committed, from a
     plan.up()
     r = ckpt.save(2, state_of(2)).wait()
     assert r.committed_tiers == ("a", "b")
@@ -281,8 +288,12 @@ def small_tmpfs(path: Path, size: str = "2m") -> Iterator[bool]:
 def fill_until_full(ckpt: Checkpointer, victim: str, first_step: int) -> tuple[int, str]:
     """Save ever bigger states until ``victim`` reports full; return (last good step, error)."""
     for step in range(first_step, first_step + 40):
-        r = ckpt.save(step, state_of(step, n=64 * 1024 * (step - first_step + 1))).wait()
-        if r.tiers.get(victim) == "failed":
+        h = ckpt.save(step, state_of(step, n=64 * 1024 * (step - first_step + 1)))
+        try:
+            h.wait()
+        except DurabilityError as exc:  # the full tier is required: wait() says so
+            r = h.result_now()
+            assert r.tiers.get(victim) == "failed" and exc.failed.keys() == {victim}
             return step, r.errors[victim]
     raise AssertionError(f"tier {victim} never filled up")
 

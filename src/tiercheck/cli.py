@@ -220,6 +220,8 @@ def _tier_names(ckpt: Any, wanted: Sequence[str] | None) -> list[str] | None:
 
 
 def _tiers_json(ckpt: Any) -> list[dict[str, Any]]:
+    from tiercheck.guarantees import describe_survival
+
     out = []
     for slot in ckpt.tierset.slots:
         pol = slot.policy
@@ -231,6 +233,9 @@ def _tiers_json(ckpt: Any) -> list[dict[str, Any]]:
                 "error": slot.error,
                 "speed_rank": slot.speed_rank if slot.tier is not None else None,
                 "survives": slot.tier.capabilities.survives.value if slot.tier else None,
+                "survives_text": describe_survival(slot.tier.capabilities) if slot.tier else None,
+                "persistent": slot.tier.capabilities.persistent if slot.tier else None,
+                "shared": slot.tier.capabilities.shared if slot.tier else None,
                 "policy": None
                 if pol is None
                 else {
@@ -239,6 +244,7 @@ def _tiers_json(ckpt: Any) -> list[dict[str, Any]]:
                     "codec": pol.codec,
                     "keep_bases": pol.keep_bases,
                     "keep_diffs": pol.keep_diffs,
+                    "guarantee": "required" if pol.required else "best_effort",
                 },
             }
         )
@@ -255,6 +261,8 @@ _STATE_STYLE = {
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from tiercheck.guarantees import describe_survival
+
     with contextlib.closing(open_store(args.root)) as ckpt:
         versions = ckpt.history()
         if args.limit is not None:
@@ -302,9 +310,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             )
         console = _console()
         console.print(table)
-        down = [s for s in ckpt.tierset.slots if s.tier is None]
-        for s in down:
-            console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
+        for s in ckpt.tierset.slots:  # what each column's copies survive
+            if s.tier is None:
+                console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
+            else:
+                console.print(f"{s.name}: survives {describe_survival(s.tier.capabilities)}")
         if not versions:
             console.print("no committed versions")
     return 0
@@ -552,6 +562,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 "deleted": r.deleted,
                 "would_delete": len(r.deleted_ids) if args.dry_run else 0,
                 "waiting": r.waiting,
+                "fenced": r.fenced,
             }
             for r in reports
         ]
@@ -571,10 +582,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
             )
         console = _console()
         console.print(t)
+        for r in rows:
+            if r["fenced"]:
+                console.print(f"tier {r['tier']} was not swept: {r['fenced']}")
         if any(r["waiting"] for r in rows):
             console.print(
                 "blobs in their grace period are kept (the clock starts when this process "
-                "first sees them); pass --grace 0 to delete them now if nothing is saving"
+                "first sees them); pass --grace 0 to delete them now"
             )
     return 0
 
@@ -874,7 +888,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="delete blobs no kept version references",
         description="Mark and sweep every tier: blobs referenced by no version the tier keeps "
-        "are deleted once past the grace period. Takes the writer lock unless --dry-run.",
+        "are deleted once past the grace period. Takes the writer lock unless --dry-run. A "
+        "tier shared with a process that is writing to it is skipped (its write lease says "
+        "so).",
     )
     p.add_argument("root", metavar="ROOT", help="store root")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
@@ -883,7 +899,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_nonneg_float,
         metavar="SECONDS",
         help="grace period for this run (default: the policy's, on this process's clock, "
-        "which starts now; 0 deletes at once: only when nothing is saving)",
+        "which starts now; 0 deletes at once)",
     )
     p.set_defaults(func=cmd_gc)
 

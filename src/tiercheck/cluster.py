@@ -1,13 +1,28 @@
-"""The commit protocol's coordinator: prepare, vote, decide, record.
+"""The commit protocol's coordinator: exchange, prepare, vote, decide, confirm.
 
-A version is committed by presumed-abort two-phase commit. Each rank prepares its shard in
-its tiers (blobs, manifest, ``prepare`` record), then votes. The coordinator decides
-commit iff every rank voted yes; the decision is returned to every rank, which records it
-(``commit`` or ``abort``) in the tiers where it prepared. Without a decision record, a
-prepared version counts as aborted.
+A version is committed by presumed-abort two-phase commit. Every rank runs the same three
+steps per version, in the same order, whatever happened to it locally:
 
-:class:`LocalCoordinator` is the single-process case. The multi-rank coordinator on a
-dedicated gloo group implements the same :class:`Coordinator` protocol.
+1. **exchange**: each rank sends its chunk ids and sizes (never data), or the failure that
+   stopped it before it could (staging, hashing, a state it could not flatten). Every rank
+   learns every id in flight (GC protects them) and which chunks it writes to shared tiers
+   (cross-rank dedup). A failure on any rank aborts the version on every rank here.
+2. **decide**: each rank prepares its shard in its tiers (blobs, manifest, ``prepare``
+   record), then votes; the decision is commit iff every rank voted yes, and each rank
+   records it (``commit`` or ``abort``) in the tiers where it prepared. Without a decision
+   record a prepared version counts as aborted.
+3. **confirm**: each rank reports the tiers it committed in and the shared tiers it
+   prepared in; the version is committed in a shared tier iff every rank prepared there,
+   and the store's guarantees are judged for every rank alike.
+
+Fencing: every message names its version and step. A collective that fails (a rank died:
+its peers see the closed connection at once; a hung rank: the group's timeout) or that
+pairs different versions or steps marks the coordinator **broken**: the version aborts on
+this rank, and every later save aborts at once, naming the cause, instead of waiting on a
+group that can no longer agree. Restart the job to go on.
+
+:class:`LocalCoordinator` is the single-process case. :class:`DistCoordinator` runs on a
+dedicated gloo group.
 """
 
 from __future__ import annotations
@@ -15,15 +30,19 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgpack
 
+from tiercheck.errors import CheckpointError
+
 __all__ = [
+    "Confirmation",
     "Coordinator",
     "Decision",
     "DistCoordinator",
+    "Exchange",
     "LocalCoordinator",
     "Vote",
     "owned_chunks",
@@ -43,14 +62,37 @@ class Vote:
 
 @dataclass(frozen=True)
 class Decision:
-    """The outcome. ``shared_tiers``: shared tiers where every rank prepared, so the
-    version may be committed there."""
+    """The outcome of the vote."""
 
     version: int
     commit: bool
     shards: tuple[str, ...]
     reason: str = ""
-    shared_tiers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The outcome of the exchange. ``owned``: the chunk ids this rank writes to shared
+    tiers (None: every one); ``ids``: every chunk id of every rank for this version."""
+
+    version: int
+    ok: bool
+    owned: frozenset[str] | None = None
+    ids: frozenset[str] = frozenset()
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The outcome of the confirmation. ``shared_tiers``: the shared tiers where every rank
+    prepared (the version is committed there); ``committed``: per rank, the tiers it
+    committed the version in (its own tiers plus ``shared_tiers``)."""
+
+    version: int
+    ok: bool
+    shared_tiers: frozenset[str] = frozenset()
+    committed: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+    reason: str = ""
 
 
 class Coordinator(Protocol):
@@ -63,10 +105,6 @@ class Coordinator(Protocol):
         """The maximum of ``value`` over every rank."""
         ...
 
-    def assign_chunks(self, chunks: Sequence[tuple[str, int]]) -> set[str]:
-        """The chunk ids this rank writes to shared tiers."""
-        ...
-
     def agree_restorable(self, versions: Sequence[int]) -> int | None:
         """The newest version in every rank's ``versions``."""
         ...
@@ -75,21 +113,30 @@ class Coordinator(Protocol):
         """True iff ``flag`` is true on every rank."""
         ...
 
-    def agree_tiers(self, tiers: Sequence[str]) -> set[str]:
-        """The tiers in every rank's ``tiers``."""
-        ...
-
     def next_version_id(self, local_max: int) -> int:
         """Agree on the id of the next version across ranks."""
         ...
 
+    def exchange(
+        self, version: int, chunks: Sequence[tuple[str, int]] | None, failure: str = ""
+    ) -> Exchange:
+        """Step 1: send this rank's chunk ids and sizes, or ``failure`` (chunks None)."""
+        ...
+
     def decide(self, version: int, vote: Vote) -> Decision:
-        """Cast ``vote`` and return the global decision for ``version``."""
+        """Step 2: cast ``vote`` and return the global decision for ``version``."""
+        ...
+
+    def confirm(
+        self, version: int, committed: Sequence[str], shared_ready: Sequence[str]
+    ) -> Confirmation:
+        """Step 3: report the tiers this rank committed in and the shared tiers it
+        prepared in."""
         ...
 
 
 class LocalCoordinator:
-    """One process, one rank: the decision is the vote."""
+    """One process, one rank: every outcome is this rank's own."""
 
     rank = 0
     world_size = 1
@@ -99,25 +146,32 @@ class LocalCoordinator:
     def agree_max(self, value: int) -> int:
         return value
 
-    def assign_chunks(self, chunks: Sequence[tuple[str, int]]) -> set[str]:
-        return {c for c, _ in chunks}
-
     def agree_restorable(self, versions: Sequence[int]) -> int | None:
         return max(versions) if versions else None
 
     def all_true(self, flag: bool) -> bool:
         return flag
 
-    def agree_tiers(self, tiers: Sequence[str]) -> set[str]:
-        return set(tiers)
-
     def next_version_id(self, local_max: int) -> int:
         return local_max + 1
 
+    def exchange(
+        self, version: int, chunks: Sequence[tuple[str, int]] | None, failure: str = ""
+    ) -> Exchange:
+        if chunks is None:
+            return Exchange(version, False, reason=failure or "the only rank failed")
+        return Exchange(version, True, None, frozenset(c for c, _ in chunks))
+
     def decide(self, version: int, vote: Vote) -> Decision:
         if vote.ok:
-            return Decision(version, True, (vote.manifest,), shared_tiers=vote.tiers)
+            return Decision(version, True, (vote.manifest,))
         return Decision(version, False, (), vote.reason or "the only rank failed to prepare")
+
+    def confirm(
+        self, version: int, committed: Sequence[str], shared_ready: Sequence[str]
+    ) -> Confirmation:
+        shared = frozenset(shared_ready)
+        return Confirmation(version, True, shared, (tuple(committed) + tuple(sorted(shared)),))
 
 
 # --- several ranks ------------------------------------------------------------------
@@ -126,6 +180,10 @@ class LocalCoordinator:
 def _pack(obj: Any) -> bytes:
     out: bytes = msgpack.packb(obj, use_bin_type=True)
     return out
+
+
+class _Broken(Exception):
+    """A collective of the commit protocol failed or paired different steps."""
 
 
 class DistCoordinator:
@@ -137,9 +195,10 @@ class DistCoordinator:
     message is msgpack in a uint8 tensor: nothing is pickled.
 
     All ranks must construct their ``Checkpointer`` together and call ``save`` the same
-    number of times (the collectives of save ``k`` pair up across ranks by order). A rank
-    that dies mid-save makes the other ranks' collective fail (or time out after
-    ``timeout``): they decide abort (presumed abort), record it, and go on.
+    number of times (the collectives of save ``k`` pair up across ranks by order; a save
+    that fails on one rank still takes part, carrying its failure). A rank that dies or
+    fails mid-save aborts the version on every rank at the next step (see the module
+    docstring); ``timeout`` bounds a wait on a rank that hangs.
     """
 
     def __init__(self, *, timeout: float = 120.0, group: Any = None) -> None:
@@ -156,7 +215,7 @@ class DistCoordinator:
         self._group = group or dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=timeout)
         )
-        self._broken: str | None = None
+        self.broken: str | None = None  # why the protocol cannot go on, once it cannot
 
     # -- byte collectives ---------------------------------------------------------------
 
@@ -182,64 +241,104 @@ class DistCoordinator:
             for b in self.all_gather_bytes(_pack(obj))
         ]
 
+    def _step(self, step: str, version: int, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """One fenced collective: every rank's payload for ``step`` of ``version``."""
+        if self.broken is not None:
+            raise _Broken(self.broken)
+        try:
+            everyone: list[dict[str, Any]] = self.all_gather_obj(
+                {"step": step, "version": version, **payload}
+            )
+        except Exception as exc:  # a dead or hung rank: the group is unusable from now on
+            self.broken = f"the {step} step of version {version} failed: {exc}"
+            raise _Broken(self.broken) from exc
+        odd = [
+            (r, p.get("step"), p.get("version"))
+            for r, p in enumerate(everyone)
+            if (p.get("step"), p.get("version")) != (step, version)
+        ]
+        if odd:
+            self.broken = (
+                f"ranks out of step at the {step} step of version {version}: "
+                + ", ".join(f"rank {r} at the {s} step of version {v}" for r, s, v in odd)
+            )
+            raise _Broken(self.broken)
+        return everyone
+
+    def _gather(self, what: str, obj: Any) -> list[Any]:
+        """An all-gather outside the save protocol (start-up, restore), as typed errors."""
+        if self.broken is not None:
+            raise CheckpointError(f"the ranks can no longer agree ({self.broken}); restart the job")
+        try:
+            return self.all_gather_obj(obj)
+        except Exception as exc:
+            self.broken = f"agreeing on {what} failed: {exc}"
+            raise CheckpointError(f"the ranks could not agree on {what}: {exc}") from exc
+
     # -- protocol -----------------------------------------------------------------------
 
     def agree_max(self, value: int) -> int:
         """The maximum of ``value`` over all ranks."""
-        return max(int(v) for v in self.all_gather_obj(value))
+        return max(int(v) for v in self._gather("the newest version id", value))
 
     def next_version_id(self, local_max: int) -> int:
         # ids are agreed once at start-up (agree_max) and then advance in lock step
         return local_max + 1
 
-    def decide(self, version: int, vote: Vote) -> Decision:
-        """Gather every rank's vote; commit iff all said yes. A failed collective aborts."""
+    def exchange(
+        self, version: int, chunks: Sequence[tuple[str, int]] | None, failure: str = ""
+    ) -> Exchange:
+        """Every rank's chunk ids (ids and sizes only, never data); each unique chunk gets
+        exactly one writer for shared tiers among the ranks that hold it, the one with the
+        fewest bytes assigned so far. A rank's failure aborts the version everywhere."""
         mine = {
-            "rank": vote.rank,
-            "ok": vote.ok,
-            "manifest": vote.manifest,
-            "tiers": list(vote.tiers),
-            "reason": vote.reason,
-            "version": version,
+            "ok": chunks is not None,
+            "reason": failure,
+            "chunks": [[c, n] for c, n in chunks or ()],
         }
         try:
-            votes = self.all_gather_obj(mine)
-        except Exception as exc:  # a dead or hung rank: presumed abort
-            return Decision(version, False, (), f"vote collective failed: {exc}")
-        by_rank = sorted(votes, key=lambda v: v["rank"])
-        bad = [v for v in by_rank if not v["ok"] or v["version"] != version]
+            everyone = self._step("exchange", version, mine)
+        except _Broken as exc:
+            return Exchange(version, False, reason=str(exc))
+        bad = [f"rank {r}: {p['reason']}" for r, p in enumerate(everyone) if not p["ok"]]
         if bad:
-            reasons = "; ".join(
-                f"rank {v['rank']}: {v['reason'] or 'version mismatch'}" for v in bad
-            )
-            return Decision(version, False, (), reasons)
-        shared = set.intersection(*(set(v["tiers"]) for v in by_rank))
-        return Decision(
-            version,
-            True,
-            tuple(v["manifest"] for v in by_rank),
-            shared_tiers=tuple(sorted(shared)),
-        )
+            return Exchange(version, False, reason="; ".join(bad))
+        per_rank = [p["chunks"] for p in everyone]
+        ids = frozenset(c for chunks_r in per_rank for c, _ in chunks_r)
+        return Exchange(version, True, frozenset(owned_chunks(per_rank, self.rank)), ids)
 
-    def assign_chunks(self, chunks: Sequence[tuple[str, int]]) -> set[str]:
-        """Cross-rank dedup: exchange chunk ids (ids and sizes only, never data) and return
-        the ids this rank writes to shared tiers. Each unique chunk gets exactly one
-        writer among the ranks that hold it, the one with the fewest bytes assigned so far."""
-        everyone = self.all_gather_obj([[c, n] for c, n in chunks])
-        return owned_chunks(everyone, self.rank)
+    def decide(self, version: int, vote: Vote) -> Decision:
+        """Gather every rank's vote; commit iff all said yes. A failed collective aborts."""
+        mine = {"ok": vote.ok, "manifest": vote.manifest, "reason": vote.reason}
+        try:
+            everyone = self._step("vote", version, mine)
+        except _Broken as exc:
+            return Decision(version, False, (), str(exc))
+        bad = [f"rank {r}: {p['reason']}" for r, p in enumerate(everyone) if not p["ok"]]
+        if bad:
+            return Decision(version, False, (), "; ".join(bad))
+        return Decision(version, True, tuple(p["manifest"] for p in everyone))
+
+    def confirm(
+        self, version: int, committed: Sequence[str], shared_ready: Sequence[str]
+    ) -> Confirmation:
+        mine = {"committed": list(committed), "shared": list(shared_ready)}
+        try:
+            everyone = self._step("confirm", version, mine)
+        except _Broken as exc:
+            return Confirmation(version, False, reason=str(exc))
+        shared = frozenset(set.intersection(*(set(p["shared"]) for p in everyone)))
+        per_rank = tuple(tuple(p["committed"]) + tuple(sorted(shared)) for p in everyone)
+        return Confirmation(version, True, shared, per_rank)
 
     def agree_restorable(self, versions: Sequence[int]) -> int | None:
         """The newest version every rank can restore (None if there is none)."""
-        sets = [set(v) for v in self.all_gather_obj(list(versions))]
+        sets = [set(v) for v in self._gather("a version to restore", list(versions))]
         common = set.intersection(*sets) if sets else set()
         return max(common) if common else None
 
     def all_true(self, flag: bool) -> bool:
-        return all(self.all_gather_obj(bool(flag)))
-
-    def agree_tiers(self, tiers: Sequence[str]) -> set[str]:
-        sets = [set(t) for t in self.all_gather_obj(list(tiers))]
-        return set.intersection(*sets) if sets else set()
+        return all(self._gather("an outcome", bool(flag)))
 
 
 def owned_chunks(per_rank: Sequence[Sequence[Sequence[Any]]], rank: int) -> set[str]:

@@ -1,8 +1,11 @@
 """Store configuration: ``tiercheck.toml`` at a store root names the tiers and the policy.
 
 A new root with no configuration gets the embedded default: host shared memory named after
-the root, an LMDB tier under the root and a ``file://`` "remote" tier under the root
-(declared to survive the cluster, so it receives migrated base versions). The file is
+the root, an LMDB tier under the root and a ``file://`` "remote" tier under the root. The
+"remote" tier is a directory on this node's disk: it survives a crash and a reboot, not
+losing the node, and is labelled so (``survives = "process"``); it is shared by the ranks
+of a job, so it receives migrated base versions asynchronously. Point it at real remote
+storage (and drop the label) for a checkpoint that survives losing the node. The file is
 plain TOML so people can read and edit it::
 
     format = 1
@@ -19,7 +22,7 @@ plain TOML so people can read and edit it::
     [[tier]]
     name = "remote"
     url = "file:///data/ckpt/remote"
-    options = { survives = "cluster", shared = true }
+    options = { survives = "process", shared = true }
 """
 
 from __future__ import annotations
@@ -88,10 +91,12 @@ def default_config(root: Path, *, multi_rank: bool = False) -> StoreConfig:
         tiers=(
             TierSpec("shm", f"shm://tiercheck-{tag}{per_rank}"),
             TierSpec("lmdb", f"lmdb://{root / 'lmdb'}{per_rank}"),
+            # a directory on this node's disk: it survives a crash and a reboot, not the
+            # node; shared by the ranks, so it takes migrated bases (placement defaults)
             TierSpec(
                 "remote",
                 f"file://{root / 'remote'}",
-                {"survives": "cluster", "shared": True},
+                {"survives": "process", "shared": True},
             ),
         ),
         policy=Policy(),
@@ -192,7 +197,9 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
     """
     lines = ["# tiercheck store configuration", f"format = {CONFIG_FORMAT}", "", "[policy]"]
     for name in sorted(_POLICY_KEYS):
-        lines.append(f"{name} = {_toml_value(getattr(config.policy, name))}")
+        value = getattr(config.policy, name)
+        if value is not None:  # TOML has no null: an absent key reads back as None
+            lines.append(f"{name} = {_toml_value(value)}")
     for spec in config.tiers:
         lines += [
             "",
@@ -204,7 +211,10 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
         if tp is not None:
             for name in sorted(_TIER_POLICY_KEYS):
                 value = getattr(tp, name)
-                lines.append(f"{name} = {_toml_value('all' if value is None else value)}")
+                if name.startswith("keep_"):
+                    lines.append(f"{name} = {_toml_value('all' if value is None else value)}")
+                elif value is not None:  # guarantee None: by mode, as when absent
+                    lines.append(f"{name} = {_toml_value(value)}")
         if spec.options:
             lines.append(f"options = {_toml_value(spec.options)}")
     text = "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "CommitAborted",
     "ConfigError",
+    "DurabilityError",
     "FormatVersionError",
     "InvalidURL",
     "NoRestorableVersion",
@@ -26,8 +27,10 @@ __all__ = [
     "TierFull",
     "TierUnavailable",
     "TiercheckError",
+    "UnfinishedWork",
     "UnknownScheme",
     "UnsupportedValue",
+    "WaitTimeout",
 ]
 
 
@@ -125,11 +128,64 @@ class StoreLocked(TiercheckError):
 
 
 class CheckpointError(TiercheckError):
-    """A save failed in the background; raised on the handle and on the next save."""
+    """A save failed in the background; raised by the handle the save returned."""
 
 
 class CommitAborted(CheckpointError):
     """The version was aborted (a rank failed to prepare, or a vote said no)."""
+
+
+class DurabilityError(CheckpointError):
+    """A version was committed, but not as durably as the store requires: a ``required``
+    tier failed to take it, or no tier that took it survives the failure domain the store
+    asks for (``Policy.durability``, ``Policy.migrated_durability``).
+
+    The version stays committed and restorable from ``committed``; ``failed`` maps each
+    tier that should have taken it to the cause. ``version`` and ``step`` name the save.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        version: int | None = None,
+        step: int | None = None,
+        committed: tuple[str, ...] = (),
+        failed: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.version = version
+        self.step = step
+        self.committed = committed
+        self.failed = dict(failed or {})
+
+
+class UnfinishedWork(CheckpointError):
+    """``close()`` found work it could not finish: migrations still pending, saves that
+    failed without anyone having seen their error, or a background failure.
+
+    ``migrations`` lists ``(version, tier, why)``, ``saves`` ``(step, version, error)``,
+    ``background`` other failures. The store is closed all the same; what was committed
+    stays committed. ``close(abandon=True)`` logs these instead of raising.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        migrations: tuple[tuple[int, str, str], ...] = (),
+        saves: tuple[tuple[int, int | None, str], ...] = (),
+        background: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.migrations = migrations
+        self.saves = saves
+        self.background = background
+
+
+class WaitTimeout(CheckpointError, TimeoutError):
+    """A wait on a save (``wait_staged``, ``wait``, ``wait_migrated``) ran out of time.
+    The save goes on; wait again, or let ``close()`` report it."""
 
 
 class NoRestorableVersion(TiercheckError, LookupError):

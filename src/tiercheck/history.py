@@ -57,7 +57,7 @@ from tiercheck.formats.manifest import (
 )
 from tiercheck.manifest_log import Catalog, TierLog, append_record, read_tier_log
 from tiercheck.migration import migrate_shard
-from tiercheck.retention import GCReport, GCState, collect_garbage
+from tiercheck.retention import GCReport
 from tiercheck.tierset import TierSlot
 
 # torch (and tiercheck.entries, which imports it) is imported only where an entry's value
@@ -168,7 +168,9 @@ class Version:
 
     The fields are those of a history row (they come from the logs alone). ``tiers`` maps
     every configured tier to ``committed``, ``migrating``, ``missing``, ``dropped`` or
-    ``unreachable``. The rest is lazy: :attr:`entries` reads the shard manifest,
+    ``unreachable``; ``survives`` is the widest failure domain a tier holding it survives
+    (``"none"``, ``"process"``, ``"node"``, ``"cluster"``; None if no open tier holds it).
+    The rest is lazy: :attr:`entries` reads the shard manifest,
     ``v[key]`` the chunks of one entry, :meth:`to_state_dict` all of them. Reads go
     through the :class:`~tiercheck.Checkpointer` the version came from, which must stay
     open while they run.
@@ -185,6 +187,7 @@ class Version:
     tiers: Mapping[str, str]
     restorable: bool
     info: VersionInfo = field(repr=False, compare=False)
+    survives: str | None = None
     rank: int = field(default=0, repr=False, compare=False)
     _store: Checkpointer | None = field(default=None, repr=False, compare=False)
 
@@ -212,7 +215,7 @@ class Version:
         store = self._store
         if store is None:
             raise CheckpointError(f"version {self.id} is detached from its store")
-        if store._closed:
+        if store.closed:
             raise CheckpointError(
                 f"the Checkpointer of version {self.id} is closed; open the store again"
             )
@@ -276,6 +279,7 @@ class Version:
             "stored_bytes": self.stored_bytes,
             "tiers": dict(self.tiers),
             "restorable": self.restorable,
+            "survives": self.survives,
             "world_size": self.info.world_size,
         }
 
@@ -348,7 +352,7 @@ class _Reader:
         if len(indices) == 1:
             one(indices[0])
         elif indices:
-            list(self.store._pool.map(one, indices))
+            list(self.store.executor.map(one, indices))
         out: dict[str, Any] = {}
         for e, value in zip(entries, values):
             if e.kind in ("tensor", "ndarray"):
@@ -359,31 +363,6 @@ class _Reader:
 
 
 # --- building the history ---------------------------------------------------------------
-
-
-def _restorable_ids(versions: Mapping[int, VersionInfo], held: set[int]) -> set[int]:
-    """Held versions whose base chain is held too (``Catalog.restorable`` for all, in O(n))."""
-    memo: dict[int, bool] = {}
-    for vid in versions:
-        chain: list[int] = []
-        cur: int | None = vid
-        ok = False
-        while cur is not None:
-            if cur in memo:
-                ok = memo[cur]
-                break
-            info = versions.get(cur)
-            if info is None or cur not in held or len(chain) > 1000:
-                ok = False
-                break
-            chain.append(cur)
-            if info.role != "diff" or info.base is None:
-                ok = True
-                break
-            cur = info.base
-        for c in chain:
-            memo[c] = ok
-    return {v for v, ok in memo.items() if ok and v in versions}
 
 
 def build_history(
@@ -404,15 +383,13 @@ def build_history(
     pinned_set = set(pinned)
     infer = store.read_only  # the writer is another process: its queue is not visible
     versions = catalog.versions
-    held_any: set[int] = set()
     held_by: dict[str, set[int]] = {}
     newest: dict[str, int] = {}
     for name, tl in catalog.logs.items():
         held = set(tl.held())
         held_by[name] = held
-        held_any |= held
         newest[name] = max(tl.committed, default=-1)
-    restorable = _restorable_ids(versions, held_any)
+    restorable = catalog.restorable_ids
     slots = store.tierset.slots
     out: list[Version] = []
     for vid, info in versions.items():
@@ -436,6 +413,12 @@ def build_history(
                 tiers[slot.name] = "migrating"
             else:
                 tiers[slot.name] = "missing"
+        domains = [
+            s.tier.capabilities.survives
+            for s in slots
+            if s.tier is not None and tiers[s.name] == "committed"
+        ]
+        best = max(domains, key=lambda d: d.order).value if domains else None
         out.append(
             Version(
                 id=vid,
@@ -449,6 +432,7 @@ def build_history(
                 tiers=tiers,
                 restorable=vid in restorable,
                 info=info,
+                survives=best,
                 rank=store.rank,
                 _store=store,
             )
@@ -916,7 +900,7 @@ def verify(
         return slot, blob_id, n, problem
 
     found: list[BlobProblem] = []
-    for done, (slot, blob_id, n, problem) in enumerate(store._pool.map(check, work), 1):
+    for done, (slot, blob_id, n, problem) in enumerate(store.executor.map(check, work), 1):
         tv = by_name[slot.name]
         tv.blobs += 1
         tv.bytes += n
@@ -970,34 +954,10 @@ def collect(
 
     With ``grace=None`` this is :meth:`Checkpointer.gc` (the policy's grace period, on this
     process's grace clock). An explicit ``grace`` uses a fresh clock: a blob counts as first
-    seen now, so only ``grace=0`` deletes anything; use it only when no other process is
-    saving into these tiers.
+    seen now, so only ``grace=0`` deletes anything at once. Either way blobs of saves and
+    migrations in flight are safe (:mod:`tiercheck.leases`).
     """
-    if grace is None:
-        return store.gc(dry_run=dry_run)
-    if grace < 0:
-        raise ConfigError(f"grace must be >= 0 seconds, got {grace}")
-    if not dry_run and store.read_only:
-        raise CheckpointError(f"{store.root} was opened read-only")
-    catalog = store.refresh()
-    fetcher = ChunkFetcher(store.tierset.by_speed(), repair=False)
-    state = GCState()
-    reports = []
-    for slot in store.tierset.open():
-        tl = catalog.logs.get(slot.name)
-        if tl is not None:
-            reports.append(
-                collect_garbage(
-                    slot,
-                    tl,
-                    fetcher.manifest,
-                    state=state,
-                    grace=grace,
-                    dry_run=dry_run,
-                    rank=None if slot.tier is None or slot.tier.capabilities.shared else store.rank,
-                )
-            )
-    return reports
+    return store.gc(dry_run=dry_run, grace=grace)
 
 
 # --- migrate ----------------------------------------------------------------------------
@@ -1102,7 +1062,7 @@ def migrate(
                     slot,
                     sources,
                     fetcher,
-                    store._pool,
+                    store.executor,
                     zstd_level=store.policy.zstd_level,
                     base_manifest_id=base.shards[rank] if base is not None else None,
                     commit=False,

@@ -20,9 +20,11 @@ major format version raises :class:`~tiercheck.errors.FormatVersionError`.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from tiercheck.backends.base import Tier
 from tiercheck.errors import BlobCorrupt, TierError, TierUnavailable
@@ -37,7 +39,14 @@ from tiercheck.formats.manifest import (
     unpack_record,
 )
 
-__all__ = ["Catalog", "TierLog", "append_record", "read_catalog", "read_tier_log"]
+__all__ = [
+    "Catalog",
+    "LiveCatalog",
+    "TierLog",
+    "append_record",
+    "read_catalog",
+    "read_tier_log",
+]
 
 log = logging.getLogger("tiercheck")
 
@@ -79,12 +88,16 @@ class TierLog:
 
 @dataclass
 class Catalog:
-    """Every reachable tier's log, merged. Tier order is the store's tier order."""
+    """Every reachable tier's log, merged. Tier order is the store's tier order.
+
+    A catalog is a snapshot: once built it is not changed (:class:`LiveCatalog` makes a
+    new one for each change), so its derived views are computed once.
+    """
 
     logs: dict[str, TierLog]
     unreachable: dict[str, str]
 
-    @property
+    @cached_property
     def versions(self) -> dict[int, VersionInfo]:
         """Every committed version (in any tier), by id."""
         out: dict[int, VersionInfo] = {}
@@ -105,26 +118,146 @@ class Catalog:
 
     def restorable(self, version: int) -> bool:
         """Held by a reachable tier, and (for a diff) its base is restorable too."""
-        return version in self._restorable_set(self.versions)
+        return version in self.restorable_ids
 
     def restorable_versions(self) -> list[int]:
-        versions = self.versions
-        good = self._restorable_set(versions)
-        return [v for v in versions if v in good]
+        """The restorable versions, oldest first."""
+        good = self.restorable_ids
+        return [v for v in self.versions if v in good]
 
-    def _restorable_set(self, versions: Mapping[int, VersionInfo]) -> set[int]:
+    @cached_property
+    def restorable_ids(self) -> frozenset[int]:
+        """The restorability rule, the one place it is written: a version is restorable
+        iff some reachable tier holds it and, for a diff, its base is restorable (the
+        base's chain is followed to its end, whatever the ids)."""
+        versions = self.versions
         held: set[int] = set()
         for tl in self.logs.values():
-            held.update(v for v in tl.committed if v not in tl.dropped)
-        good: set[int] = set()
-        for vid in sorted(versions):  # a base always has a smaller id than its diffs
-            info = versions[vid]
-            if vid not in held:
-                continue
-            if info.role == "diff" and info.base is not None and info.base not in good:
-                continue
-            good.add(vid)
-        return good
+            held.update(tl.held())
+        memo: dict[int, bool] = {}
+        for vid in versions:
+            chain: list[int] = []
+            cur: int | None = vid
+            ok = False
+            while cur is not None:
+                if cur in memo:
+                    ok = memo[cur]
+                    break
+                info = versions.get(cur)
+                if info is None or cur not in held or cur in chain:
+                    ok = False
+                    break
+                chain.append(cur)
+                if info.role != "diff" or info.base is None:
+                    ok = True
+                    break
+                cur = info.base
+            for c in chain:
+                memo[c] = ok
+        return frozenset(v for v, ok in memo.items() if ok and v in versions)
+
+
+class LiveCatalog:
+    """The engine's current catalog: the logs as last read, plus what this process has
+    recorded since (the commits and drops it appended). It is the only writer of that view;
+    :meth:`snapshot` returns a catalog nobody changes afterwards (each update builds a new
+    one, sharing what did not change), so readers need no lock while they use it.
+
+    A tier whose log could not be read is absent from the view (never a partial log: a
+    partial log would let retention drop, and GC delete, what the tier still needs); what
+    this process records there meanwhile is kept in a journal and merged when its log is
+    read again. A read is bracketed by :meth:`begin_read` and :meth:`install`, so that a
+    record appended while the read ran is merged whether or not the read saw it.
+    """
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._lock = threading.Lock()
+        self._catalog = catalog
+        self._seq = 0
+        self._journal: list[tuple[int, str, VersionInfo | None, int | None]] = []
+        self._reads: dict[int, int] = {}  # marks of reads in progress -> how many
+
+    def snapshot(self) -> Catalog:
+        with self._lock:
+            return self._catalog
+
+    def begin_read(self) -> int:
+        """Call before reading logs; pass the mark to :meth:`install` (or :meth:`end_read`)."""
+        with self._lock:
+            self._reads[self._seq] = self._reads.get(self._seq, 0) + 1
+            return self._seq
+
+    def end_read(self, mark: int) -> None:
+        """A read begun at ``mark`` ended without a result."""
+        with self._lock:
+            self._end(mark)
+
+    def _end(self, mark: int) -> None:
+        left = self._reads.get(mark, 0) - 1
+        if left > 0:
+            self._reads[mark] = left
+        else:
+            self._reads.pop(mark, None)
+        oldest = min(self._reads, default=self._seq)
+        self._journal = [e for e in self._journal if e[0] > oldest]
+
+    def install(self, catalog: Catalog, mark: int, *, partial: bool = False) -> Catalog:
+        """Make ``catalog`` (read after ``begin_read`` returned ``mark``) the view, with
+        this process's records since ``mark`` merged in. ``partial``: it holds some tiers
+        only; the others keep their logs. Returns the new view."""
+        with self._lock:
+            logs: dict[str, TierLog] = dict(self._catalog.logs) if partial else {}
+            unreachable = dict(self._catalog.unreachable) if partial else {}
+            for name, tl in catalog.logs.items():
+                logs[name] = self._merged(tl, mark)
+                unreachable.pop(name, None)
+            for name, why in catalog.unreachable.items():
+                logs.pop(name, None)
+                unreachable[name] = why
+            self._catalog = Catalog(logs, unreachable)
+            self._end(mark)
+            return self._catalog
+
+    def _merged(self, tl: TierLog, mark: int) -> TierLog:
+        committed: dict[int, VersionInfo] = {}
+        dropped: set[int] = set()
+        for seq, tier, info, drop in self._journal:
+            if seq > mark and tier == tl.name:
+                if info is not None and info.id not in tl.committed:
+                    committed[info.id] = info
+                if drop is not None and drop not in tl.dropped:
+                    dropped.add(drop)
+        if not committed and not dropped:
+            return tl
+        return replace(tl, committed={**tl.committed, **committed}, dropped=tl.dropped | dropped)
+
+    def _record(self, tier: str, info: VersionInfo | None, drops: Iterable[int]) -> None:
+        drops = list(drops)
+        self._seq += 1
+        if info is not None:
+            self._journal.append((self._seq, tier, info, None))
+        self._journal += [(self._seq, tier, None, d) for d in drops]
+        if not self._reads:
+            self._journal.clear()
+        old = self._catalog.logs.get(tier)
+        if old is None:  # not read yet (or unreachable): merged when it is
+            return
+        tl = replace(
+            old,
+            committed={**old.committed, info.id: info} if info is not None else old.committed,
+            dropped=old.dropped | set(drops) if drops else old.dropped,
+        )
+        self._catalog = Catalog({**self._catalog.logs, tier: tl}, self._catalog.unreachable)
+
+    def committed(self, tier: str, info: VersionInfo) -> None:
+        """This process appended the commit record of ``info`` to ``tier``."""
+        with self._lock:
+            self._record(tier, info, ())
+
+    def dropped(self, tier: str, versions: Iterable[int]) -> None:
+        """This process appended drop records for ``versions`` to ``tier``."""
+        with self._lock:
+            self._record(tier, None, versions)
 
 
 def read_tier_log(name: str, tier: Tier) -> TierLog:

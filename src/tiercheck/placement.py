@@ -13,6 +13,12 @@ from its declared capabilities (DESIGN.md section 3):
 
 ``codec="delta"`` stores a diff version's changed chunks as deltas against the base's chunk
 where that pays (and zstd otherwise); base versions are always stored with zstd there.
+
+What a save promises is decided here too (:mod:`tiercheck.guarantees` enforces it): each
+tier is ``required`` or ``best_effort`` for the versions it wants (by default a synchronous
+tier is required, an asynchronous one best effort), and the store may ask for a failure
+domain (``Policy.durability`` for ``wait()``, ``Policy.migrated_durability`` for
+``wait_migrated()``).
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.chunking import DEFAULT_CHUNK_SIZE
 from tiercheck.errors import ConfigError
 
-__all__ = ["Policy", "TierPolicy", "default_tier_policy"]
+__all__ = ["Durability", "Guarantee", "Policy", "TierPolicy", "default_tier_policy"]
 
 Versions = Literal["all", "base"]
 Mode = Literal["sync", "async"]
 CodecName = Literal["raw", "zstd", "delta"]
+Guarantee = Literal["required", "best_effort"]
+Durability = Literal["process", "node", "cluster"]
+_DURABILITY = ("process", "node", "cluster")
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,11 @@ class TierPolicy:
     - ``codec``: ``"raw"``, ``"zstd"`` or ``"delta"``.
     - ``keep_bases``: newest base versions kept (``None``: all).
     - ``keep_diffs``: newest diff versions kept (``None``: all whose base is kept).
+    - ``guarantee``: ``"required"`` (a save this tier wants is not acknowledged unless the
+      tier took it: ``wait()`` raises for a synchronous tier, ``wait_migrated()`` for an
+      asynchronous one) or ``"best_effort"`` (a failure lowers the commit level and is
+      reported in the result, nothing more). ``None``: required if ``mode="sync"``,
+      best effort if ``mode="async"``.
     """
 
     versions: Versions = "all"
@@ -49,6 +63,7 @@ class TierPolicy:
     codec: CodecName = "raw"
     keep_bases: int | None = 1
     keep_diffs: int | None = None
+    guarantee: Guarantee | None = None
 
     def __post_init__(self) -> None:
         if self.versions not in ("all", "base"):
@@ -63,9 +78,20 @@ class TierPolicy:
                 raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
         if self.keep_bases == 0:
             raise ConfigError("keep_bases must be at least 1 (or None for all)")
+        if self.guarantee not in (None, "required", "best_effort"):
+            raise ConfigError(
+                f"guarantee must be 'required' or 'best_effort', got {self.guarantee!r}"
+            )
 
     def wants(self, role: str) -> bool:
         return self.versions == "all" or role == "base"
+
+    @property
+    def required(self) -> bool:
+        """Whether a version this tier wants must reach it (see ``guarantee``)."""
+        if self.guarantee is None:
+            return self.mode == "sync"
+        return self.guarantee == "required"
 
 
 @dataclass(frozen=True)
@@ -78,8 +104,15 @@ class Policy:
       ``"wait"`` for it, or ``"skip"`` this one (the handle reports it).
     - ``zstd_level``: compression level for zstd and delta codecs.
     - ``gc_grace_seconds``: an unreferenced blob is deleted only after it was first seen
-      unreferenced this long ago (protects blobs of saves another process has in flight).
+      unreferenced this long ago. Blobs of saves and migrations in flight are protected
+      without it (in this process, and through leases in shared tiers); the grace only
+      delays deleting what a crashed writer left behind.
     - ``hash_threads``: threads for hashing and encoding (``0``: one per core).
+    - ``durability``: the failure domain ``wait()`` promises: it raises
+      :class:`~tiercheck.errors.DurabilityError` unless a tier that committed the version
+      survives ``"process"``, ``"node"`` or ``"cluster"`` loss (``None``: no such promise).
+    - ``migrated_durability``: the same for ``wait_migrated()``, counting the tiers the
+      version was migrated to.
     - ``tiers``: a :class:`TierPolicy` per tier name; absent names get defaults.
     """
 
@@ -89,6 +122,8 @@ class Policy:
     zstd_level: int = 1
     gc_grace_seconds: float = 300.0
     hash_threads: int = 0
+    durability: Durability | None = None
+    migrated_durability: Durability | None = None
     tiers: Mapping[str, TierPolicy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +139,12 @@ class Policy:
             raise ConfigError(f"zstd_level must be 1..22, got {self.zstd_level!r}")
         if self.gc_grace_seconds < 0:
             raise ConfigError("gc_grace_seconds must be >= 0")
+        for name in ("durability", "migrated_durability"):
+            value = getattr(self, name)
+            if value is not None and value not in _DURABILITY:
+                raise ConfigError(
+                    f"{name} must be 'process', 'node', 'cluster' or None, got {value!r}"
+                )
         for name, tp in self.tiers.items():
             if not isinstance(tp, TierPolicy):
                 raise ConfigError(f"policy for tier {name!r} must be a TierPolicy")

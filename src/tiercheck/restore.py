@@ -1,4 +1,7 @@
-"""Restore: choose a version, plan where each chunk comes from, fetch, verify, load in place.
+"""Restore: choose a version, read and verify it into staging, then load it in place.
+
+All or nothing for the caller's state: nothing of it changes until every chunk of the
+version has been read and verified.
 
 1. :func:`choose_version` picks the newest committed version every needed tier can serve
    (a diff only if its base is restorable too), or the one asked for.
@@ -6,17 +9,22 @@
    tensor, the caller's tensor to write into (same dtype and shape). Structure mismatches
    outside stateful objects raise :class:`~tiercheck.errors.StateError` naming the key;
    stateful objects (modules, optimizers) are checked by their own ``load_state_dict``.
-3. :func:`fetch_into` reads every chunk in parallel from the fastest tier holding the
-   version, falling back tier by tier and repairing bad copies (:mod:`tiercheck.fetch`).
-   A chunk that lies inside one destination is decoded straight into it.
-4. :func:`materialize` puts the values in place: dict and list members are replaced,
-   stateful objects get ``load_state_dict``; tensors were already written.
+   Nothing is written yet.
+3. :func:`fetch_stream` reads every chunk in parallel from the fastest tier holding the
+   version, falling back tier by tier and repairing bad copies (:mod:`tiercheck.fetch`),
+   and decodes it into its place in a staging buffer laid out like the saved stream (the
+   store's reused staging buffer: warm pages, and warm for the next save too).
+4. :func:`load_stream` copies each entry from staging into its destination (one memcpy
+   per entry), and :func:`materialize` puts the values in place: dict and list members are
+   replaced, stateful objects get ``load_state_dict``.
+
+A restore step that replays something after the version is loaded (issue 11, log
+versions) goes between 3 and 4: it works on the staged stream.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,14 +34,39 @@ import numpy as np
 from tiercheck.entries import decode_scalar, is_stateful, torch_dtype
 from tiercheck.errors import NoRestorableVersion, StateError
 from tiercheck.fetch import ChunkFetcher
-from tiercheck.formats.manifest import Entry, ShardManifest, VersionInfo
+from tiercheck.formats.manifest import Entry, Role, ShardManifest, VersionInfo
 from tiercheck.manifest_log import Catalog
 from tiercheck.tierset import TierSlot
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Binding", "bind", "choose_version", "fetch_into", "materialize"]
+__all__ = [
+    "Binding",
+    "RestoreInfo",
+    "bind",
+    "choose_version",
+    "fetch_stream",
+    "load_stream",
+    "materialize",
+]
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """What a restore did. ``state`` is the (same, updated) state object."""
+
+    version: int
+    step: int
+    role: Role
+    metadata: Mapping[str, Any]
+    source: str
+    chunks_from: Mapping[str, int]
+    bytes_read: Mapping[str, int]
+    repaired: tuple[tuple[str, str], ...]
+    corrupt: tuple[tuple[str, str], ...]
+    seconds: float
+    state: Any = field(repr=False, default=None)
 
 
 def choose_version(
@@ -230,51 +263,44 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
     return b
 
 
-def fetch_into(
+def fetch_stream(
     manifest: ShardManifest,
-    binding: Binding,
+    stream: memoryview,
     fetcher: ChunkFetcher,
     order: Sequence[TierSlot],
     pool: Executor,
     *,
     expect: Sequence[str] = (),
 ) -> None:
-    """Fetch every chunk of ``manifest`` and scatter it into the binding's destinations."""
-    entries = sorted(range(len(manifest.entries)), key=lambda i: manifest.entries[i].offset)
-    starts = [manifest.entries[i].offset for i in entries]
-    local = threading.local()
-    import bisect
+    """Fetch and verify every chunk of ``manifest`` into its place in ``stream`` (at least
+    ``manifest.stream_bytes`` long). Raises as :meth:`ChunkFetcher.fetch` does; the
+    caller's state is not touched."""
 
     def one(ref_index: int) -> None:
         ref = manifest.chunks[ref_index]
-        lo, hi = ref.offset, ref.offset + ref.length
-        k = max(bisect.bisect_right(starts, lo) - 1, 0)
-        while k > 0 and starts[k - 1] == starts[k]:  # a zero-size entry shares its offset
-            k -= 1
-        overlaps = []
-        while k < len(entries):
-            e = manifest.entries[entries[k]]
-            if e.offset >= hi:
-                break
-            if e.nbytes and e.offset + e.nbytes > lo:
-                overlaps.append(entries[k])
-            k += 1
-        if len(overlaps) == 1:
-            e = manifest.entries[overlaps[0]]
-            if e.offset <= lo and e.offset + e.nbytes >= hi:
-                dst = binding.dests[overlaps[0]][lo - e.offset : hi - e.offset]
-                fetcher.fetch(ref.id, dst, order=order, expect=expect)
-                return
-        scratch = getattr(local, "buf", None)
-        if scratch is None or len(scratch) < ref.length:
-            scratch = local.buf = bytearray(max(ref.length, manifest.chunk_size))
-        raw, _ = fetcher.fetch(ref.id, memoryview(scratch), order=order, expect=expect)
-        for idx in overlaps:
-            e = manifest.entries[idx]
-            a, z = max(lo, e.offset), min(hi, e.offset + e.nbytes)
-            binding.dests[idx][a - e.offset : z - e.offset] = raw[a - lo : z - lo]
+        fetcher.fetch(
+            ref.id, stream[ref.offset : ref.offset + ref.length], order=order, expect=expect
+        )
 
     list(pool.map(one, range(len(manifest.chunks))))
+
+
+_BIG_COPY = 1 << 20  # torch copies a tensor this large on several threads
+
+
+def load_stream(manifest: ShardManifest, binding: Binding, stream: memoryview) -> None:
+    """Copy each entry's bytes from the staged ``stream`` into its destination."""
+    import torch
+
+    for i, entry in enumerate(manifest.entries):
+        if not entry.nbytes:
+            continue
+        src = stream[entry.offset : entry.offset + entry.nbytes]
+        dst = binding.dests[i]
+        if entry.nbytes >= _BIG_COPY:
+            torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+        else:
+            dst[:] = src
 
 
 def materialize(

@@ -7,8 +7,12 @@ are never dropped, and neither is a base that a kept diff needs.
 
 GC is mark-and-sweep per tier: the mark set is every chunk and manifest of every version
 the tier holds, every delta base those chunks need, and every id a save or migration in
-flight references. A blob outside it is deleted only once it has been seen unreferenced
-for ``grace`` seconds, which protects blobs another process is writing right now.
+flight references. Saves and migrations in flight are fenced off by construction, not by
+a timer (:mod:`tiercheck.leases`): in this process their ids are protected before a tier is
+asked what it has, and a sweep deletes only what was unprotected when it claimed it; in a
+tier shared by several processes a sweep runs only while no other process holds a write
+lease there. A blob outside the mark is deleted once it has been seen unreferenced for
+``grace`` seconds: the grace only delays deleting what a crashed writer left behind.
 
 Delta bases come from two places. The log: a prepare record's ``deltas`` names the base of
 every delta blob that save wrote. And the blobs themselves: a save that crashed after
@@ -38,6 +42,7 @@ from tiercheck.backends.base import Tier
 from tiercheck.errors import BlobCorrupt, FormatVersionError, NotFound, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE, BLOB_MAGIC, read_header
 from tiercheck.formats.manifest import DropRecord, ShardManifest
+from tiercheck.leases import GCFence, TierLeases, is_lease_id
 from tiercheck.manifest_log import TierLog, append_record
 from tiercheck.placement import TierPolicy
 from tiercheck.tierset import TierSlot
@@ -66,13 +71,14 @@ def plan_drops(tl: TierLog, policy: TierPolicy, pinned: Iterable[int] = ()) -> l
     return [v for v in held if v not in keep]
 
 
-def drop_versions(slot: TierSlot, versions: Iterable[int], tl: TierLog | None = None) -> None:
-    """Append a drop record for each version (and note it in ``tl``)."""
+def drop_versions(slot: TierSlot, versions: Iterable[int]) -> list[int]:
+    """Append a drop record for each version; return those recorded."""
     assert slot.tier is not None
+    done = []
     for v in versions:
         append_record(slot.tier, DropRecord(v, time.time()))
-        if tl is not None:
-            tl.dropped.add(v)
+        done.append(v)
+    return done
 
 
 @dataclass
@@ -136,6 +142,7 @@ class GCReport:
     waiting: int = 0
     deleted_ids: list[str] = field(default_factory=list)
     headers_read: int = 0  # blob headers the mark read (the delta bases blobs name)
+    fenced: str | None = None  # why the sweep did not run (another process writes or sweeps)
 
 
 def mark(
@@ -182,7 +189,7 @@ def _may_hold_deltas(slot: TierSlot, tl: TierLog) -> bool:
 
 def collect_garbage(
     slot: TierSlot,
-    tl: TierLog,
+    tl: TierLog | Callable[[], TierLog],
     manifest: Callable[[str], ShardManifest],
     *,
     in_flight: Iterable[str] = (),
@@ -191,25 +198,90 @@ def collect_garbage(
     dry_run: bool = False,
     now: float | None = None,
     rank: int | None = None,
+    fence: GCFence | None = None,
+    leases: TierLeases | None = None,
 ) -> GCReport:
     """Sweep ``slot``'s unreferenced blobs that are past the grace period (``rank``: see
-    :func:`mark`)."""
+    :func:`mark`).
+
+    ``tl`` is the tier's log, or a function that reads it: with a ``fence`` (this
+    process's protected ids, :class:`~tiercheck.leases.GCFence`) it is called after the
+    sweep has begun, so that a version committed meanwhile is either in it or still
+    protected. ``leases`` (a tier shared by several processes) takes the tier's sweep lease
+    first and skips the sweep while another process holds a write lease there; the report's
+    ``fenced`` says why a sweep did not run.
+    """
+    assert slot.tier is not None
+    tier = slot.tier
+    report = GCReport(slot.name)
+    sweeping = leases is not None and not dry_run
+    if sweeping:
+        assert leases is not None
+        report.fenced = leases.put_sweep(tier)
+        if report.fenced is not None:
+            log.info("gc %s: not sweeping: %s", slot.name, report.fenced)
+            return report
+    if fence is not None:
+        fence.begin()
+    try:
+        listed = list(tier.list())
+        if sweeping:
+            assert leases is not None
+            report.fenced = leases.begin_sweep(tier, [b for b in listed if is_lease_id(b)])
+            if report.fenced is not None:
+                log.info("gc %s: not sweeping: %s", slot.name, report.fenced)
+                return report
+        _sweep(
+            slot,
+            tl() if callable(tl) else tl,
+            manifest,
+            listed,
+            report,
+            in_flight,
+            state,
+            grace,
+            dry_run,
+            now,
+            rank,
+            fence,
+        )
+    finally:
+        if fence is not None:
+            fence.done(slot.name)
+        if sweeping:
+            assert leases is not None
+            leases.end_sweep(tier)
+    return report
+
+
+def _sweep(
+    slot: TierSlot,
+    tl: TierLog,
+    manifest: Callable[[str], ShardManifest],
+    listed: list[str],
+    report: GCReport,
+    in_flight: Iterable[str],
+    state: GCState,
+    grace: float,
+    dry_run: bool,
+    now: float | None,
+    rank: int | None,
+    fence: GCFence | None,
+) -> None:
     assert slot.tier is not None
     now = time.time() if now is None else now
     headers = None
     if _may_hold_deltas(slot, tl):
         cache = state.delta_bases.setdefault(slot.name, {})
         headers = _HeaderReader(slot.tier, slot.name, cache)
-    live = mark(tl, manifest, in_flight, rank=rank, delta_base=headers)
-    report = GCReport(slot.name)
+    protected = set(in_flight) | (fence.protected() if fence is not None else set())
+    live = mark(tl, manifest, protected, rank=rank, delta_base=headers)
     seen = state.first_seen.setdefault(slot.name, {})
     unreferenced = []
-    listed: set[str] = set()
-    for blob_id in slot.tier.list():
-        listed.add(blob_id)
+    for blob_id in listed:
         if blob_id in live:
             report.kept += 1
-        else:
+        elif not is_lease_id(blob_id):  # leases are the sweep's own business (collect_garbage)
             unreferenced.append(blob_id)
     report.unreferenced = len(unreferenced)
     current = set(unreferenced)
@@ -218,7 +290,8 @@ def collect_garbage(
             del seen[blob_id]
     if headers is not None:
         # a blob gone from the tier (deleted by anyone) may come back with another header
-        for blob_id in [b for b in headers.cache if b not in listed]:
+        present = set(listed)
+        for blob_id in [b for b in headers.cache if b not in present]:
             del headers.cache[blob_id]
     ripe = []
     for blob_id in unreferenced:
@@ -234,6 +307,8 @@ def collect_garbage(
             headers.incomplete,
         )
         ripe = []
+    if fence is not None and not dry_run:
+        ripe = fence.claim(slot.name, ripe)  # what a save protected since the mark stays
     report.waiting = len(unreferenced) - len(ripe)
     if ripe and not dry_run:
         report.deleted = slot.tier.delete(ripe)
@@ -247,4 +322,3 @@ def collect_garbage(
         log.info(
             "gc %s: %d blobs %s", slot.name, len(ripe), "unreferenced" if dry_run else "deleted"
         )
-    return report

@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.cluster import DistCoordinator
 from tiercheck.formats import Codec, chunk_id, encode_blob
+from tiercheck.leases import TierLeases
 
 REPLICA = 256 * 1024  # floats: 1 MiB, 16 chunks of 64 KiB
 
@@ -76,10 +78,15 @@ def emit(**fields: Any) -> None:
         f.write(json.dumps(fields) + "\n")
 
 
-def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
+def inject(args: argparse.Namespace, ckpt: Checkpointer) -> None:
+    """This rank dies (``--kill-rank``) or fails (``--fail-rank``) in the save of
+    ``--kill-step`` / ``--fail-step``; a survivor reports what it saw."""
     rank = dist.get_rank()
-    if args.kill_rank == rank:
-        import tiercheck.checkpointer as engine
+    if args.kill_rank >= 0 and rank != args.kill_rank:
+        # torchrun stops the survivors when a rank dies: let them finish and report first
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.kill_rank == rank and args.kill_at == "place":
+        import tiercheck.saving as engine
 
         real = engine.place_shard
 
@@ -89,23 +96,58 @@ def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
             return real(slot, **kw)
 
         engine.place_shard = place_then_die  # type: ignore[assignment]
-    # a blob another rank is writing into the shared tier, not yet named by any record (a
-    # save or migration in flight): rank 0's sweep must leave it, whatever the grace setting
+    elif args.kill_rank == rank:  # die just before a step of the commit protocol
+        coordinator: Any = ckpt.coordinator
+        real_step = getattr(coordinator, args.kill_at)
+
+        def step_then_die(version: int, *a: Any, **kw: Any) -> Any:
+            if version == args.kill_step - 1:  # a fresh store: step s is version s - 1
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_step(version, *a, **kw)
+
+        setattr(coordinator, args.kill_at, step_then_die)
+    if args.fail_rank == rank:  # a local failure before the exchange (staging)
+        import tiercheck.staging
+
+        real_stage = tiercheck.staging.StagingBuffer.stage
+        calls = [0]
+
+        def stage_or_fail(self: Any, *a: Any, **kw: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == args.fail_step:
+                raise RuntimeError(f"injected staging failure on rank {rank}")
+            return real_stage(self, *a, **kw)
+
+        tiercheck.staging.StagingBuffer.stage = stage_or_fail  # type: ignore[method-assign]
+
+
+def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
+    rank = dist.get_rank()
+    inject(args, ckpt)
+    # a blob another writer is putting into the shared tier, not yet named by any record (a
+    # save or migration in flight, under its write lease): rank 0's sweeps must leave it,
+    # whatever the grace setting, until that writer is gone
     remote = ckpt.tierset.get("remote").tier
     assert remote is not None
     raw = b"written by rank 1, not yet prepared"
+    writer = TierLeases()
     if rank == 1:
+        writer.acquire_write(remote)
         remote.put(chunk_id(raw), encode_blob(raw, Codec.RAW))
     dist.barrier()
     for step in range(1, args.steps + 1):
         h = ckpt.save(step, state_for(step, rank))
+        kind, error = "ack", ""
         try:
             r = h.wait()
+        except tiercheck.errors.DurabilityError as exc:  # committed, short of a guarantee
+            r, kind, error = h.result_now(), "short", str(exc)
         except tiercheck.errors.CheckpointError as exc:
             emit(event="failed", rank=rank, step=step, error=str(exc))
             continue
         emit(
-            event="ack",
+            event=kind,
+            error=error,
             rank=rank,
             step=step,
             version=r.version,
@@ -114,7 +156,14 @@ def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
             bytes=dict(r.bytes_written),
             logical=r.logical_bytes,
         )
+    if args.kill_rank >= 0:  # a rank is dead: the job cannot go on together
+        ckpt.close(abandon=True)
+        return
     ckpt.wait_migrations(timeout=120)
+    dist.barrier()
+    if rank == 0:
+        (report,) = [r for r in ckpt.gc() if r.tier == "remote"]
+        emit(event="gc", rank=rank, fenced=report.fenced)
     dist.barrier()
     emit(
         event="history",
@@ -122,6 +171,14 @@ def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
         versions=[[v.id, v.step, v.role, dict(v.tiers)] for v in ckpt.history()],
     )
     emit(event="in-flight blob", rank=rank, kept=chunk_id(raw) in remote.has([chunk_id(raw)]))
+    dist.barrier()
+    if rank == 1:
+        writer.release_write(remote)  # the writer is gone without a record: a leftover
+    dist.barrier()
+    if rank == 0:
+        ckpt.gc()
+    dist.barrier()
+    emit(event="leftover blob", rank=rank, kept=chunk_id(raw) in remote.has([chunk_id(raw)]))
 
 
 def restore(args: argparse.Namespace, ckpt: Checkpointer) -> None:
@@ -158,6 +215,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--kill-at", choices=["place", "exchange", "decide", "confirm"], default="place")
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-step", type=int, default=-1)
     p.add_argument("--peer-ports", default="")
     p.add_argument("--remote-sync", action="store_true")
     p.add_argument("--collective", action="store_true")
@@ -168,7 +228,11 @@ def main() -> int:
     if args.default_store:  # every rank opens one new root at once: they race to create it
         ckpt = Checkpointer(f"{args.root}/default")
     else:
-        ckpt = Checkpointer(f"{args.root}/store", tiers=specs(args), policy=policy(args))
+        # a long group timeout: a rank's failure must abort a version long before it
+        coordinator = DistCoordinator(timeout=600.0)
+        ckpt = Checkpointer(
+            f"{args.root}/store", tiers=specs(args), policy=policy(args), coordinator=coordinator
+        )
     try:
         save(args, ckpt) if args.phase == "save" else restore(args, ckpt)
     finally:
