@@ -786,9 +786,11 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, list[Any
             gpus=args.gpus,
             gpus_per_node=args.gpus_per_node,
             state_bytes_per_rank=float(args.state_per_rank),
-            mean_state_bytes_per_rank=None
-            if args.mean_state_per_rank is None
-            else float(args.mean_state_per_rank),
+            mean_state_bytes_per_rank=float(
+                min(396e6, args.state_per_rank)
+                if args.mean_state_per_rank is None
+                else args.mean_state_per_rank
+            ),
             step_seconds=args.step_time,
             days=args.days,
         )
@@ -1190,10 +1192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mean-state-per-rank",
         type=_size,
-        default="396MB",
         metavar="SIZE",
-        help="mean bytes a rank adds to the shared remote tier (396MB: 405e9 params x 16 B "
-        "over 16384 GPUs)",
+        help="mean bytes a rank adds to the shared remote tier (396MB, 405e9 params x 16 B "
+        "over 16384 GPUs, or --state-per-rank if smaller)",
     )
     p.add_argument(
         "--step-time", type=_positive_float, default=5.9, metavar="SECONDS", help="step (5.9)"

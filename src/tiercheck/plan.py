@@ -473,18 +473,31 @@ def plan(
         new = dict.fromkeys(canonical(d, n, k) for k in ks for n in ns)
         fine += [p for p in new if p not in keeps_up]
         keeps_up.update({p: costs.keeps_up(designs[p[0]], p[1], p[2]) for p in fine})
-    res2 = run(fine) if fine else None
-
+    # then the whole interval grid at each design's best cadence, for the goodput curves
+    rows = [res1] + ([run(fine)] if fine else [])
     points = coarse + fine
-    goodput = res1.goodput if res2 is None else np.concatenate([res1.goodput, res2.goodput])
+    means = np.concatenate([r.goodput for r in rows]).mean(axis=1)
+    best_of = {d: best_point(points, means, d) for d in range(len(designs))}
+    seen = set(points)
+    extra = list(
+        dict.fromkeys(
+            p
+            for d in range(len(designs))
+            for n in n_grid
+            if (p := canonical(d, n, points[best_of[d]][2])) not in seen
+        )
+    )
+    if extra:
+        rows.append(run(extra))
+        points += extra
+        keeps_up.update({p: costs.keeps_up(designs[p[0]], p[1], p[2]) for p in extra})
+    goodput = np.concatenate([r.goodput for r in rows])
+    offsets = np.cumsum([0] + [len(r.index) for r in rows])
 
     def pick(field_name: str, i: int) -> Any:
-        if i < len(coarse) or res2 is None:
-            return getattr(res1, field_name)[i]
-        return getattr(res2, field_name)[i - len(coarse)]
+        block = int(np.searchsorted(offsets, i, side="right")) - 1
+        return getattr(rows[block], field_name)[i - offsets[block]]
 
-    means = goodput.mean(axis=1)
-    best_of = {d: best_point(points, means, d) for d in range(len(designs))}
     baseline = next((d for d, x in enumerate(designs) if x.name == "remote"), None)
 
     results = []
@@ -514,7 +527,7 @@ def plan(
                 gain,
                 gain_ci,
                 stats,
-                res1.counts,
+                rows[0].counts,
                 horizon,
                 tuple(curve),
             )
