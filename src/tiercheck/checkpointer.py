@@ -372,9 +372,10 @@ class Checkpointer:
         All or nothing: every chunk is read and verified into a staging buffer first; only
         then are the caller's tensors written (where dtype and shape match) and modules and
         optimizers given ``load_state_dict``. If no version can be read, ``state`` is left
-        as it was. Each chunk comes from the fastest tier that holds an intact copy; damaged
-        copies are repaired when ``repair``. ``tiers`` restricts the tiers read. Raises
-        :class:`NoRestorableVersion` or :class:`StateError`.
+        as it was. A ``None`` value is a placeholder for what was saved under its key
+        (``info.state[key]``). Each chunk comes from the fastest tier that holds an intact
+        copy; damaged copies are repaired when ``repair``. ``tiers`` restricts the tiers
+        read. Raises :class:`NoRestorableVersion` or :class:`StateError`.
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
