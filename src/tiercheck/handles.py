@@ -254,22 +254,33 @@ class SaveHandle:
 
 class Failures:
     """Saves whose failure was recorded on their handle, and failures of the engine's own
-    threads, kept until ``close()`` reports those nobody has seen."""
+    threads, kept until ``close()`` reports those nobody has seen (at most :data:`KEEP`
+    of each; beyond that they are counted)."""
+
+    KEEP = 1000
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._handles: list[SaveHandle] = []
         self._background: list[str] = []
+        self._dropped = 0
 
     def add(self, handle: SaveHandle) -> None:
         with self._lock:
-            if handle not in self._handles:
-                self._handles.append(handle)
+            if handle in self._handles:
+                return
+            if len(self._handles) >= self.KEEP:  # forget the failures already raised
+                self._handles = [h for h in self._handles if h._unseen_errors()]
+            if len(self._handles) >= self.KEEP:
+                self._handles.pop(0)
+                self._dropped += 1
+            self._handles.append(handle)
 
     def background(self, what: str) -> None:
         """A failure of an engine thread outside any one save (it goes on running)."""
         with self._lock:
-            self._background.append(what)
+            if len(self._background) < self.KEEP:
+                self._background.append(what)
 
     def unseen(self) -> tuple[list[tuple[int, int | None, str]], list[str]]:
         """``(saves, background)``: each save's step, version and unseen errors; and the
@@ -277,6 +288,8 @@ class Failures:
         with self._lock:
             handles = list(self._handles)
             background = list(self._background)
+            if self._dropped:
+                background.append(f"{self._dropped} older failed saves, not listed")
         saves = []
         for h in handles:
             errors = h._unseen_errors()
