@@ -31,28 +31,33 @@ practice; it does after 1000 lost races in a row). How each store creates if abs
   later object replaces the earlier record. Use such a store from one writer at a time
   (the engine's store lock gives that).
 
-**Blob puts.** Local: temporary file, fsync, ``rename``, fsync of the directory. Object
+**Blob puts.** Local: temporary file (header and payload in one vectored write), fsync,
+``rename``, fsync of the directory; reads go straight into the caller's buffer. Object
 stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *`` on S3 for
 a put without ``overwrite``, which saves the existence check). Other fsspec file systems
 write in place: a crash may leave a partial blob, which the codec layer detects by hash.
 
 **Capabilities** (each overridable by the options of the same name):
 
-=====================  ===========  ======  ==========  ==========
-store                  survives     shared  persistent  speed_rank
-=====================  ===========  ======  ==========  ==========
-local ``file://``      process      no      yes         40
-local, ``shared=True`` node         yes     yes         40
-``fsspec+memory://``   none         no      no          5
-anything else          cluster      yes     yes         50
-=====================  ===========  ======  ==========  ==========
+=====================  ===========  ======  ==========  ==========  ========
+store                  survives     shared  persistent  speed_rank  compress
+=====================  ===========  ======  ==========  ==========  ========
+local ``file://``      process      no      yes         40          no
+local, ``shared=True`` node         yes     yes         40          no
+``fsspec+memory://``   none         no      no          5           no
+anything else          cluster      yes     yes         50          yes
+=====================  ===========  ======  ==========  ==========  ========
+
+``compress`` decides the default codec of a shared or cluster-surviving tier: a file system
+mounted here (``file://``, even one declared ``survives="cluster"``) gets raw blobs, an
+object store zstd (see :mod:`tiercheck.placement`).
 
 A local path on a shared mount (NFS, Lustre) should be opened with ``shared=True`` (and
 ``survives="cluster"`` if the file system outlives the cluster).
 
 **Options:** ``storage_options`` (dict passed to fsspec, e.g. ``endpoint_url``, ``key``,
 ``secret``, ``client_kwargs`` for s3fs), ``read_only``, ``survives``, ``shared``,
-``persistent``, ``speed_rank``.
+``persistent``, ``speed_rank``, ``compress``.
 
 **Errors:** a missing bucket raises ``InvalidURL`` at open; connection failures and
 timeouts ``TierUnavailable``; no space ``TierFull``; a missing blob ``NotFound``.
@@ -76,6 +81,7 @@ from functools import partial
 from typing import Any, ClassVar, NoReturn
 from urllib.parse import urlsplit
 
+from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
     BLOB_ID_RE,
     Buffer,
@@ -84,6 +90,7 @@ from tiercheck.backends.base import (
     Tier,
     check_blob_id,
     invalid_url,
+    scatter,
 )
 from tiercheck.errors import (
     AlreadyExists,
@@ -128,6 +135,8 @@ _UNAVAILABLE_ERRNOS = frozenset(
         getattr(errno, "EREMOTEIO", 121),  # s3fs: InternalError (HTTP 500)
     }
 )
+# iovecs per writev call (Linux's IOV_MAX is 1024)
+_IOV_MAX = 1024
 _FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG})
 # fsspec's memory file system is one process-wide dict: a process-wide lock makes its
 # check-then-put atomic.
@@ -197,8 +206,9 @@ class _Store(abc.ABC):
     exclusive_create: bool
 
     @abc.abstractmethod
-    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
-        """Write ``path`` atomically; with ``if_absent``, return False if it exists.
+    def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
+        """Write the concatenation of ``parts`` to ``path`` atomically; with ``if_absent``,
+        return False if it exists.
 
         ``if_absent`` may race (both writers write): fine for content-addressed blobs.
         """
@@ -210,6 +220,10 @@ class _Store(abc.ABC):
     @abc.abstractmethod
     def read(self, path: str, out: memoryview | None) -> memoryview:
         """The bytes of ``path`` (into ``out`` if given); ``FileNotFoundError`` if absent."""
+
+    def read_parts(self, path: str, parts: Sequence[memoryview]) -> int:
+        """Read ``path`` scattered over ``parts`` (see ``Tier.get_parts``); its size."""
+        return scatter(self.read(path, None), parts)
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """The bytes of each path, None for one that vanished."""
@@ -273,12 +287,12 @@ class _LocalStore(_Store):
         with self._made_lock:
             self._made.add(directory)
 
-    def _write_temp(self, directory: str, name: str, data: memoryview) -> str:
+    def _write_temp(self, directory: str, name: str, parts: Sequence[memoryview]) -> str:
         self._ensure_dir(directory)
         tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, data)
+            _write_all(fd, parts)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -287,11 +301,11 @@ class _LocalStore(_Store):
         os.close(fd)
         return tmp
 
-    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
+    def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
         if if_absent and os.path.exists(path):
             return False
         directory, name = os.path.split(path)
-        tmp = self._write_temp(directory, name, data)
+        tmp = self._write_temp(directory, name, parts)
         try:
             os.replace(tmp, path)
         except BaseException:
@@ -305,7 +319,7 @@ class _LocalStore(_Store):
         if os.path.exists(path):
             raise FileExistsError(errno.EEXIST, "exists", path)
         if self._can_link:
-            tmp = self._write_temp(directory, name, data)
+            tmp = self._write_temp(directory, name, (data,))
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -322,7 +336,7 @@ class _LocalStore(_Store):
         self._ensure_dir(directory)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, data)
+            _write_all(fd, (data,))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -344,6 +358,17 @@ class _LocalStore(_Store):
                     raise OSError(errno.EIO, f"{path} shrank while being read")
                 pos += got
             return target
+
+    def read_parts(self, path: str, parts: Sequence[memoryview]) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            want = min(size, sum(len(p) for p in parts))
+            if read_parts(fd, parts, want) != want:
+                raise OSError(errno.EIO, f"{path} shrank while being read")
+        finally:
+            os.close(fd)
+        return size
 
     def head(self, path: str, nbytes: int) -> bytes:
         with open(path, "rb", buffering=0) as f:
@@ -388,10 +413,17 @@ class _LocalStore(_Store):
                 yield name if rel == "." else f"{rel}/{name}"
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    pos = 0
-    while pos < len(data):
-        pos += os.write(fd, data[pos:])
+def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
+    """Write every part, in order, with vectored writes (a short write is continued)."""
+    views = [v for v in parts if len(v)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + _IOV_MAX])
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
 
 
 def _fsync_dir(directory: str) -> None:
@@ -471,8 +503,9 @@ class _FsspecStore(_Store):
 
     # -- primitives --
 
-    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
-        payload = bytes(data)  # the caller may reuse its buffer; stores may keep a reference
+    def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
+        # one copy, which the store may keep: the caller may reuse the buffers of ``parts``
+        payload = b"".join(parts)
         if if_absent and self._conditional_put:
             try:
                 self._pipe(path, payload, create=True)
@@ -603,6 +636,7 @@ class FsspecTier(Tier):
         shared: bool | None = None,
         persistent: bool | None = None,
         speed_rank: int | None = None,
+        compress: bool | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -626,6 +660,11 @@ class FsspecTier(Tier):
                     else bool(persistent)
                 ),
                 speed_rank=caps.speed_rank if speed_rank is None else int(speed_rank),
+                compress=(
+                    caps.compress
+                    if _parse_bool(compress, "compress", url) is None
+                    else bool(compress)
+                ),
             )
         except ValueError as exc:
             raise invalid_url(url, f"bad capability option: {exc}") from None
@@ -698,11 +737,16 @@ class FsspecTier(Tier):
     # --- blobs ---------------------------------------------------------------------
 
     def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
+        return self.put_parts(blob_id, (data,), overwrite=overwrite)
+
+    def put_parts(self, blob_id: str, parts: Sequence[Buffer], *, overwrite: bool = False) -> bool:
+        """As :meth:`put`; a local file system takes the parts in one vectored write, an
+        object store gets them joined once."""
         path = self._blob_path(blob_id)
         self._check_writable("put")
-        view = _byte_view(data)
+        views = [_byte_view(p) for p in parts]
         written: bool = self._call(
-            "put", blob_id, lambda: self._store.put(path, view, if_absent=not overwrite)
+            "put", blob_id, lambda: self._store.put(path, views, if_absent=not overwrite)
         )
         return written
 
@@ -713,7 +757,7 @@ class FsspecTier(Tier):
         if isinstance(store, _LocalStore) or len(batch) < 2:
             count = 0
             for path, view, bid in batch:
-                if self._call("put", bid, partial(store.put, path, view, if_absent=True)):
+                if self._call("put", bid, partial(store.put, path, (view,), if_absent=True)):
                     count += 1
             return count
 
@@ -721,7 +765,7 @@ class FsspecTier(Tier):
         # call from several threads; each call runs on the file system's event loop).
         def one(item: tuple[str, memoryview, str]) -> bool:
             path, view, bid = item
-            written: bool = self._call("put", bid, lambda: store.put(path, view, if_absent=True))
+            written: bool = self._call("put", bid, lambda: store.put(path, (view,), if_absent=True))
             return written
 
         with ThreadPoolExecutor(max_workers=min(_REMOTE_THREADS, len(batch))) as pool:
@@ -736,6 +780,16 @@ class FsspecTier(Tier):
         except ValueError as exc:
             raise ValueError(f"{exc} ({self.url} {blob_id})") from None
         return view
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        """As ``Tier.get_parts``; a local file is read with ``preadv`` straight into
+        ``parts``."""
+        path = self._blob_path(blob_id)
+        try:
+            size: int = self._call("get", blob_id, lambda: self._store.read_parts(path, parts))
+        except NotFound:
+            raise NotFound("blob not found", url=self.url, key=blob_id) from None
+        return size
 
     def head(self, blob_id: str, nbytes: int = 64) -> bytes:
         """The first ``nbytes`` bytes, by a ranged read (local files: a short read)."""
@@ -859,9 +913,14 @@ class FsspecTier(Tier):
 
 
 def _default_capabilities(*, local: bool, memory: bool, shared: bool | None) -> Capabilities:
+    # a file system of this node (or process memory) takes bytes faster than zstd makes them
     if memory:
         return Capabilities(
-            survives=FailureDomain.NONE, shared=bool(shared), persistent=False, speed_rank=5
+            survives=FailureDomain.NONE,
+            shared=bool(shared),
+            persistent=False,
+            speed_rank=5,
+            compress=False,
         )
     if local:
         return Capabilities(
@@ -869,6 +928,7 @@ def _default_capabilities(*, local: bool, memory: bool, shared: bool | None) -> 
             shared=bool(shared),
             persistent=True,
             speed_rank=40,
+            compress=False,
         )
     return Capabilities(
         survives=FailureDomain.CLUSTER,

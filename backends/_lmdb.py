@@ -43,7 +43,7 @@ import builtins
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -58,6 +58,7 @@ from tiercheck.backends.base import (
     Tier,
     check_blob_id,
     invalid_url,
+    scatter,
 )
 from tiercheck.errors import NotFound, TierError, TierFull
 from tiercheck.formats.framing import frame_record, unframe_record
@@ -126,6 +127,22 @@ class _Env:
     # LMDB has one writer at a time anyway; queueing writers here keeps them out of the
     # gate while a map growth waits for it.
     write_lock: threading.Lock = field(default_factory=threading.Lock)
+    # the writer's buffer for a blob given in parts (see _joined)
+    join: bytearray = field(default_factory=bytearray)
+
+
+def _joined(e: _Env, views: builtins.list[memoryview]) -> memoryview:
+    """``views`` concatenated in ``e``'s join buffer (valid until the next call; only the
+    writer, under ``e.write_lock``, calls it)."""
+    n = sum(len(v) for v in views)
+    if len(e.join) < n:
+        e.join = bytearray(n)
+    out = memoryview(e.join)
+    pos = 0
+    for v in views:
+        out[pos : pos + len(v)] = v
+        pos += len(v)
+    return out[:n]
 
 
 _envs: dict[str, _Env] = {}
@@ -334,15 +351,20 @@ class LmdbTier(Tier):
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
         """Store several blobs in a few transactions (up to 256 MiB each); returns how
         many were written. Each transaction is atomic; the whole call is not."""
+        return self.put_many_parts((blob_id, (data,)) for blob_id, data in items)
+
+    def put_many_parts(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> int:
+        """As :meth:`put_many`; a blob in several parts is joined into a buffer this
+        environment reuses (LMDB copies a value into its own pages during the put)."""
         self._check_writable("put")
         written = 0
-        batch: builtins.list[tuple[bytes, memoryview]] = []
+        batch: builtins.list[tuple[bytes, builtins.list[memoryview]]] = []
         nbytes = 0
-        for blob_id, data in items:
+        for blob_id, parts in items:
             check_blob_id(blob_id, self.url)
-            view = memoryview(data).cast("B")
-            batch.append((bytes.fromhex(blob_id), view))
-            nbytes += len(view)
+            views = [memoryview(p).cast("B") for p in parts]
+            batch.append((bytes.fromhex(blob_id), views))
+            nbytes += sum(len(v) for v in views)
             if nbytes >= _BATCH_BYTES:
                 written += self._put_batch(batch)
                 batch, nbytes = [], 0
@@ -350,9 +372,13 @@ class LmdbTier(Tier):
             written += self._put_batch(batch)
         return written
 
-    def _put_batch(self, batch: builtins.list[tuple[bytes, memoryview]]) -> int:
+    def _put_batch(self, batch: builtins.list[tuple[bytes, builtins.list[memoryview]]]) -> int:
         def txn_put(txn: lmdb.Transaction, e: _Env) -> int:
-            return sum(1 for key, view in batch if txn.put(key, view, db=e.blobs, overwrite=False))
+            count = 0
+            for key, views in batch:
+                value = views[0] if len(views) == 1 else _joined(e, views)
+                count += bool(txn.put(key, value, db=e.blobs, overwrite=False))
+            return count
 
         return self._write(txn_put, "put_many", batch[0][0].hex())
 
@@ -369,6 +395,19 @@ class LmdbTier(Tier):
             if out is None:
                 return memoryview(bytes(buf))
             return self._copy_out(buf, out, self.url, blob_id)
+
+        return self._read(txn_get, "get", blob_id)
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        """Copy the mapped value straight over ``parts``: one copy, no intermediate."""
+        check_blob_id(blob_id, self.url)
+        key = bytes.fromhex(blob_id)
+
+        def txn_get(txn: lmdb.Transaction, e: _Env) -> int:
+            buf = txn.get(key, db=e.blobs)
+            if buf is None:
+                raise NotFound("blob not found", url=self.url, key=blob_id)
+            return scatter(buf, parts)  # inside the transaction: the map stays valid
 
         return self._read(txn_get, "get", blob_id)
 

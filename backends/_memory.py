@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tiercheck.backends.base import Buffer, Capabilities, FailureDomain, Tier, check_blob_id
+from tiercheck.backends.base import (
+    Buffer,
+    Capabilities,
+    FailureDomain,
+    Tier,
+    check_blob_id,
+    scatter,
+)
 from tiercheck.backends.base import invalid_url as _invalid_url
 from tiercheck.errors import NotFound
 
@@ -90,6 +97,14 @@ class MemoryTier(Tier):
         if data is None:
             raise NotFound("blob not found", url=self.url, key=blob_id)
         return self._copy_out(data, out, self.url, blob_id)
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        check_blob_id(blob_id, self.url)
+        with self._store.lock:
+            data = self._store.blobs.get(blob_id)
+        if data is None:
+            raise NotFound("blob not found", url=self.url, key=blob_id)
+        return scatter(data, parts)
 
     def head(self, blob_id: str, nbytes: int = 64) -> bytes:
         check_blob_id(blob_id, self.url)

@@ -44,6 +44,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
+from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
     BLOB_ID_RE,
     Buffer,
@@ -352,6 +353,23 @@ class ShmTier(Tier):
                 f"blob shrank while being read ({n} of {size} bytes)", url=self.url, key=blob_id
             )
         return target
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        """Read ``blob_id`` over ``parts`` with ``preadv``: no intermediate buffer."""
+        fd = self._open_blob(blob_id, "get")
+        try:
+            size = os.fstat(fd).st_size
+            want = min(size, sum(len(p) for p in parts))
+            n = read_parts(fd, parts, want)
+        except OSError as exc:
+            raise self._os_error(exc, "get", blob_id) from exc
+        finally:
+            os.close(fd)
+        if n != want:
+            raise TierError(
+                f"blob shrank while being read ({n} of {size} bytes)", url=self.url, key=blob_id
+            )
+        return size
 
     def head(self, blob_id: str, nbytes: int = 64) -> bytes:
         """The first ``nbytes`` bytes: one ``pread`` of the prefix, not the whole blob."""

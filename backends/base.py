@@ -12,7 +12,8 @@ The engine's call sequence into a tier, which an implementation may rely on:
    missing blobs, then ``append(record, blobs=...)``. A record is appended only after every
    blob it references is durable in this tier (a tier with transactions may put the blobs
    passed as ``blobs`` in the same transaction as the record).
-3. Restoring: ``read_log()`` once, then ``get`` per blob (possibly into a caller buffer).
+3. Restoring: ``read_log()`` once, then ``get`` or ``get_parts`` per blob (possibly into a
+   caller buffer).
 4. Repair: ``put(id, data, overwrite=True)`` replaces a copy found corrupt.
 5. Retention / GC: ``list()``, ``head(id)`` (a blob's header, to find a delta's base) and
    ``delete(ids)``, only for blobs no kept record references.
@@ -51,6 +52,7 @@ __all__ = [
     "Tier",
     "check_blob_id",
     "invalid_url",
+    "scatter",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -79,6 +81,11 @@ class Capabilities:
     memory 0, shm 10, peer 20, lmdb 30, fsspec local 40, fsspec remote 50.
     ``atomic_batch`` says that ``append(record, blobs=...)`` writes blobs and record in
     one transaction. ``persistent`` says the content survives a reboot of its host.
+    ``compress`` says that bytes are scarcer than CPU on the way to this tier (a network
+    object store), so the default placement compresses what a shared or cluster-surviving
+    tier stores; a file system mounted on this node says False: writing fp32 there is
+    faster than compressing it (zstd level 1 runs at about 1 GB/s per core and saves
+    under 10% on training state).
     """
 
     survives: FailureDomain
@@ -86,6 +93,7 @@ class Capabilities:
     persistent: bool
     speed_rank: int
     atomic_batch: bool = False
+    compress: bool = True
 
 
 def check_blob_id(blob_id: str, url: str = "") -> None:
@@ -135,6 +143,16 @@ class Tier(abc.ABC):
         """Store several blobs; returns how many were written. Not atomic as a group."""
         return sum(1 for blob_id, data in items if self.put(blob_id, data))
 
+    def put_many_parts(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> int:
+        """:meth:`put_many` for blobs given as parts (see :meth:`put_parts`).
+
+        A transactional tier takes the engine's batch of raw blobs this way (a header and
+        a view of the staged chunk each) and joins each into a buffer it reuses, instead
+        of the engine joining every blob into fresh memory. The default joins each blob
+        as it is consumed and calls :meth:`put_many`.
+        """
+        return self.put_many((blob_id, b"".join(parts)) for blob_id, parts in items)
+
     @abc.abstractmethod
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
         """Return the stored bytes of ``blob_id``.
@@ -143,6 +161,21 @@ class Tier(abc.ABC):
         written into its start and ``out[:size]`` is returned; otherwise a new buffer.
         Raises ``NotFound`` (also when ``out`` is too small: ``ValueError``).
         """
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        """Read ``blob_id`` scattered over ``parts`` and return the blob's size in bytes.
+
+        The blob's first ``len(parts[0])`` bytes land in ``parts[0]``, the next ones in
+        ``parts[1]``, and so on (a vectored read). A blob shorter than the parts together
+        leaves the rest untouched; of a longer one only the prefix that fits is read: the
+        caller compares the size returned with what it gave. The engine reads a raw blob as
+        its header into a small buffer and its payload straight into the destination (a
+        tensor, the staging buffer), so a tier able to read into caller memory (``preadv``
+        on a file, a copy out of a mapped value) spares the intermediate copy by
+        overriding this. The default reads the blob with :meth:`get` and copies. Raises
+        ``NotFound``.
+        """
+        return scatter(self.get(blob_id), parts)
 
     @abc.abstractmethod
     def has(self, blob_ids: Iterable[str]) -> set[str]:
@@ -218,6 +251,22 @@ class Tier(abc.ABC):
             )
         out[:n] = data
         return out[:n]
+
+
+def scatter(data: Buffer, parts: Sequence[memoryview]) -> int:
+    """Copy the start of ``data`` over ``parts`` in order; return ``len(data)`` (for
+    :meth:`Tier.get_parts` of tiers that hold the blob in memory)."""
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    pos = 0
+    for part in parts:
+        if pos >= len(view):
+            break
+        n = min(len(part), len(view) - pos)
+        part[:n] = view[pos : pos + n]
+        pos += n
+    return len(view)
 
 
 def invalid_url(url: str, why: str) -> InvalidURL:

@@ -444,7 +444,8 @@ def tc_saves(
 
     ``prepare`` runs first (the staging buffer is allocated before the first save, as the
     issue asks). Records per save: blocked (``save`` returning), staged, committed (at the
-    synchronous tiers), per-tier commit times, optionally migrated (``wait_migrated``),
+    synchronous tiers), per-tier commit times, optionally migrated (``wait_migrated``) and the
+    migration alone (migrated minus committed),
     background CPU seconds and peak extra RSS (relative to before ``prepare``: the staging
     buffer counts).
     """
@@ -453,6 +454,7 @@ def tc_saves(
         "staged": [],
         "committed": [],
         "migrated": [],
+        "migration": [],
         "cpu": [],
         "rss": [],
         "tiers": {},
@@ -482,6 +484,9 @@ def tc_saves(
         out["committed"].append(r.timings["committed"])
         if migrated:
             out["migrated"].append(t_end)
+            # the migration starts when the version is committed (the migrator is idle:
+            # every save here waits for the previous one's migration)
+            out["migration"].append(t_end - r.timings["committed"])
         out["cpu"].append(cpu_seconds() - c0)
         out["rss"].append(mem.extra)
         out["bytes"].append(dict(r.bytes_written))

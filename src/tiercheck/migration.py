@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from tiercheck.errors import NotFound, TierError
 from tiercheck.fetch import ChunkFetcher
-from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob, encode_blob_parts
+from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
+from tiercheck.formats.ids import Buffer
 from tiercheck.formats.manifest import CommitRecord, PrepareRecord, VersionInfo, unpack_manifest
 from tiercheck.manifest_log import append_record
 from tiercheck.pipeline import elem_size, held_bases
@@ -88,12 +89,12 @@ def migrate_shard(
         buf: bytearray | None = getattr(local, "buf", None)
         if buf is None or len(buf) < length:
             buf = local.buf = bytearray(max(length, manifest.chunk_size))
+        # verified as read (a copy must not carry damage to a slower tier); not hashed again
         raw, _ = fetcher.fetch(cid, memoryview(buf)[:length], order=sources)
+        parts: list[Buffer]
         if codec == "raw":  # header + this thread's buffer, written without joining
             parts = encode_blob_parts(raw, Codec.RAW)
-            tier.put_parts(cid, parts)
-            return sum(len(p) for p in parts)
-        if (
+        elif (
             base_chunks is not None
             and index < len(base_chunks)
             and base_chunks[index].id in local_bases
@@ -101,15 +102,16 @@ def migrate_shard(
             base_id = base_chunks[index].id
             base_raw, _ = fetcher.fetch(base_id, order=sources)
             elem = elem_size(manifest.entries, manifest.chunks[index].offset)
-            used, blob = delta_or_raw(raw, base_raw, base_id, elem, zstd_level)
-            if used is Codec.DELTA:
+            delta = delta_if_smaller(raw, base_raw, base_id, elem, zstd_level)
+            if delta is not None:
                 deltas[cid] = base_id
+                parts = delta
             else:
-                blob = encode_blob(raw, Codec.ZSTD, level=zstd_level)
+                parts = encode_blob_parts(raw, Codec.ZSTD, level=zstd_level)
         else:
-            blob = encode_blob(raw, Codec.ZSTD, level=zstd_level)
-        tier.put(cid, blob)
-        return len(blob)
+            parts = encode_blob_parts(raw, Codec.ZSTD, level=zstd_level)
+        tier.put_parts(cid, parts)
+        return sum(len(p) for p in parts)
 
     written = list(pool.map(copy, missing))
     nbytes = sum(written)

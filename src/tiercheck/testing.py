@@ -198,6 +198,20 @@ class TierConformance:
         assert tier.put_many([*items[:5], blob(7, seed=1000)]) == 1
         assert tier.has(bid for bid, _ in items) == {bid for bid, _ in items}
 
+    def test_put_many_parts(self, tier: Tier) -> None:
+        items = [blob(3000 + i, seed=20 + i) for i in range(6)]
+        backing = [bytearray(data) for _, data in items]
+        parts = [
+            (bid, [memoryview(b)[:64], memoryview(b)[64:1000], memoryview(b)[1000:]])
+            for (bid, _), b in zip(items, backing)
+        ]
+        assert tier.put_many_parts(parts) == 6
+        for b in backing:
+            b[0] ^= 0xFF  # the tier kept no view of a caller's buffer
+        for bid, data in items:
+            assert bytes(tier.get(bid)) == data
+        assert tier.put_many_parts([(items[0][0], [b"other"]), *parts[1:2]]) == 0
+
     def test_put_parts(self, tier: Tier) -> None:
         bid, data = blob(70_000, seed=5)
         backing = bytearray(data)
@@ -211,6 +225,24 @@ class TierConformance:
         assert bytes(tier.get(bid)) == b"other"
         empty = _fake_id(9)
         assert tier.put_parts(empty, []) is True and bytes(tier.get(empty)) == b""
+
+    def test_get_parts(self, tier: Tier) -> None:
+        bid, data = blob(70_000, seed=6)
+        tier.put(bid, data)
+        head, body = bytearray(64), bytearray(len(data) - 64)
+        assert tier.get_parts(bid, [memoryview(head), memoryview(body)]) == len(data)
+        assert bytes(head) + bytes(body) == data
+        # parts larger than the blob: filled as far as it goes, the rest untouched
+        head, body = bytearray(64), bytearray(b"\xaa" * len(data))
+        assert tier.get_parts(bid, [memoryview(head), memoryview(body)]) == len(data)
+        assert bytes(head) + bytes(body[: len(data) - 64]) == data
+        assert body[len(data) - 64 :] == b"\xaa" * 64
+        # parts smaller than the blob: the prefix that fits; the size says the rest
+        small = bytearray(1000)
+        assert tier.get_parts(bid, [memoryview(small)]) == len(data)
+        assert bytes(small) == data[:1000]
+        with pytest.raises(NotFound):
+            tier.get_parts(_fake_id(77), [memoryview(bytearray(10))])
 
     def test_has_many(self, tier: Tier) -> None:
         present = [_fake_id(i) for i in range(0, 200, 2)]
