@@ -61,7 +61,7 @@ from tiercheck.pipeline import PlaceResult, build_manifest, commit_on, hash_stre
 from tiercheck.placement import Policy
 from tiercheck.restore import bind, choose_version, fetch_into, materialize
 from tiercheck.retention import GCReport, GCState, collect_garbage, drop_versions, plan_drops
-from tiercheck.staging import StagingBuffer
+from tiercheck.staging import StagingBuffer, cuda_devices, ready_events
 from tiercheck.tierset import TierSet, TierSlot
 
 if TYPE_CHECKING:
@@ -231,6 +231,7 @@ class _Job:
     metadata: dict[str, Any]
     t_call: float
     protected: list[str] = field(default_factory=list)
+    ready: dict[int, Any] = field(default_factory=dict)  # CUDA device -> torch.cuda.Event
 
 
 class Checkpointer:
@@ -383,9 +384,13 @@ class Checkpointer:
         """Allocate the staging buffer for ``state`` now, so the first save pays nothing."""
         _, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
         layout = plan_layout(leaves, self.policy.chunk_size)
-        needs_cuda = any(lf.kind == "tensor" and lf.value.is_cuda for lf in leaves)
+        devices = cuda_devices(leaves)  # pinned under the state's own device
         with self._meta:
-            self._staging.ensure(layout.stream_bytes + (1 << 20), pinned=needs_cuda)
+            self._staging.ensure(
+                layout.stream_bytes + (1 << 20),
+                pinned=bool(devices),
+                device=devices[0] if devices else None,
+            )
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Make ``optimizer.step()`` wait until the last save has been staged.
@@ -474,6 +479,7 @@ class Checkpointer:
                 self._plan_since += 1
             handle = SaveHandle(step, version, role, base)
             job = _Job(handle, step, version, role, base, leaves, layout, tree, meta, t_call)
+            job.ready = ready_events(leaves)  # what the copies wait for on each GPU
             self._inflight.append(job)
         handle._logical = layout.stream_bytes
         handle._time("blocked", time.perf_counter() - t_call)
@@ -502,10 +508,10 @@ class Checkpointer:
         if not self._staging.acquire():
             raise CheckpointError("staging buffer unavailable")
         try:
-            event = self._staging.stage(job.leaves, job.layout)
+            event = self._staging.stage(job.leaves, job.layout, ready=job.ready)
             if event is not None:
                 event.synchronize()
-            job.leaves = []  # drop references to the caller's tensors
+            job.leaves, job.ready = [], {}  # drop references to the caller's tensors
             handle._time("staged", time.perf_counter() - t0)
             handle._staged.set()
             view = self._staging.view(job.layout.stream_bytes)
