@@ -93,7 +93,16 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", default=",".join(GOALS), help="comma-separated goal names")
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (on a loaded machine 1 keeps OpenMP's spinning "
+        "threads from slowing every torch copy, the peers' included)",
+    )
     args = p.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     only = {g.strip() for g in args.only.split(",") if g.strip()}
     if not only <= set(GOALS):
         p.error(f"--only takes {', '.join(GOALS)}")
@@ -105,7 +114,7 @@ def main() -> int:
     load1 = os.getloadavg()[0]
     print(
         f"state {bs.nbytes / MIB:.0f} MiB, {args.repeats} repeats, "
-        f"load average {load0:.1f} -> {load1:.1f}"
+        f"load average {load0:.1f} -> {load1:.1f}, torch threads {torch.get_num_threads()}"
     )
     for name, runs in m.items():
         print(f"  {name:24s} {median(runs) * 1e3:9.1f} ms   {[round(x * 1e3) for x in runs]}")

@@ -1,14 +1,18 @@
 """The fast paths of reading and writing blobs: a raw blob read straight into the caller's
 buffer (and verified there), falling back to a whole-blob decode for other codecs and to
-the next tier for damage; and the default codec of file-system tiers."""
+the next tier for damage; the default codec of file-system tiers; and a migration to a
+real S3 endpoint (moto on loopback) with its compressed blobs uploaded in a window."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from tiercheck import Checkpointer, Policy
 from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.backends.registry import open_tier
 from tiercheck.config import TierSpec
@@ -123,3 +127,28 @@ def test_file_tiers_store_raw_by_default_object_stores_zstd(tmp_path: Path) -> N
         survives=FailureDomain.CLUSTER, shared=True, persistent=True, speed_rank=50
     )
     assert default_tier_policy(object_store).codec == "zstd"
+
+
+def test_migration_to_s3_uploads_compressed_blobs_and_restores_from_s3_alone(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    url, options = s3_bucket
+    tiers = [
+        TierSpec("mem", "memory://"),
+        TierSpec("s3", url, {"storage_options": options, "survives": "cluster"}),
+    ]
+    policy = Policy(
+        base_every=1,
+        chunk_size=64 * 1024,
+        gc_grace_seconds=0,
+        tiers={"s3": TierPolicy(versions="base", mode="async", codec="zstd", keep_bases=None)},
+    )
+    w = torch.randn(40 * 16384, generator=torch.Generator().manual_seed(3))  # 40 chunks
+    with Checkpointer(tmp_path / "store", tiers=tiers, policy=policy) as ckpt:
+        r = ckpt.save(0, {"w": w}).wait_migrated()
+        assert r.tiers["s3"] == "committed"
+        s3 = ckpt.tierset.get("s3").tier
+        assert s3 is not None and len(list(s3.list())) == 41  # every chunk + the manifest
+        back = {"w": torch.zeros_like(w)}
+        info = ckpt.restore(back, tiers=["s3"])
+    assert info.source == "s3" and torch.equal(back["w"], w)
