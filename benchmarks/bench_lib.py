@@ -460,6 +460,7 @@ def tc_saves(
         "tiers": {},
         "bytes": [],
         "blocked_all": [],
+        "committed_first": None,
     }
     gc.collect()
     base_rss = psutil.Process().memory_info().rss
@@ -477,6 +478,8 @@ def tc_saves(
                 r = h.wait_migrated()
             t_end = time.perf_counter() - t0
         out["blocked_all"].append(blocked)
+        if i == 0:
+            out["committed_first"] = r.timings["committed"]
         if i < warm:
             continue
         out["blocked"].append(blocked)
