@@ -32,7 +32,10 @@ practice; it does after 1000 lost races in a row). How each store creates if abs
   (the engine's store lock gives that).
 
 **Blob puts.** Local: temporary file (header and payload in one vectored write), fsync,
-``rename``, fsync of the directory; reads go straight into the caller's buffer. Object
+``rename``; the directories new blobs were named in are fsynced once each before the next
+log record is written (and at close), so a record never names a blob whose name a power
+loss could undo, and a version of many blobs pays one directory fsync per directory, not
+per blob. Reads go straight into the caller's buffer. Object
 stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *`` on S3 for
 a put without ``overwrite``, which saves the existence check). Other fsspec file systems
 write in place: a crash may leave a partial blob, which the codec layer detects by hash.
@@ -217,6 +220,9 @@ class _Store(abc.ABC):
     def create(self, path: str, data: memoryview) -> None:
         """Write ``path`` only if absent; raise ``FileExistsError`` if it exists."""
 
+    def sync(self) -> None:  # noqa: B027 - a PUT to an object store is durable on return
+        """Make the names of every ``put`` so far durable (called before a log record)."""
+
     @abc.abstractmethod
     def read(self, path: str, out: memoryview | None) -> memoryview:
         """The bytes of ``path`` (into ``out`` if given); ``FileNotFoundError`` if absent."""
@@ -269,6 +275,9 @@ class _LocalStore(_Store):
         self._made: set[str] = set()
         self._made_lock = threading.Lock()
         self._can_link = True
+        # directories a new blob was named in since the last sync(): their fsync waits for
+        # the next log record, one per directory instead of one per blob
+        self._unsynced: set[str] = set()
 
     def _ensure_dir(self, directory: str) -> None:
         if directory in self._made:
@@ -311,8 +320,23 @@ class _LocalStore(_Store):
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        _fsync_dir(directory)
+        if if_absent:  # a new blob: its content is durable already; its name by sync()
+            with self._made_lock:
+                self._unsynced.add(directory)
+        else:  # a repair replaces a damaged copy: durable now
+            _fsync_dir(directory)
         return True
+
+    def sync(self) -> None:
+        with self._made_lock:
+            dirs, self._unsynced = self._unsynced, set()
+        try:
+            for directory in sorted(dirs):
+                _fsync_dir(directory)
+        except BaseException:
+            with self._made_lock:
+                self._unsynced |= dirs  # not known durable: the next sync tries again
+            raise
 
     def create(self, path: str, data: memoryview) -> None:
         directory, name = os.path.split(path)
@@ -676,6 +700,16 @@ class FsspecTier(Tier):
         self._log_dir = self._join(self._root, "log")
         self._check_marker()
 
+    def close(self) -> None:
+        """Make the names of blobs put since the last log record durable (a failure is
+        logged: no record names those blobs yet, so nothing committed depends on them)."""
+        if self.read_only:
+            return
+        try:
+            self._store.sync()
+        except OSError as exc:
+            log.warning("%s: could not fsync blob directories at close: %s", self.url, exc)
+
     # --- paths ---------------------------------------------------------------------
 
     def _join(self, *parts: str) -> str:
@@ -862,6 +896,7 @@ class FsspecTier(Tier):
             check_blob_id(bid, self.url)
         if items:
             self.put_many(items)
+        self._call("sync", "", self._store.sync)  # every blob named so far is durable
         with self._lock:
             seq = self._next_seq
         if seq is None:

@@ -152,3 +152,24 @@ def test_migration_to_s3_uploads_compressed_blobs_and_restores_from_s3_alone(
         back = {"w": torch.zeros_like(w)}
         info = ckpt.restore(back, tiers=["s3"])
     assert info.source == "s3" and torch.equal(back["w"], w)
+
+
+def test_file_tier_fsyncs_blob_directories_once_before_the_next_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiercheck.backends import _fsspec
+
+    synced: list[str] = []
+    real = _fsspec._fsync_dir
+    monkeypatch.setattr(_fsspec, "_fsync_dir", lambda d: (synced.append(d), real(d)))
+    tier = open_tier(f"file://{tmp_path / 't'}")
+    blobs = [(chunk_id(bytes([i]) * 100), bytes([i]) * 100) for i in range(20)]
+    for bid, data in blobs:
+        tier.put_parts(bid, [encode_blob(data, Codec.RAW)])
+    blob_dirs = {os.path.dirname(str(tmp_path / "t" / "blobs" / bid[:2] / bid)) for bid, _ in blobs}
+    assert not blob_dirs & set(synced)  # content fsynced, names not yet
+    synced.clear()
+    tier.append(b"record")
+    assert blob_dirs <= set(synced) and len(synced) == len(set(synced))
+    assert synced.index(str(tmp_path / "t" / "log")) > max(synced.index(d) for d in blob_dirs)
+    tier.close()
