@@ -185,6 +185,30 @@ def scratch(where: Path) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+@contextmanager
+def private_disk_dir() -> Iterator[Path]:
+    """A directory of this run's own under :func:`disk_dir`, which :func:`disk_dir` returns
+    until the context exits and the directory is removed: concurrent runs (a CI smoke run
+    beside a full one) never remove each other's files."""
+    base = disk_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    own = Path(tempfile.mkdtemp(prefix="run-", dir=base))
+    previous = os.environ.get("TIERCHECK_BENCH_DISK")
+    os.environ["TIERCHECK_BENCH_DISK"] = str(own)
+    try:
+        yield own
+    finally:
+        if previous is None:
+            os.environ.pop("TIERCHECK_BENCH_DISK", None)
+        else:
+            os.environ["TIERCHECK_BENCH_DISK"] = previous
+        shutil.rmtree(own, ignore_errors=True)
+        try:
+            base.rmdir()  # only if no other run is using it
+        except OSError:
+            pass
+
+
 def disk_dir() -> Path:
     """A directory on the machine's real disk (not tmpfs)."""
     return Path(os.environ.get("TIERCHECK_BENCH_DISK", Path.home() / ".cache" / "tc-bench"))

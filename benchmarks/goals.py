@@ -46,6 +46,7 @@ from bench_lib import (
     make_state,
     median,
     one_tier,
+    private_disk_dir,
     store,
     tc_saves,
 )
@@ -107,10 +108,10 @@ def main() -> int:
     if not only <= set(GOALS):
         p.error(f"--only takes {', '.join(GOALS)}")
     torch.manual_seed(0)
-    disk_dir().mkdir(parents=True, exist_ok=True)
     bs = make_state(int(args.state_mib * MIB))
     load0 = os.getloadavg()[0]
-    m = measure(bs, args.repeats, only)
+    with private_disk_dir():
+        m = measure(bs, args.repeats, only)
     load1 = os.getloadavg()[0]
     print(
         f"state {bs.nbytes / MIB:.0f} MiB, {args.repeats} repeats, "

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import sys
 import time
 import uuid
@@ -45,6 +44,7 @@ from bench_lib import (
     make_state,
     median,
     one_tier,
+    private_disk_dir,
     safetensors_save_load,
     store,
     tc_restores,
@@ -463,6 +463,11 @@ def main() -> int:
 
         render(json.loads(args.render.read_text()), REPO / "docs", FIELDS, METRICS)
         return 0
+    with private_disk_dir():
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     quick = args.quick
     repeats = args.repeats or (1 if quick else 5)
     state_bytes = int((args.state_mib or (8 if quick else 1056)) * MIB)
@@ -475,7 +480,6 @@ def main() -> int:
     write_docs = (not quick) if args.docs is None else args.docs
     torch.manual_seed(0)
     t_start = time.perf_counter()
-    disk_dir().mkdir(parents=True, exist_ok=True)
 
     result: dict[str, Any] = {
         "schema": SCHEMA,
@@ -569,7 +573,6 @@ def main() -> int:
     if write_docs:
         write_docs_fn(clean, REPO / "docs", FIELDS, METRICS)
         log("wrote docs/benchmarks.md and docs/benchmarks/*.png")
-    shutil.rmtree(disk_dir(), ignore_errors=True)
     if problems:
         for prob in problems:
             print(f"SCHEMA ERROR: {prob}", file=sys.stderr)
