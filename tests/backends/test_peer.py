@@ -87,6 +87,7 @@ def run_daemon(tmp_path: Path, *args: str, memory_limit: str = "512MiB") -> Iter
     tmp_path.mkdir(parents=True, exist_ok=True)
     token_file = tmp_path / "token"
     token_file.write_bytes(TOKEN + b"\n")
+    token_file.chmod(0o600)
     log_path = tmp_path / "daemon.log"
     env = {k: v for k, v in os.environ.items() if k != "TIERCHECK_PEER_TOKEN"}
     with open(log_path, "w") as log_file:
@@ -435,6 +436,7 @@ def test_namespaces_are_isolated(daemon: Daemon) -> None:
             "bytes": len(b"rank 1 copy, longer"),
             "records": 0,
             "log_bytes": 0,
+            "budget": None,
         }
         assert stats["namespaces"][one.namespace]["records"] == 1
     finally:

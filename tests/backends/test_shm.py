@@ -65,7 +65,7 @@ def test_layout(root: Path) -> None:
         bid, data = blob(100)
         tier.put(bid, data)
         tier.append(b"r")
-        assert sorted(os.listdir(root / "lay")) == ["blobs", "log", "pool", "tmp"]
+        assert sorted(os.listdir(root / "lay")) == ["blobs", "log", "owner.json", "pool", "tmp"]
         assert os.listdir(root / "lay" / "blobs") == [bid]
         assert (root / "lay" / "log").read_bytes() == frame_record(b"r")
 
