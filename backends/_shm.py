@@ -141,7 +141,8 @@ class Segment:
 
     ``store`` is the owning store's root on node ``store_host`` (None: opened without a
     store, or no owner file); ``host`` is the node that created it; ``owned`` says whether
-    an owner file was found at all. ``nbytes`` is the memory its files take.
+    an owner file was found at all. ``nbytes`` is the memory its files take (None when
+    not measured).
     """
 
     path: str
@@ -153,7 +154,7 @@ class Segment:
     pid: int | None
     created: float | None
     owned: bool
-    nbytes: int
+    nbytes: int | None
 
 
 def _dir_bytes(path: str) -> int:
@@ -181,8 +182,13 @@ def _is_segment(path: str) -> bool:
     return os.path.isdir(os.path.join(path, "blobs")) and os.path.exists(os.path.join(path, "log"))
 
 
-def list_segments(root: str | os.PathLike[str] = DEFAULT_ROOT) -> builtins.list[Segment]:
-    """Every shm store under ``root`` (an shm root, default ``/dev/shm/tiercheck``)."""
+def list_segments(
+    root: str | os.PathLike[str] = DEFAULT_ROOT, *, sizes: bool = True
+) -> builtins.list[Segment]:
+    """Every shm store under ``root`` (an shm root, default ``/dev/shm/tiercheck``).
+
+    ``sizes=False`` skips measuring each store (a walk of its files): the cheap listing.
+    """
     root = os.fspath(root)
     try:
         entries = sorted(e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
@@ -210,7 +216,7 @@ def list_segments(root: str | os.PathLike[str] = DEFAULT_ROOT) -> builtins.list[
                 pid=field("pid", int),
                 created=float(created) if isinstance(created, (int, float)) else None,
                 owned=bool(owner),
-                nbytes=_dir_bytes(path),
+                nbytes=_dir_bytes(path) if sizes else None,
             )
         )
     return out
