@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.config import StoreConfig, TierSpec
+from tiercheck.config import StoreConfig, TierSpec, resolve_references
 from tiercheck.errors import ConfigError, InvalidURL, TierError
 from tiercheck.placement import Policy, TierPolicy
 
@@ -53,7 +53,13 @@ class TierSet:
         is deleted, and orphans of deleted stores on this node are warned about."""
         self.slots: list[TierSlot] = []
         for spec in specs:
-            options = dict(spec.options)
+            try:
+                # secrets referenced as {env = NAME} / {file = PATH} are read now
+                options = resolve_references(spec.options, tier=spec.name)
+            except ConfigError as exc:
+                log.warning("tier %s (%s) is unavailable: %s", spec.name, spec.url, exc)
+                self.slots.append(TierSlot(spec, None, None, str(exc)))
+                continue
             if read_only:
                 options["read_only"] = True
             try:
