@@ -31,7 +31,9 @@ whitespace; it should be mode 0600)::
     [[tier]]
     name = "remote"
     url = "s3://bucket/ckpt"
-    options = { storage_options = { key = { env = "AWS_ACCESS_KEY_ID" }, secret = { file = "/run/secrets/s3" } } }
+    [tier.options.storage_options]
+    key = { env = "AWS_ACCESS_KEY_ID" }
+    secret = { file = "/run/secrets/s3" }
 
 The file is TOML written by ``tomli-w`` and read by ``tomllib`` (``tomli`` on Python 3.10).
 """

@@ -267,10 +267,10 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
         for spec in config.tiers if config is not None else ():
             if spec.url.startswith("lmdb://"):
                 lmdb += [p for p in _lmdb_paths(spec) if not _inside(p, path)]
-            elif spec.url.startswith(("shm://", "collective://", "memory://")):
-                continue
-            elif spec.url.startswith("file://") and _inside(urlsplit(spec.url).path, path):
-                continue
+            elif spec.url.startswith(("shm://", "collective://", "memory://")) or (
+                spec.url.startswith("file://") and _inside(urlsplit(spec.url).path, path)
+            ):
+                continue  # deleted above, with the root, or with the process
             else:
                 kept.append(f"{spec.name} ({spec.url})")
         if not path.exists() and not segments:
