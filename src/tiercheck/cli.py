@@ -3,9 +3,9 @@
 Commands: ``ls``, ``show``, ``diff``, ``verify``, ``gc`` (also ``gc --orphans``), ``rm``,
 ``export``, ``migrate`` and ``peer serve`` / ``peer status`` / ``peer token``. Every command
 takes ``--json`` for scripts (stable keys, one JSON document on stdout). Long commands draw
-a progress bar on stderr when it is a terminal and stay quiet otherwise. Exit status: 0 ok, 1 problems found (or an operation
-failed), 2 usage errors (bad arguments, store root, version, tier or output path), each
-reported as one line on stderr.
+a progress bar on stderr when it is a terminal and stay quiet otherwise. Exit status: 0 ok,
+1 problems found (or an operation failed), 2 usage errors (bad arguments, store root,
+version, tier or output path), each reported as one line on stderr.
 
 Commands that only read open the store read-only (no writer lock), so they work next to a
 running trainer; ``verify --repair``, ``gc`` (without ``--dry-run``) and ``migrate`` to one
