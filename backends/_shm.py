@@ -453,16 +453,21 @@ class ShmTier(Tier):
 
     def _reserve(self, blob_id: str, size: int, replaced: int) -> None:
         """Count ``size`` bytes as held before writing them (``replaced``: bytes of the
-        copy an overwrite replaces); ``OverBudget`` if they do not fit. Pooled segments
-        are freed first where the budget needs their room."""
+        copy an overwrite replaces); ``OverBudget`` if they do not fit."""
         with self._held_lock:
             held = self._held - replaced
             check_budget(self.url, blob_id, held=held, needed=size, budget=self.budget)
             self._held += size
-        if self.budget is not None:
-            room = self.budget - (held + size)
-            if self._pool.total > room:
-                self.trim_pool(max(0, room))
+
+    def _fit_pool(self) -> None:
+        """Free pooled segments until blobs plus pool fit the budget (called after a put
+        has taken its segment from the pool, so the segment it reuses is not freed)."""
+        if self.budget is None:
+            return
+        with self._held_lock:
+            room = self.budget - self._held
+        if self._pool.total > room:
+            self.trim_pool(max(0, room))
 
     def _release(self, size: int) -> None:
         with self._held_lock:
@@ -530,6 +535,7 @@ class ShmTier(Tier):
         kept = False  # whether the reserved bytes ended up held
         try:
             tmp, fd, seg_size = self._claim_segment(size)
+            self._fit_pool()
             try:
                 self._check_free(blob_id, size - seg_size)
             except OverBudget:
