@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiercheck
-from tiercheck.config import CONFIG_NAME, load_config
 from tiercheck.errors import NoRestorableVersion
+from tiercheck.lifecycle import destroy_store
 
 __all__ = [
     "GPT",
@@ -63,7 +63,6 @@ __all__ = [
 
 _TAG = "@tiercheck-demo "
 _SEED = 1234
-_SHM_ROOT = "/dev/shm/tiercheck"
 
 # --- the model ---------------------------------------------------------------------------
 
@@ -444,16 +443,6 @@ def _median(xs: Sequence[float]) -> float:
     return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
 
 
-def _shm_dirs(root: Path) -> list[Path]:
-    cfg = load_config(root / CONFIG_NAME)
-    out = []
-    for spec in cfg.tiers:
-        if spec.url.startswith("shm://"):
-            base = Path(str(spec.options.get("root", _SHM_ROOT)))
-            out.append(base / spec.url[len("shm://") :].rstrip("/"))
-    return out
-
-
 def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
     from rich.table import Table
 
@@ -674,8 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not args.keep:
             if (root / "tiercheck.toml").exists():
-                for d in _shm_dirs(root):
-                    shutil.rmtree(d, ignore_errors=True)
+                destroy_store(root)  # the store and its shm segment: tiercheck rm
             if made_root:
                 shutil.rmtree(root, ignore_errors=True)
         else:
