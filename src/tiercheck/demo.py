@@ -637,7 +637,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     p.add_argument("--crash-at", type=int, default=None, help="kill after this step is committed")
     p.add_argument("--root", type=Path, default=None, help="store root (default: a fresh temp dir)")
-    p.add_argument("--keep", action="store_true", help="keep the store and its shm tier")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the store and its shm tier (else: deleted)"
+    )
     p.add_argument("--worker", choices=("reference", "train"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker == "reference":
