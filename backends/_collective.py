@@ -223,6 +223,9 @@ class CollectivePeerTier(Tier):
             return {"ok": True}, None
         if op == "usage":
             return {"ok": True, "bytes": held.usage()}, None
+        if op == "set_budget":
+            held.set_budget(header["budget"])
+            return {"ok": True}, None
         if op == "bind_store":
             _bind(held, str(header["root"]), str(header["host"]))
             return {"ok": True}, None
@@ -335,6 +338,14 @@ class CollectivePeerTier(Tier):
         reply, _ = self._call({"op": "usage"})
         value = reply.get("bytes")
         return int(value) if isinstance(value, int) else None
+
+    def set_budget(self, nbytes: int | str | None) -> None:
+        """The budget of what the partner holds for this rank (set on the partner)."""
+        self.budget = parse_budget(nbytes, self.url)
+        if self._local:
+            self._held.set_budget(self.budget)
+            return
+        self._call({"op": "set_budget", "budget": self.budget})
 
     def bind_store(self, root: str) -> None:
         """The partner records this rank's store as the owner of what it holds."""

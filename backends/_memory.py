@@ -190,3 +190,6 @@ class MemoryTier(Tier):
     def usage(self) -> int:
         with self._store.lock:
             return self._store.nbytes
+
+    def set_budget(self, nbytes: int | str | None) -> None:
+        self.budget = parse_budget(nbytes, self.url)

@@ -359,6 +359,11 @@ class PeerTier(Tier):
             )
         self._request({"op": "replace_log_prefix", "count": count}, record)
 
+    def set_budget(self, nbytes: int | str | None) -> None:
+        """Set this namespace's budget in the daemon (and in later hellos)."""
+        self.budget = parse_budget(nbytes, self.url)
+        self._request({"op": "set_budget", "budget": self.budget})
+
     def usage(self) -> int:
         """Bytes of blobs this namespace holds in the daemon."""
         reply, _, _ = self._request({"op": "usage"})

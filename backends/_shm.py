@@ -319,10 +319,9 @@ class ShmTier(Tier):
         self.name = name
         self.root = os.fspath(root)
         self.path = os.path.join(self.root, name)
-        self.pool_limit = pool_limit
-        self.budget = parse_budget(budget, url)
-        if self.budget is not None:
-            self.pool_limit = min(self.pool_limit, self.budget)
+        self._pool_limit = self.pool_limit = pool_limit
+        self.budget: int | None = None
+        self.set_budget(budget)
         self._blobs = os.path.join(self.path, "blobs")
         self._pool_dir = os.path.join(self.path, "pool")
         self._tmp = os.path.join(self.path, "tmp")
@@ -684,6 +683,13 @@ class ShmTier(Tier):
     def pool_bytes(self) -> int:
         """Bytes of free segments this instance holds for reuse."""
         return self._pool.total
+
+    def set_budget(self, nbytes: int | str | None) -> None:
+        """Set the budget (blobs plus pool); the pool is trimmed at the next put."""
+        self.budget = parse_budget(nbytes, self.url)
+        self.pool_limit = (
+            self._pool_limit if self.budget is None else min(self._pool_limit, self.budget)
+        )
 
     def usage(self) -> int:
         """Bytes of blobs held (a read-only instance counts them now; a writer keeps count)."""

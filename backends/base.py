@@ -234,6 +234,15 @@ class Tier(abc.ABC):
         """
         return None
 
+    def set_budget(self, nbytes: int | str | None) -> None:
+        """Change the tier's ``budget`` (bytes, a size such as ``"8GiB"``, or None: none).
+
+        The engine sets a default budget once it knows the state's size. Blobs already
+        held above a lowered budget stay (retention removes them); only new writes are
+        refused. Memory tiers implement it; the default raises ``NotSupported``.
+        """
+        raise self._unsupported("a memory budget")
+
     def bind_store(self, root: str) -> None:  # noqa: B027 - optional hook
         """Record that the store at ``root`` owns this tier (called once, before saving).
 

@@ -120,3 +120,19 @@ def test_memory_budget() -> None:
 def test_bad_budget_is_an_invalid_url(shm_root: Path) -> None:
     with pytest.raises(InvalidURL, match="budget"):
         open_tier("shm://x", root=shm_root, budget="lots")
+
+
+def test_set_budget_at_run_time(shm_root: Path) -> None:
+    """The engine sets a default budget once it knows the state's size."""
+    with open_tier("shm://late", root=shm_root) as tier:
+        a, data_a = blob(600_000, seed=1)
+        tier.put(a, data_a)
+        tier.set_budget("1MiB")
+        with pytest.raises(OverBudget):
+            tier.put(*blob(600_000, seed=2))
+        tier.set_budget(None)
+        assert tier.put(*blob(600_000, seed=2))
+    mem = open_tier("memory://")
+    mem.set_budget(100)
+    with pytest.raises(OverBudget):
+        mem.put(*blob(101, seed=3))

@@ -259,12 +259,15 @@ def should_compact(tl: TierLog, slack: int = COMPACT_SLACK) -> bool:
 @dataclass(frozen=True)
 class CompactionReport:
     """What :func:`compact_log` did: ``before`` records replaced by one checkpoint (``after``
-    records remain, counting records appended meanwhile), or why it did nothing."""
+    records remain, counting records appended meanwhile), or why it did nothing (``skipped``).
+    ``log`` is the tier's log as read after compacting: a caller keeping a catalog puts it
+    in place of the old one (same state, fewer records)."""
 
     tier: str
     before: int
     after: int
     skipped: str | None = None
+    log: TierLog | None = None
 
 
 def compact_log(name: str, tier: Tier) -> CompactionReport:
@@ -298,6 +301,6 @@ def compact_log(name: str, tier: Tier) -> CompactionReport:
     except NotSupported as exc:
         log.debug("tier %s keeps its whole log: %s", name, exc)
         return CompactionReport(name, len(payloads), len(payloads), "not supported")
-    after = len(tier.read_log())
-    log.debug("compacted the log of tier %s: %d records -> %d", name, len(payloads), after)
-    return CompactionReport(name, len(payloads), after)
+    fresh = read_tier_log(name, tier)
+    log.debug("compacted the log of tier %s: %d records -> %d", name, len(payloads), fresh.records)
+    return CompactionReport(name, len(payloads), fresh.records, log=fresh)

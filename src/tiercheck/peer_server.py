@@ -526,6 +526,7 @@ class PeerServer:
             "read_log": self._op_read_log,
             "replace_log_prefix": self._op_replace_log_prefix,
             "usage": self._op_usage,
+            "set_budget": self._op_set_budget,
             "stats": self._op_stats,
         }
 
@@ -952,6 +953,15 @@ class PeerServer:
         record = bytes(_require_data(req.data, "replace_log_prefix"))
         count = _int_arg(req.fields, "count", 0)
         self._store.replace_log_prefix(req.ns, count, record)
+        return _Reply({})
+
+    def _op_set_budget(self, req: _Request) -> _Reply:
+        budget = req.fields.get("budget")
+        if budget is not None and (
+            not isinstance(budget, int) or isinstance(budget, bool) or budget < 0
+        ):
+            raise _Refused("BadRequest", "'budget' must be a non-negative integer or nil")
+        self._store.set_budget(req.ns, budget)
         return _Reply({})
 
     def _op_usage(self, req: _Request) -> _Reply:

@@ -910,3 +910,16 @@ def test_daemon_memory_limit_is_over_budget(tmp_path: Path) -> None:
                 tier.put(*blob(700_000, seed=2))
         finally:
             tier.close()
+
+
+def test_set_budget_at_run_time(server: PeerServer) -> None:
+    tier = open_tier(f"peer://{server.address}/late-budget", token=TOKEN)
+    try:
+        tier.put(*blob(700_000, seed=1))
+        tier.set_budget("1MiB")
+        with pytest.raises(OverBudget):
+            tier.put(*blob(700_000, seed=2))
+        tier.set_budget(None)
+        assert tier.put(*blob(700_000, seed=2))
+    finally:
+        tier.close()
