@@ -90,17 +90,17 @@ def test_10000_versions_read_in_o_kept_records() -> None:
 
 def test_fsspec_reads_one_object_per_kept_record(tmp_path: Path) -> None:
     tier = open_tier(f"file://{tmp_path}/remote")
-    _write_history(tier, 100)
+    _write_history(tier, 40)
     log_dir = tmp_path / "remote" / "log"
-    assert len(os.listdir(log_dir)) == 3 * 100 - KEEP  # one GET each, before
+    assert len(os.listdir(log_dir)) == 3 * 40 - KEEP  # one GET each, before
     compact_log("remote", tier)
-    assert os.listdir(log_dir) == [f"{3 * 100 - KEEP - 1:016d}.ckpt"]
-    _write_history(tier, 5, first=100)
+    assert os.listdir(log_dir) == [f"{3 * 40 - KEEP - 1:016d}.ckpt"]
+    _write_history(tier, 5, first=40)
     names = sorted(os.listdir(log_dir))
     assert len(names) == 1 + 15  # the checkpoint and what came after it: 16 GETs to read
     fresh = open_tier(f"file://{tmp_path}/remote")
     tl = read_tier_log("remote", fresh)
-    assert tl.records == 16 and tl.held() == list(range(105 - KEEP, 105))
+    assert tl.records == 16 and tl.held() == list(range(45 - KEEP, 45))
 
 
 def test_fsspec_readers_tolerate_a_compaction_cut_short(tmp_path: Path) -> None:
@@ -235,7 +235,7 @@ CRASH_TIERS = {
 def test_sigkill_during_compaction_keeps_the_committed_state(name: str, tmp_path: Path) -> None:
     url, options = CRASH_TIERS[name](tmp_path)
     tier = open_tier(url, **options)
-    _write_history(tier, 60)
+    _write_history(tier, 40)
     expected = read_tier_log("t", tier)
     tier.close()
     for kill_after in (0, 2, 5):
