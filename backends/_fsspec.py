@@ -284,9 +284,13 @@ class _LocalStore(_Store):
         self._made: set[str] = set()
         self._made_lock = threading.Lock()
         self._can_link = True
-        # directories a new blob was named in since the last sync(): their fsync waits for
-        # the next log record, one per directory instead of one per blob
+        # directories with a new entry (a blob, a directory) since the last sync(): their
+        # fsync waits for the next log record, once per directory instead of once per blob
         self._unsynced: set[str] = set()
+
+    def _named_in(self, directory: str) -> None:
+        with self._made_lock:
+            self._unsynced.add(directory)
 
     def _ensure_dir(self, directory: str) -> None:
         if directory in self._made:
@@ -301,7 +305,7 @@ class _LocalStore(_Store):
                 os.mkdir(d)
             except FileExistsError:
                 continue
-            _fsync_dir(os.path.dirname(d))
+            self._named_in(os.path.dirname(d))
         with self._made_lock:
             self._made.add(directory)
 
@@ -329,11 +333,9 @@ class _LocalStore(_Store):
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        if if_absent:  # a new blob: its content is durable already; its name by sync()
-            with self._made_lock:
-                self._unsynced.add(directory)
-        else:  # a repair replaces a damaged copy: durable now
-            _fsync_dir(directory)
+        self._named_in(directory)  # the content is durable already; its name by sync()
+        if not if_absent:  # a repair replaces a damaged copy: durable now
+            self.sync()
         return True
 
     def sync(self) -> None:
@@ -362,7 +364,8 @@ class _LocalStore(_Store):
                     raise
                 self._can_link = False  # e.g. a FUSE or FAT mount without hard links
             else:
-                _fsync_dir(directory)
+                self._named_in(directory)
+                self.sync()  # the record, and any directory made on the way
                 return
             finally:
                 _unlink_quietly(tmp)
@@ -373,7 +376,8 @@ class _LocalStore(_Store):
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(directory)
+        self._named_in(directory)
+        self.sync()
 
     def read(self, path: str, out: memoryview | None) -> memoryview:
         with open(path, "rb", buffering=0) as f:
