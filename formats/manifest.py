@@ -510,7 +510,7 @@ def _step_from_obj(raw: Any, entries: list[Entry], nparams: int, what: str) -> L
         )
     attrs = _str_map(raw.get("attrs", {}), what, "attrs")
     counter = raw.get("counter")
-    if counter is not None and (not isinstance(counter, (int, float)) or counter is True):
+    if counter is not None and (not isinstance(counter, (int, float)) or isinstance(counter, bool)):
         raise BlobCorrupt(f"malformed {what}: step {index} counter {counter!r:.40}")
     scaler = raw.get("scaler")
     return LogStep(
