@@ -482,3 +482,19 @@ def test_malformed_log_maps_are_corrupt() -> None:
         log = dataclasses.replace(layout.replay, steps=(bad,))
         with pytest.raises(BlobCorrupt):
             unpack_manifest(pack_manifest(dataclasses.replace(good, log=log)))
+
+
+def test_replayed_leaves_are_found_by_storage() -> None:
+    """What a log version leaves out of a flattened state: parameters and optimizer state."""
+    from tiercheck.entries import flatten
+    from tiercheck.update_log import replayed_leaves, replayed_tensors
+
+    s = Small()
+    s.step()
+    extra = torch.ones(3)
+    _, leaves = flatten({"model": s.model, "optim": s.opt, "other": extra, "n": 3})
+    found = replayed_leaves(leaves, replayed_tensors(s.opt))
+    tensor_keys = {leaf.key for leaf in leaves if leaf.kind == "tensor"}
+    assert set(found) == tensor_keys - {"other"}
+    assert found["model/0.weight"] == "param/0"
+    assert found["optim/state/3/exp_avg_sq"] == "state/3/exp_avg_sq"

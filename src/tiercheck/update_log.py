@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.chunking import ALIGN, cut_windows
-from tiercheck.entries import encode_scalar
+from tiercheck.entries import Leaf, encode_scalar
 from tiercheck.errors import StateError
 from tiercheck.fingerprint import fingerprints
 from tiercheck.formats.manifest import (
@@ -73,6 +73,7 @@ __all__ = [
     "flat_params",
     "mirror_specs",
     "plan_log",
+    "replayed_leaves",
     "replayed_tensors",
 ]
 
@@ -153,6 +154,33 @@ def replayed_tensors(
             out[f"state/{i}/{name}"] = value
     for j, (_, copy) in enumerate(mirrors):
         out[f"mirror/{j}"] = copy
+    return out
+
+
+def replayed_leaves(leaves: Sequence[Leaf], replayed: Mapping[str, Any]) -> dict[str, str]:
+    """``{leaf key: name}`` for every tensor leaf that is one of the ``replayed`` tensors
+    (:func:`replayed_tensors`): same device, data pointer, dtype and shape.
+
+    ``module.state_dict()`` and ``optimizer.state_dict()`` hand out tensors sharing
+    storage with the live ones, so this finds the leaves of a flattened state that a log
+    version leaves out (SPEC.md section 12.3: they become ``{"r": name}`` nodes).
+    """
+    import torch
+
+    def ident(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+    by_ident = {
+        ident(v): name
+        for name, v in replayed.items()
+        if isinstance(v, torch.Tensor) and v.numel() > 0
+    }
+    out: dict[str, str] = {}
+    for leaf in leaves:
+        if leaf.kind == "tensor" and leaf.value.numel() > 0:
+            name = by_ident.get(ident(leaf.value))
+            if name is not None:
+                out[leaf.key] = name
     return out
 
 
