@@ -27,10 +27,13 @@ The engine's call sequence (the contract this module keeps):
    ``reset()``, with the fingerprints of the state now; :func:`plan_log` lays them out as
    the gradient entries of the version's shard. ``release(taken)`` when the buffers have
    been written (until then the ring does not reuse them).
+4. After a restore: ``reset()`` if a full version was restored (the state is that
+   version's), ``invalidate(reason)`` otherwise; replay inside ``paused()``.
 
-Memory is bounded: the ring holds the steps since the last full version, at most
-``max_bytes`` of gradients; a step that would exceed it makes the log unusable (``status``
-says so) until the next ``reset()``, so the next version must be a full one.
+Memory is bounded: the ring holds the gradients of the steps since the last full version,
+in buffers reused from one full version to the next, at most ``max_bytes`` of them; a step
+that would exceed it makes the log unusable (``status`` says so) until the next
+``reset()``, so the next version must be a full one.
 """
 
 from __future__ import annotations
@@ -421,11 +424,13 @@ class _Step:
     scaler: dict[str, _Deferred] | None = None
     started: float = 0.0
     seconds: float = 0.0
-    copied: list[Any] = field(default_factory=list)  # CUDA events: the copies have landed
-    timing: tuple[Any, Any] | None = None  # CUDA events around the step, on one device
+    # (device, CUDA event) per device: the gradient copies have landed when they complete
+    copied: list[tuple[Any, Any]] = field(default_factory=list)
+    # (device, event before the step, event after it): the step's time on the device
+    timing: tuple[Any, Any, Any] | None = None
 
     def wait_copies(self) -> None:
-        for ev in self.copied:
+        for _, ev in self.copied:
             ev.synchronize()
 
 
@@ -744,7 +749,7 @@ class UpdateLog:
             if buf is not None:
                 step.copied = _copy_grads(buf, grads)
             if step.copied:
-                step.timing = (step.copied[0], None)
+                step.timing = (*step.copied[0], None)
             self._steps.append(step)
             self._open = step
             step.started = time.perf_counter()
@@ -758,10 +763,10 @@ class UpdateLog:
                 return
             step.seconds = time.perf_counter() - step.started
             if step.timing is not None:
-                start = step.timing[0]
+                device, start, _ = step.timing
                 end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end.record(torch.cuda.current_stream(start.device))
-                step.timing = (start, end)
+                end.record(torch.cuda.current_stream(device))
+                step.timing = (device, start, end)
             self._open = None
 
     def _record_skipped(self, scaler: Any) -> None:
@@ -774,8 +779,9 @@ class UpdateLog:
 
 def _copy_grads(
     buf: torch.Tensor, grads: Sequence[tuple[torch.Tensor, GradSlot] | None]
-) -> list[Any]:
-    """Copy each gradient to its slot of ``buf``, zero the padding; CUDA events to wait on."""
+) -> list[tuple[Any, Any]]:
+    """Copy each gradient to its slot of ``buf``, zero the padding. Returns a
+    ``(device, CUDA event)`` per device whose copies are still in flight."""
     import torch
 
     end = 0
@@ -800,7 +806,7 @@ def _copy_grads(
     for dev in sorted(cuda, key=str):
         ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         ev.record(torch.cuda.current_stream(dev))
-        events.append(ev)
+        events.append((dev, ev))
     return events
 
 
@@ -825,9 +831,10 @@ def _finish(step: _Step) -> CapturedStep:
     """The host-side view of ``step``, once its copies have landed."""
     step.wait_copies()
     seconds = step.seconds
-    if step.timing is not None and step.timing[1] is not None:
-        step.timing[1].synchronize()
-        seconds = step.timing[0].elapsed_time(step.timing[1]) / 1000.0
+    if step.timing is not None and step.timing[2] is not None:
+        _, start, end = step.timing
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000.0
     if step.buffer is None:
         data = memoryview(b"")
     else:
