@@ -61,6 +61,7 @@ from tiercheck.staging import StagingBuffer
 from tiercheck.update_log import (
     LoggedSteps,
     UpdateLog,
+    estimate_replay_seconds,
     plan_log,
     replayed_leaves,
     replayed_tensors,
@@ -356,7 +357,12 @@ def replay_seconds(
         gc.collect()
         report = replay(fresh.opt, layout.replay, gradient, mirrors=fresh.mirrors)
         runs.append(report.seconds)
-    return {"seconds": median(runs), "steps": report.steps, "verified": report.verified}
+    return {
+        "seconds": median(runs),
+        "estimate_s": estimate_replay_seconds(logged, state_bytes(fresh.state())),
+        "steps": report.steps,
+        "verified": report.verified,
+    }
 
 
 def restore_full_seconds(setup: Setup, repeats: int) -> float:
@@ -383,9 +389,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--setups", default="fp32,mixed,autocast")
     ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
+    )
+    ap.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "update_log.json"
     )
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     results = []
     for name in args.setups.split(","):
         print(f"{name}: {args.steps} steps", file=sys.stderr, flush=True)
@@ -419,6 +429,7 @@ def main() -> None:
             "scale": args.scale,
             "steps": args.steps,
             "repeats": args.repeats,
+            "threads": args.threads,
             "chunk_size": CHUNK,
             "compression": "delta codec vs the empty chunk (byte-shuffle, elem 4) + zstd 1",
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
