@@ -999,9 +999,10 @@ class Checkpointer:
         """Restore the newest restorable version (or ``version``/``step``) into ``state``.
 
         Tensors are written into the caller's tensors where dtype and shape match; modules
-        and optimizers get ``load_state_dict``. Each chunk comes from the fastest tier that
-        holds an intact copy; damaged copies are repaired when ``repair``. ``tiers``
-        restricts the tiers read. Raises :class:`NoRestorableVersion` or
+        and optimizers get ``load_state_dict``; a ``None`` value is a placeholder for what
+        was saved under its key (``info.state[key]``). Each chunk comes from the fastest
+        tier that holds an intact copy; damaged copies are repaired when ``repair``.
+        ``tiers`` restricts the tiers read. Raises :class:`NoRestorableVersion` or
         :class:`StateError`.
         """
         if self._closed:

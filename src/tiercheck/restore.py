@@ -119,7 +119,11 @@ _MISSING = object()
 
 
 def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding:
-    """Match the saved tree against ``state``; allocate destinations for every entry."""
+    """Match the saved tree against ``state``; allocate destinations for every entry.
+
+    A ``None`` in ``state`` is a placeholder: the saved value there (a tensor, a dict of
+    them, anything) is restored as saved, unchecked, and put in its place.
+    """
     import torch
 
     b = Binding()
@@ -128,6 +132,8 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
     def walk(node: Any, target: Any, key: str, checked: bool) -> None:
         if not isinstance(node, dict) or len(node) != 1:
             raise StateError("malformed tree in manifest", key=key)
+        if target is None:  # a placeholder: whatever was saved there is restored as it was
+            target = _MISSING
         ((tag, sub),) = node.items()
         if tag == "e":
             entry = entries[sub]

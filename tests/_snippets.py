@@ -1,0 +1,184 @@
+"""Finding and running the ```python blocks of the documentation (tests/test_doc_snippets.py).
+
+Convention:
+
+- the ```python blocks of one page run in order, in one namespace, in a fresh process
+  whose working directory is a fresh temporary directory;
+- a block whose fence is immediately preceded by the line
+  ``<!-- snippet: skip (REASON) -->`` is not run (only for what a test process cannot have:
+  several torchrun processes, a GPU, a cluster; a real test elsewhere covers the same code);
+- nothing else is skipped, and there is no hidden setup: a snippet stands alone.
+
+Each page runs in a child forked from a *zygote* (``python tests/_snippets.py serve``) that
+imported torch and tiercheck once and does nothing else, so a page pays no interpreter start
+and no page sees what another page (or another test) did to the process: seeds, registered
+tier schemes, logging.
+
+Protocol: the zygote reads one JSON line ``{"page", "cwd", "output", "result"}`` per page on
+stdin, forks a child that runs the page with ``cwd`` as working directory, its stdout and
+stderr going to ``output``, and its verdict written to ``result`` as JSON
+(``{"ran": [lines], "error": text or null}``); then the zygote writes one JSON line
+``{"status": N}`` (the child's exit status) on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+_SKIP = re.compile(r"^<!--\s*snippet:\s*skip\s*\((?P<reason>.*\S.*)\)\s*-->$")
+_MARKER = re.compile(r"^<!--\s*snippet\b")
+_OPEN = re.compile(r"^(?P<fence>```+|~~~+)\s*(?P<info>[^`\s]*)")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced python block: the page line of its first code line, its source, and the
+    reason it is skipped (None when it runs)."""
+
+    page: Path
+    line: int
+    code: str
+    skip: str | None
+
+    @property
+    def where(self) -> str:
+        page = self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page
+        return f"{page.as_posix()}:{self.line}"
+
+
+def blocks_of(page: Path) -> list[Block]:
+    """The python blocks of ``page``, in order. Raises ValueError for a snippet marker that
+    is not exactly ``<!-- snippet: skip (REASON) -->`` right before a python fence."""
+    lines = page.read_text().splitlines()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _MARKER.match(line.strip()):
+            nxt = _OPEN.match(lines[i + 1]) if i + 1 < len(lines) else None
+            if _SKIP.match(line.strip()) is None or nxt is None:
+                raise ValueError(
+                    f"{page.name}:{i + 1}: {line.strip()!r} is not a "
+                    "'<!-- snippet: skip (REASON) -->' line right before a ```python fence"
+                )
+        m = _OPEN.match(line)
+        if m is None:
+            i += 1
+            continue
+        fence, info = m.group("fence"), m.group("info").lower()
+        end = i + 1
+        while end < len(lines) and not lines[end].startswith(fence):
+            end += 1
+        if info in ("python", "py"):
+            skip = _SKIP.match(lines[i - 1].strip()) if i > 0 else None
+            code = "\n".join(lines[i + 1 : end]) + "\n"
+            out.append(Block(page, i + 2, code, skip.group("reason").strip() if skip else None))
+        elif i > 0 and _SKIP.match(lines[i - 1].strip()):
+            raise ValueError(f"{page.name}:{i}: a snippet marker before a {info!r} block")
+        i = end + 1
+    return out
+
+
+def run_blocks(page: Path) -> list[int]:
+    """Run the page's blocks here (this process, its working directory), in one namespace.
+
+    Returns the lines of the blocks run; raises AssertionError naming the block that failed,
+    with the traceback from the snippet's own frame on.
+    """
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    ran = []
+    for block in blocks_of(page):
+        if block.skip is not None:
+            continue
+        # blank lines before the code put its line numbers where they are in the page
+        code = compile("\n" * (block.line - 1) + block.code, str(block.page), "exec")
+        try:
+            exec(code, namespace)
+        except BaseException as exc:
+            tb = exc.__traceback__
+            shown = exc.with_traceback(tb.tb_next if tb is not None else None)
+            text = "".join(traceback.format_exception(shown))
+            raise AssertionError(f"the snippet at {block.where} failed:\n{text}") from None
+        ran.append(block.line)
+    from tiercheck.checkpointer import Checkpointer
+
+    left_open = sorted(
+        name for name, v in namespace.items() if isinstance(v, Checkpointer) and not v._closed
+    )
+    if left_open:
+        raise AssertionError(f"{page.name}: the snippets left Checkpointers open: {left_open}")
+    return ran
+
+
+def shm_segments(cwd: Path) -> list[Path]:
+    """The shm segment directories of every store configured under ``cwd``."""
+    from tiercheck.backends._shm import DEFAULT_ROOT
+    from tiercheck.config import CONFIG_NAME, load_config
+
+    found = []
+    for cfg in sorted(cwd.rglob(CONFIG_NAME)):
+        for spec in load_config(cfg).tiers:
+            if spec.url.startswith("shm://"):
+                name = spec.url.removeprefix("shm://").split("?", 1)[0]
+                found.append(Path(str(spec.options.get("root", DEFAULT_ROOT))) / name)
+    return found
+
+
+# --- the zygote ---------------------------------------------------------------------------
+
+
+def _child(request: dict[str, str]) -> None:
+    fd = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(request["cwd"])
+    sys.path.insert(0, request["cwd"])  # as `python` run in that directory would have it
+    result: dict[str, Any] = {"ran": [], "error": None}
+    try:
+        result["ran"] = run_blocks(Path(request["page"]))
+    except AssertionError as exc:
+        result["error"] = str(exc)
+    except BaseException:  # the runner itself failed
+        result["error"] = traceback.format_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    Path(request["result"]).write_text(json.dumps(result))
+
+
+def serve() -> None:
+    """Import the heavy modules once, then fork one child per page request on stdin."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+
+    import tiercheck.checkpointer  # noqa: F401
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _child(request)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        sys.stdout.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
+    serve()
