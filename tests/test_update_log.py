@@ -498,3 +498,16 @@ def test_replayed_leaves_are_found_by_storage() -> None:
     assert set(found) == tensor_keys - {"other"}
     assert found["model/0.weight"] == "param/0"
     assert found["optim/state/3/exp_avg_sq"] == "state/3/exp_avg_sq"
+
+
+def test_this_reader_does_not_restore_log_versions_yet() -> None:
+    """Until the restore replays (SPEC.md section 12.5), a log version is not restorable."""
+    from tiercheck.formats.manifest import VersionInfo
+    from tiercheck.manifest_log import Catalog, TierLog
+
+    def info(vid: int, role: Any, base: int | None) -> VersionInfo:
+        return VersionInfo(vid, vid, role, base, 1, (chunk_id(b"x"),), 0.0, 0)
+
+    tl = TierLog("shm")
+    tl.committed = {1: info(1, "base", None), 2: info(2, "log", 1), 3: info(3, "diff", 1)}
+    assert Catalog({"shm": tl}, {}).restorable_versions() == [1, 3]
