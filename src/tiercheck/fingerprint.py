@@ -54,6 +54,7 @@ ALGORITHMS = ("blake3", "wsum64", "value")
 # words per block of the device reduction: int64 temporaries of 32 MiB
 _BLOCK = 1 << 22
 _MASK32 = 0xFFFFFFFF
+_TREE_PARALLEL_MIN = 1 << 20
 _U64 = 1 << 64
 
 
@@ -76,7 +77,10 @@ def _blake3(t: torch.Tensor) -> bytes:
     raw = _bytes_view(t)
     if raw.device.type != "cpu":
         raw = raw.cpu()
-    digest: bytes = blake3.blake3(raw.numpy().data).digest(length=16)
+    view = raw.numpy().data
+    # large tensors on every core (BLAKE3's tree parallelism), as chunk ids are hashed
+    threads = blake3.blake3.AUTO if len(view) >= _TREE_PARALLEL_MIN else 1
+    digest: bytes = blake3.blake3(view, max_threads=threads).digest(length=16)
     return digest
 
 
