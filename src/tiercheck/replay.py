@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.entries import decode_scalar, torch_dtype
-from tiercheck.errors import ReplayMismatch, ReplayRefused
+from tiercheck.errors import ReplayMismatch, ReplayRefused, StateError
 from tiercheck.fingerprint import differing, fingerprints
 from tiercheck.formats.manifest import GroupOptions, ReplayLog, SmallTensor
 from tiercheck.update_log import (
@@ -131,7 +131,7 @@ def check_replayable(
             )
     try:
         differ("mirrors", log.mirrors, mirror_specs(optimizer, tuple(mirrors)))
-    except Exception as exc:
+    except StateError as exc:
         diffs.append(f"mirrors: {exc}")
     if diffs:
         raise ReplayRefused(
