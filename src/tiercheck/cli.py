@@ -871,7 +871,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             if not report.configured:
                 console.print(
                     f"{report.url} is not a tier of this store: it now holds a self-contained "
-                    "copy; open it with Checkpointer(root, tiers=[url]) to restore from it"
+                    f"copy; browse it with `tiercheck ls {report.url}`, restore from it with "
+                    "Checkpointer(root, tiers=[url])"
                 )
     return 0
 
@@ -1064,7 +1065,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="copy a version (and its base) to a tier",
         description="Copy a version, every rank's shard and the base it needs, to --to: one "
         "of the store's tiers (name or URL; takes the writer lock) or any tier URL, which "
-        "then holds a self-contained copy.",
+        "then holds a self-contained copy (browse it with `tiercheck ls URL`).",
     )
     p.add_argument("root", metavar="ROOT", help="store root")
     p.add_argument("version", metavar="VERSION", help=version_help)
