@@ -96,3 +96,20 @@ def test_hf_trainer_resume_after_sigkill_is_bit_identical(work: Path) -> None:
     ckpt = work / "job" / "out" / "checkpoint-6"
     assert (ckpt / "tiercheck.json").is_file()
     assert not (ckpt / "optimizer.pt").exists()  # the optimizer state lives in tiercheck only
+
+
+def test_pointer_files_round_trip_and_leave_torch_files_alone(tmp_path: Path) -> None:
+    from tiercheck.errors import StateError
+    from tiercheck.integrations import Pointer, read_pointer, write_pointer
+
+    p = Pointer(str(tmp_path / "store"), version=12, step=480)
+    write_pointer(tmp_path / "ckpts" / "last.ckpt", p)
+    assert read_pointer(tmp_path / "ckpts" / "last.ckpt") == p
+    assert [f.name for f in (tmp_path / "ckpts").iterdir()] == ["last.ckpt"]  # no temp left
+    torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    assert read_pointer(tmp_path / "plain.ckpt") is None  # Lightning's own file: not ours
+    (tmp_path / "bad.ckpt").write_text('{"format": "tiercheck-pointer", "v": 1, "root": 3}')
+    with pytest.raises(StateError, match="malformed"):
+        read_pointer(tmp_path / "bad.ckpt")
+    with pytest.raises(FileNotFoundError):
+        read_pointer(tmp_path / "missing.ckpt")
