@@ -37,7 +37,7 @@ __all__ = [
 
 ALIGN = 64
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
-MIN_CHUNK_SIZE = 4096
+MIN_CHUNK_SIZE = 64 * 1024
 CHUNKS_PER_STATE = 64
 
 
@@ -78,8 +78,10 @@ def choose_chunk_size(leaves: Sequence[Leaf], max_chunk_size: int) -> int:
     Dedup works per chunk: a state of one 4 MiB chunk is rewritten whole when a single bias
     changes. A smaller state is cut into about :data:`CHUNKS_PER_STATE` chunks instead, of a
     power of two bytes, at least :data:`MIN_CHUNK_SIZE` (below that, per-chunk costs
-    dominate). The size only changes when the state doubles or halves, so the layout, and
-    with it the chunk boundaries diff versions rely on, stays put from one save to the next.
+    dominate: every chunk is an object in every tier, an fsync on a file tier, a request on
+    an object store). The size only changes when the state doubles or halves, so the layout,
+    and with it the chunk boundaries diff versions rely on, stays put from one save to the
+    next.
     """
     total = sum(_round_up(leaf.nbytes, ALIGN) for leaf in leaves)
     target = total // CHUNKS_PER_STATE
