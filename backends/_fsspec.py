@@ -7,6 +7,7 @@ Layout under the root (the URL's path)::
     tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1}
     blobs/<id[:2]>/<id>          one object per blob, written once (repairs overwrite)
     log/<seq:016d>.rec           one object per log record, seq = 0, 1, 2, ... in append order
+    log/<seq:016d>.ckpt          a checkpoint record standing for every record up to seq
 
 Each log object holds one record framed with :mod:`tiercheck.formats.framing`, so a damaged
 or torn object is detected (and skipped with a warning) rather than parsed. The marker is
@@ -30,6 +31,13 @@ practice; it does after 1000 lost races in a row). How each store creates if abs
   default is check-then-put: two writers racing for one number can both succeed, and the
   later object replaces the earlier record. Use such a store from one writer at a time
   (the engine's store lock gives that).
+
+**Log compaction.** ``replace_log_prefix`` writes the checkpoint as ``log/<S>.ckpt``, S
+being the sequence number of the last record it replaces, then deletes the ``.rec``
+objects up to S and older checkpoints. A reader takes the newest checkpoint and only the
+records after it, so between the two steps (or after a crash between them) it reads the
+same log, and reading costs one GET per record kept, not per record ever appended. New
+sequence numbers continue after checkpoints too.
 
 **Blob puts.** Local: temporary file, fsync, ``rename``, fsync of the directory. Object
 stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *`` on S3 for
@@ -105,6 +113,7 @@ LAYOUT_VERSION = 1
 _MARKER = "tier.json"
 _MARKER_KIND = "tiercheck-fsspec"
 _LOG_NAME_RE = re.compile(r"^(\d{16})\.rec$")
+_CKPT_NAME_RE = re.compile(r"^(\d{16})\.ckpt$")
 _MAX_APPEND_RACES = 1000
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # Protocols whose first path component is a bucket (checked at open).
@@ -649,6 +658,9 @@ class FsspecTier(Tier):
     def _log_path(self, seq: int) -> str:
         return self._join(self._log_dir, f"{seq:016d}.rec")
 
+    def _ckpt_path(self, seq: int) -> str:
+        return self._join(self._log_dir, f"{seq:016d}.ckpt")
+
     # --- error mapping -------------------------------------------------------------
 
     def _call(self, what: str, key: str, fn: Callable[[], Any]) -> Any:
@@ -794,11 +806,25 @@ class FsspecTier(Tier):
 
     # --- log -----------------------------------------------------------------------
 
-    def _log_seqs(self) -> builtins.list[int]:
+    def _log_names(self) -> tuple[builtins.list[int], builtins.list[int]]:
+        """Sequence numbers of the record objects and of the checkpoint objects, sorted."""
         names: builtins.list[str] = self._call(
             "read log", "", lambda: self._store.names(self._log_dir)
         )
-        return sorted(int(m.group(1)) for m in map(_LOG_NAME_RE.match, names) if m)
+        recs = sorted(int(m.group(1)) for m in map(_LOG_NAME_RE.match, names) if m)
+        ckpts = sorted(int(m.group(1)) for m in map(_CKPT_NAME_RE.match, names) if m)
+        return recs, ckpts
+
+    def _log_seqs(self) -> builtins.list[int]:
+        """Every sequence number in use (records and checkpoints): appends go after them."""
+        recs, ckpts = self._log_names()
+        return sorted(recs + ckpts)
+
+    def _log_view(self) -> tuple[int | None, builtins.list[int]]:
+        """The newest checkpoint's seq (or None) and the record seqs after it."""
+        recs, ckpts = self._log_names()
+        ckpt = ckpts[-1] if ckpts else None
+        return ckpt, [r for r in recs if ckpt is None or r > ckpt]
 
     def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
         self._check_writable("append")
@@ -831,31 +857,67 @@ class FsspecTier(Tier):
             url=self.url,
         )
 
-    def read_log(self) -> builtins.list[bytes]:
-        seqs = self._log_seqs()
-        paths = [self._log_path(s) for s in seqs]
+    def _read_view(self) -> builtins.list[tuple[int, bytes]]:
+        """``(seq, payload)`` of the newest checkpoint and every intact record after it."""
+        ckpt, seqs = self._log_view()
+        paths = ([self._ckpt_path(ckpt)] if ckpt is not None else []) + [
+            self._log_path(s) for s in seqs
+        ]
+        names = ([f"{ckpt:016d}.ckpt"] if ckpt is not None else []) + [
+            f"{s:016d}.rec" for s in seqs
+        ]
+        order = ([ckpt] if ckpt is not None else []) + seqs
         raws: builtins.list[bytes | None] = self._call(
             "read log", "", lambda: self._store.read_many(paths)
         )
-        records: builtins.list[bytes] = []
-        for seq, raw in zip(seqs, raws):
+        if ckpt is not None and raws[0] is None:
+            # A newer compaction replaced this checkpoint between listing and reading.
+            return self._read_view()
+        records: builtins.list[tuple[int, bytes]] = []
+        for seq, name, raw in zip(order, names, raws):
             if raw is None:
                 continue
             payload = unframe_record(raw)
             if payload is None:
                 log.warning(
-                    "%s: log record %016d is torn or damaged (%d bytes); skipped",
+                    "%s: log object %s is torn or damaged (%d bytes); skipped",
                     self.url,
-                    seq,
+                    name,
                     len(raw),
                 )
                 continue
-            records.append(payload)
+            records.append((seq, payload))
         with self._lock:
-            nxt = seqs[-1] + 1 if seqs else 0
+            nxt = order[-1] + 1 if order else 0
             if self._next_seq is None or self._next_seq < nxt:
                 self._next_seq = nxt
         return records
+
+    def read_log(self) -> builtins.list[bytes]:
+        """The newest checkpoint (if any) and the records after it: one GET each."""
+        return [payload for _, payload in self._read_view()]
+
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        """Write the checkpoint object, then delete what it replaces (see module doc)."""
+        self._check_writable("compact the log")
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        view = self._read_view()
+        if count > len(view):
+            raise ValueError(f"count {count} is outside the log of {len(view)} records")
+        last = view[count - 1][0]
+        framed = memoryview(frame_record(bytes(record)))
+        path = self._ckpt_path(last)
+        self._call(
+            "compact log",
+            f"log/{last:016d}.ckpt",
+            partial(self._store.put, path, framed, if_absent=False),
+        )
+        recs, ckpts = self._log_names()
+        stale = [self._log_path(r) for r in recs if r <= last]
+        stale += [self._ckpt_path(c) for c in ckpts if c < last]
+        if stale:
+            self._call("compact log", "", lambda: self._store.remove_many(stale))
 
 
 def _default_capabilities(*, local: bool, memory: bool, shared: bool | None) -> Capabilities:

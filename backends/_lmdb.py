@@ -14,8 +14,11 @@ accepted. ``lmdb://relative`` would put a path in the host part of the URL, wher
 easy to misread and resolves against whatever the working directory is; it is refused
 with ``InvalidURL``.
 
-Options: ``read_only`` (open with ``readonly=True, lock=False``: meant for inspecting a
-store no process is writing, e.g. after a crash), ``sync`` (default True: every commit is
+Options: ``read_only`` (open with ``readonly=True``, safe beside a live writer: the reader
+takes a slot in LMDB's reader table in ``lock.mdb``, so the writer never reuses the pages of
+a snapshot it is reading; where ``lock.mdb`` cannot be written, e.g. a read-only mount, it
+falls back to ``lock=False`` with a warning, which is only safe when no process writes),
+``sync`` (default True: every commit is
 fsync'ed, content survives power loss; False trades the last transactions on power loss
 for speed, never integrity), ``map_size`` (initial map size, default 1 GiB) and
 ``max_size`` (cap on map growth; default none).
@@ -40,6 +43,8 @@ settings (``sync``, ``map_size``) come from the first open in the process.
 from __future__ import annotations
 
 import builtins
+import errno
+import logging
 import os
 import struct
 import threading
@@ -63,6 +68,8 @@ from tiercheck.errors import NotFound, TierError, TierFull
 from tiercheck.formats.framing import frame_record, unframe_record
 
 __all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
+
+log = logging.getLogger("tiercheck")
 
 DEFAULT_MAP_SIZE = 1 << 30
 # Bytes of blob data per write transaction in put_many: LMDB (without writemap) holds a
@@ -149,6 +156,27 @@ def _parse_url(url: str) -> str:
     return os.path.normpath(path)
 
 
+def _open_read_only(path: str) -> lmdb.Environment:
+    """Open ``path`` read-only with LMDB's reader locking (safe next to a live writer);
+    without it only where ``lock.mdb`` cannot be opened for writing."""
+    try:
+        return lmdb.open(path, readonly=True, lock=True, max_dbs=2, subdir=True)
+    except lmdb.Error as exc:
+        if not isinstance(exc, (lmdb.ReadonlyError, lmdb.PanicError)) and not (
+            getattr(exc, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
+            or "Permission denied" in str(exc)
+            or "Read-only file system" in str(exc)
+        ):
+            raise
+    log.warning(
+        "opening LMDB at %s read-only without reader locking (%s cannot be written): "
+        "this is only safe while no process writes to it",
+        path,
+        os.path.join(path, "lock.mdb"),
+    )
+    return lmdb.open(path, readonly=True, lock=False, max_dbs=2, subdir=True)
+
+
 def _acquire_env(url: str, path: str, *, read_only: bool, sync: bool, map_size: int) -> _Env:
     key = os.path.realpath(path)
     with _envs_lock:
@@ -164,7 +192,7 @@ def _acquire_env(url: str, path: str, *, read_only: bool, sync: bool, map_size: 
             return cached
         try:
             if read_only:
-                env = lmdb.open(key, readonly=True, lock=False, max_dbs=2, subdir=True)
+                env = _open_read_only(key)
                 try:
                     blobs = env.open_db(b"blobs", create=False)
                     log = env.open_db(b"log", create=False)
@@ -477,3 +505,41 @@ class LmdbTier(Tier):
             return records
 
         return self._read(txn_read, "read_log", "")
+
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        """In one write transaction: delete the first ``count`` intact records (and any
+        damaged ones among them) and store ``record`` under the last one's key, so it
+        sorts before every record appended after them."""
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        frame = frame_record(bytes(record))
+
+        def txn_compact(txn: lmdb.Transaction, e: _Env) -> None:
+            cursor = txn.cursor(db=e.log)
+            seen = 0
+            last_key = b""
+            keys: builtins.list[bytes] = []
+            for key, value in cursor.iternext(keys=True, values=True):
+                keys.append(bytes(key))
+                if unframe_record(value) is not None:
+                    seen += 1
+                    if seen == count:
+                        last_key = bytes(key)
+                        break
+            if seen < count:
+                raise ValueError(f"count {count} is outside the log of {seen} records")
+            for key in keys:
+                txn.delete(key, db=e.log)
+            txn.put(last_key, frame, db=e.log)
+
+        self._write(txn_compact, "compact the log", "")
+
+    def usage(self) -> int:
+        """Bytes of the pages that hold blobs (LMDB counts pages, not values: cheap)."""
+
+        def txn_usage(txn: lmdb.Transaction, e: _Env) -> int:
+            st = txn.stat(e.blobs)
+            pages: int = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+            return pages * int(st["psize"])
+
+        return self._read(txn_usage, "usage", "")

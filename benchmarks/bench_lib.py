@@ -27,11 +27,11 @@ import torch
 
 import tiercheck
 from tiercheck.config import TierSpec
+from tiercheck.lifecycle import destroy_store
 
 MIB = 1 << 20
 GIB = 1 << 30
 SHM = Path("/dev/shm")
-SHM_TIER_ROOT = SHM / "tiercheck"
 
 warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -399,10 +399,10 @@ def dcp_async(bs: BenchState, where: Path, repeats: int) -> dict[str, Any]:
 # --- tiercheck ------------------------------------------------------------------------------
 
 
-def shm_cleanup(ckpt_config: Any) -> None:
-    for spec in ckpt_config.tiers:
-        if spec.url.startswith("shm://"):
-            shutil.rmtree(SHM_TIER_ROOT / spec.url[len("shm://") :], ignore_errors=True)
+def destroy(ckpt: tiercheck.Checkpointer) -> None:
+    """Close ``ckpt`` and delete its store with its shm segments (tiercheck rm)."""
+    ckpt.close(wait_migrations=False)
+    destroy_store(ckpt.root)
 
 
 @contextmanager
@@ -411,8 +411,8 @@ def store(
     policy: tiercheck.Policy,
     root: Path | None = None,
 ) -> Iterator[tiercheck.Checkpointer]:
-    """A fresh Checkpointer (default tiers when ``tiers`` is None) removed afterwards."""
-    made = root is None
+    """A fresh Checkpointer (default tiers when ``tiers`` is None), deleted afterwards with
+    its shm segments."""
     root = root or Path(tempfile.mkdtemp(prefix="tc-bench-store-", dir=disk_dir()))
     if tiers is not None:
         uid = uuid.uuid4().hex[:10]
@@ -427,9 +427,7 @@ def store(
         try:
             ckpt.close(wait_migrations=False)
         finally:
-            shm_cleanup(ckpt.config)
-            if made:
-                shutil.rmtree(root, ignore_errors=True)
+            destroy_store(root)  # the root and its shm segments (tiercheck rm)
 
 
 def tc_saves(

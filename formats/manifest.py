@@ -24,6 +24,7 @@ __all__ = [
     "SCHEMA_MAJOR",
     "SCHEMA_MINOR",
     "AbortRecord",
+    "CheckpointRecord",
     "ChunkRef",
     "CommitRecord",
     "DropRecord",
@@ -34,6 +35,7 @@ __all__ = [
     "VersionInfo",
     "pack_manifest",
     "pack_record",
+    "record_schema",
     "unpack_manifest",
     "unpack_record",
 ]
@@ -150,7 +152,29 @@ class DropRecord:
     time: float
 
 
-LogRecord = PrepareRecord | CommitRecord | AbortRecord | DropRecord
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A summary of a tier's log that stands for every record before it (revision 1.1).
+
+    Log compaction replaces the records it covers with this one record, so reading a log
+    costs O(versions kept), not O(records ever appended). It holds what a reader needs
+    from those records: the version info of every version the tier held (``committed``),
+    their prepare records and those of versions not decided yet (``prepared``), and
+    ``max_version``, the greatest version id any covered record named (new ids are
+    allocated after it). ``delta_blobs`` says whether any covered record named a delta
+    blob (garbage collection then reads blob headers for delta bases). ``records`` is
+    how many records it replaced in all, ``time`` when it was written.
+    """
+
+    committed: tuple[VersionInfo, ...]
+    prepared: tuple[PrepareRecord, ...]
+    max_version: int
+    delta_blobs: bool
+    records: int
+    time: float
+
+
+LogRecord = PrepareRecord | CommitRecord | AbortRecord | DropRecord | CheckpointRecord
 
 # --- encoding helpers ----------------------------------------------------------------
 
@@ -335,22 +359,70 @@ def _info_from_obj(obj: Any, what: str) -> VersionInfo:
     )
 
 
+def _prepare_to_obj(rec: PrepareRecord) -> dict[str, Any]:
+    return {
+        "type": "prepare",
+        "version": rec.version,
+        "rank": rec.rank,
+        "step": rec.step,
+        "role": rec.role,
+        "base": rec.base,
+        "manifest": _id_bytes(rec.manifest),
+        "chunks_written": rec.chunks_written,
+        "bytes_written": rec.bytes_written,
+        "time": rec.time,
+        "deltas": {_id_bytes(k): _id_bytes(v) for k, v in rec.deltas.items()},
+    }
+
+
+def _prepare_from_obj(obj: Any, what: str) -> PrepareRecord:
+    if not isinstance(obj, dict):
+        raise BlobCorrupt(f"malformed {what}: a prepare record must be a map")
+    deltas = _field(obj, "deltas", dict, what)
+    return PrepareRecord(
+        version=_field(obj, "version", int, what),
+        rank=_field(obj, "rank", int, what),
+        step=_field(obj, "step", int, what),
+        role=_role(obj.get("role"), what),
+        base=_opt_int(obj, "base", what),
+        manifest=_id_hex(obj.get("manifest"), what),
+        chunks_written=_field(obj, "chunks_written", int, what),
+        bytes_written=_field(obj, "bytes_written", int, what),
+        time=float(_field(obj, "time", (int, float), what)),
+        deltas={_id_hex(k, what): _id_hex(v, what) for k, v in deltas.items()},
+    )
+
+
+def record_schema(data: bytes | memoryview) -> tuple[int, int] | None:
+    """The ``[major, minor]`` schema version of an encoded record, or None if unreadable.
+
+    Log compaction refuses to summarise records of a newer minor version: it could not
+    carry forward what it does not understand.
+    """
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
+    except Exception:  # msgpack raises several unrelated types on bad input
+        return None
+    version = obj.get("v") if isinstance(obj, dict) else None
+    if isinstance(version, list) and len(version) == 2 and all(isinstance(x, int) for x in version):
+        return version[0], version[1]
+    return None
+
+
 def pack_record(rec: LogRecord) -> bytes:
     """Encode one log record (the payload a tier's ``append`` stores, before framing)."""
     if isinstance(rec, PrepareRecord):
+        return _pack(_prepare_to_obj(rec))
+    if isinstance(rec, CheckpointRecord):
         return _pack(
             {
-                "type": "prepare",
-                "version": rec.version,
-                "rank": rec.rank,
-                "step": rec.step,
-                "role": rec.role,
-                "base": rec.base,
-                "manifest": _id_bytes(rec.manifest),
-                "chunks_written": rec.chunks_written,
-                "bytes_written": rec.bytes_written,
+                "type": "checkpoint",
+                "committed": [_info_to_obj(i) for i in rec.committed],
+                "prepared": [_prepare_to_obj(p) for p in rec.prepared],
+                "max_version": rec.max_version,
+                "delta_blobs": rec.delta_blobs,
+                "records": rec.records,
                 "time": rec.time,
-                "deltas": {_id_bytes(k): _id_bytes(v) for k, v in rec.deltas.items()},
             }
         )
     if isinstance(rec, CommitRecord):
@@ -368,18 +440,15 @@ def unpack_record(data: bytes | memoryview) -> LogRecord:
     obj = _unpack(data, what)
     kind = obj.get("type")
     if kind == "prepare":
-        deltas = _field(obj, "deltas", dict, what)
-        return PrepareRecord(
-            version=_field(obj, "version", int, what),
-            rank=_field(obj, "rank", int, what),
-            step=_field(obj, "step", int, what),
-            role=_role(obj.get("role"), what),
-            base=_opt_int(obj, "base", what),
-            manifest=_id_hex(obj.get("manifest"), what),
-            chunks_written=_field(obj, "chunks_written", int, what),
-            bytes_written=_field(obj, "bytes_written", int, what),
+        return _prepare_from_obj(obj, what)
+    if kind == "checkpoint":
+        return CheckpointRecord(
+            committed=tuple(_info_from_obj(i, what) for i in _field(obj, "committed", list, what)),
+            prepared=tuple(_prepare_from_obj(p, what) for p in _field(obj, "prepared", list, what)),
+            max_version=_field(obj, "max_version", int, what),
+            delta_blobs=_field(obj, "delta_blobs", bool, what),
+            records=_field(obj, "records", int, what),
             time=float(_field(obj, "time", (int, float), what)),
-            deltas={_id_hex(k, what): _id_hex(v, what) for k, v in deltas.items()},
         )
     if kind == "commit":
         return CommitRecord(_info_from_obj(obj.get("info"), what))

@@ -10,7 +10,6 @@ config, CPU, no downloads (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _snippets import shm_segments
+from _snippets import destroy_stores
 
 SCRIPTS = Path(__file__).with_name("integration_scripts")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
@@ -31,8 +30,7 @@ def work(tmp_path: Path) -> Iterator[Path]:
     try:
         yield tmp_path
     finally:
-        for seg in shm_segments(tmp_path):
-            shutil.rmtree(seg, ignore_errors=True)
+        destroy_stores(tmp_path)
 
 
 def _start(script: str, *args: str) -> subprocess.Popen[str]:

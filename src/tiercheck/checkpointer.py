@@ -270,7 +270,7 @@ class Checkpointer:
             self._take_lock()
         try:
             specs = [_for_rank(spec, self.coordinator) for spec in self.config.tiers]
-            self.tierset = TierSet(specs, self.policy, read_only=read_only)
+            self.tierset = TierSet(specs, self.policy, read_only=read_only, owner=self.root)
         except BaseException:
             self._release_lock()
             raise
@@ -1167,6 +1167,14 @@ class Checkpointer:
             err, self._pending_error = self._pending_error, None
         if err is not None and not isinstance(err, CheckpointError):
             log.error("a background save failed before close: %s", err)
+
+    def destroy(self) -> None:
+        """Close, then delete this store: its root, shm segments and LMDB environments
+        (see :func:`tiercheck.lifecycle.destroy_store`; remote tiers are kept)."""
+        from tiercheck.lifecycle import destroy_store
+
+        self.close()
+        destroy_store(self.root)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,11 +1,11 @@
 """The ``tiercheck`` command line (also ``python -m tiercheck``).
 
-Commands: ``ls``, ``show``, ``diff``, ``verify``, ``gc``, ``export``, ``migrate``,
-``peer serve`` / ``peer status`` and ``plan``. Every command takes ``--json`` for scripts
-(stable keys, one JSON document on stdout). Long commands draw a progress bar on stderr when it is a
-terminal and stay quiet otherwise. Exit status: 0 ok, 1 problems found (or an operation
-failed), 2 usage errors (bad arguments, store root, version, tier or output path), each
-reported as one line on stderr.
+Commands: ``ls``, ``show``, ``diff``, ``verify``, ``gc`` (also ``gc --orphans``), ``rm``,
+``export``, ``migrate``, ``peer serve`` / ``peer status`` / ``peer token`` and ``plan``.
+Every command takes ``--json`` for scripts (stable keys, one JSON document on stdout). Long
+commands draw a progress bar on stderr when it is a terminal and stay quiet otherwise. Exit
+status: 0 ok, 1 problems found (or an operation failed), 2 usage errors (bad arguments,
+store root, version, tier or output path), each reported as one line on stderr.
 
 Commands that only read open the store read-only (no writer lock), so they work next to a
 running trainer; ``verify --repair``, ``gc`` (without ``--dry-run``) and ``migrate`` to one
@@ -619,9 +619,90 @@ def _verify_one(root: str, args: argparse.Namespace) -> history.VerifyReport:
         return report
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    from tiercheck.lifecycle import destroy_store
+
+    try:
+        report = destroy_store(args.root, dry_run=args.dry_run)
+    except StoreLocked as exc:
+        raise UsageError(str(exc)) from None
+    except (ConfigError, FileNotFoundError) as exc:
+        raise UsageError(f"{args.root}: {exc}") from None
+    if args.json:
+        emit_json(
+            {
+                "root": report.root,
+                "dry_run": report.dry_run,
+                "segments": list(report.segments),
+                "freed_bytes": report.freed,
+                "lmdb": list(report.lmdb),
+                "kept": list(report.kept),
+            }
+        )
+        return 0
+    verb = "would delete" if report.dry_run else "deleted"
+    print(f"{verb} {report.root}")
+    for seg in report.segments:
+        print(f"{verb} shm segment {seg}")
+    for env in report.lmdb:
+        print(f"{verb} LMDB environment {env}")
+    print(
+        f"{'would free' if report.dry_run else 'freed'} {human_size(report.freed)} of shared memory"
+    )
+    for tier in report.kept:
+        print(f"kept tier {tier}: delete its data yourself if you no longer need it")
+    return 0
+
+
+def cmd_gc_orphans(args: argparse.Namespace) -> int:
+    from tiercheck.backends import DEFAULT_SHM_ROOT
+    from tiercheck.lifecycle import find_orphans, remove_orphans
+
+    roots = args.shm_root or [DEFAULT_SHM_ROOT]
+    orphans = find_orphans(roots)
+    delete = bool(args.yes)
+    freed = remove_orphans(orphans) if delete else 0
+    rows: list[dict[str, Any]] = [
+        {
+            "path": o.segment.path,
+            "store": o.segment.store,
+            "pid": o.segment.pid,
+            "created": o.segment.created,
+            "bytes": o.segment.nbytes,
+            "reason": o.reason,
+        }
+        for o in orphans
+    ]
+    if args.json:
+        emit_json({"dry_run": not delete, "orphans": rows, "freed_bytes": freed})
+        return 0
+    if not rows:
+        print(f"no orphaned shm segments under {', '.join(roots)}")
+        return 0
+    total = sum(r["bytes"] or 0 for r in rows)
+    for r in rows:
+        print(f"{r['path']}  {human_size(r['bytes'] or 0)}  {r['reason']}")
+    if delete:
+        print(f"deleted {len(rows)} orphaned segment(s), freed {human_size(freed)}")
+    else:
+        print(
+            f"{len(rows)} orphaned segment(s), {human_size(total)} (dry run: pass --yes to "
+            "delete them)"
+        )
+    return 0
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from tiercheck import history
 
+    if args.orphans:
+        if args.root is not None:
+            raise UsageError("gc --orphans takes no ROOT: it scans this node's shared memory")
+        return cmd_gc_orphans(args)
+    if args.root is None:
+        raise UsageError("gc needs a store ROOT (or --orphans)")
+    if args.yes:
+        raise UsageError("--yes goes with --orphans")
     with contextlib.closing(open_store(args.root, write=not args.dry_run)) as ckpt:
         with progress_bar(not args.json, "collecting") as progress:
             if progress is not None:
@@ -893,6 +974,8 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
             max_frame=args.max_frame,
             insecure_no_auth=args.insecure_no_auth,
             max_connections=args.max_connections,
+            idle_timeout=args.idle_timeout,
+            keepalive=args.keepalive,
             announce=lambda address: print(json.dumps({"listening": address}), flush=True),
         )
     except (ConfigError, ValueError, OSError) as exc:
@@ -921,6 +1004,26 @@ def cmd_peer_status(args: argparse.Namespace) -> int:
         shown = human_size(value) if "bytes" in k and isinstance(value, int) else str(value)
         t.add_row(k, shown)
     _console().print(t)
+    return 0
+
+
+def cmd_peer_token(args: argparse.Namespace) -> int:
+    from tiercheck.backends._peer_protocol import load_token_file, token_from_env
+    from tiercheck.peer_server import namespace_token
+
+    try:
+        admin = load_token_file(args.token_file) if args.token_file else token_from_env()
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"peer token: {exc}") from None
+    if admin is None:
+        raise UsageError(
+            "peer token needs the daemon's token: --token-file FILE or TIERCHECK_PEER_TOKEN"
+        )
+    token = namespace_token(admin, args.namespace).decode()
+    if args.json:
+        emit_json({"namespace": args.namespace, "token": token})
+    else:
+        print(token)
     return 0
 
 
@@ -1247,12 +1350,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "gc",
         parents=[common],
-        help="delete blobs no kept version references",
+        help="delete blobs no kept version references, or orphaned shm segments",
         description="Mark and sweep every tier: blobs referenced by no version the tier keeps "
-        "are deleted once past the grace period. Takes the writer lock unless --dry-run.",
+        "are deleted once past the grace period. Takes the writer lock unless --dry-run. "
+        "With --orphans (and no ROOT): list the shm segments of this node whose store is "
+        "gone or no longer names them; --yes deletes them.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", nargs="?", help="store root")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument(
+        "--orphans",
+        action="store_true",
+        help="find shm segments of deleted stores on this node (a dry run unless --yes)",
+    )
+    p.add_argument(
+        "--yes", "--delete", dest="yes", action="store_true", help="with --orphans: delete them"
+    )
+    p.add_argument(
+        "--shm-root",
+        action="append",
+        metavar="DIR",
+        help="with --orphans: shm root to scan (repeatable; default /dev/shm/tiercheck)",
+    )
     p.add_argument(
         "--grace",
         type=_nonneg_float,
@@ -1261,6 +1380,19 @@ def build_parser() -> argparse.ArgumentParser:
         "which starts now; 0 deletes at once: only when nothing is saving)",
     )
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser(
+        "rm",
+        parents=[common],
+        help="delete a store with its shm segments and LMDB",
+        description="Delete the store at ROOT: the root directory, the shm segments it owns "
+        "(also those a deleted root left behind) and its LMDB environments. Refused while a "
+        "process holds the store open for writing. Remote tiers outside the root and peer "
+        "daemons are kept and listed.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.set_defaults(func=cmd_rm)
 
     p = sub.add_parser(
         "export",
@@ -1319,6 +1451,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer_server.add_status_arguments(pq)
     pq.set_defaults(func=cmd_peer_status)
+    pt = peer.add_parser(
+        "token",
+        parents=[common],
+        help="print the token of one namespace",
+        description="Print the token that opens NAMESPACE only, derived from the daemon's "
+        "token (--token-file or TIERCHECK_PEER_TOKEN). Give each rank its own namespace's "
+        "token: it cannot read, overwrite or delete another namespace. Store it in a file "
+        "of mode 0600 and pass it as the tier's token_file option.",
+    )
+    pt.add_argument("namespace", metavar="NAMESPACE")
+    pt.add_argument(
+        "--token-file", metavar="FILE", help="the daemon's token file (else $TIERCHECK_PEER_TOKEN)"
+    )
+    pt.set_defaults(func=cmd_peer_token)
 
     p = sub.add_parser(
         "plan",

@@ -19,6 +19,7 @@ __all__ = [
     "NoRestorableVersion",
     "NotFound",
     "NotSupported",
+    "OverBudget",
     "ReadOnlyTier",
     "StateError",
     "StoreLocked",
@@ -81,6 +82,32 @@ class ReadOnlyTier(NotSupported):
 
 class TierFull(TierError):
     """The tier has no space left (disk full, memory limit, map size limit)."""
+
+
+class OverBudget(TierFull):
+    """A write would take a memory tier past its byte budget (the tier option ``budget``)
+    or past the free space of the memory behind it (/dev/shm, the peer daemon's limit).
+
+    Nothing was written. ``needed`` is the bytes the write asked for, ``held`` the bytes
+    the tier holds, ``budget`` its budget (None when the free memory was the limit).
+    What to do: drop old versions from the tier (retention ``keep_bases``/``keep_diffs``),
+    raise its ``budget``, or free memory on the node.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        key: str = "",
+        needed: int = 0,
+        held: int = 0,
+        budget: int | None = None,
+    ) -> None:
+        super().__init__(message, url=url, key=key)
+        self.needed = needed
+        self.held = held
+        self.budget = budget
 
 
 class InvalidURL(TierError, ValueError):
