@@ -1,9 +1,9 @@
 """Lightning and transformers.Trainer resume bit-identically from tiercheck after a SIGKILL.
 
-Each test runs the script in tests/integration_scripts/ three times, in fresh processes: an
-uninterrupted run and a run that SIGKILLs itself mid-training (side by side), then a resume
-of the killed run from its last checkpoint; the resumed run's final weights and optimizer
-state must equal the uninterrupted run's bit for bit. Tiny models built from code or a
+Each test runs the script in tests/integration_scripts/ twice, in fresh processes: an
+uninterrupted run followed by a run that SIGKILLs itself mid-training, then a resume of the
+killed run from its last checkpoint; the resumed run's final weights and optimizer state
+must equal the uninterrupted run's bit for bit. Tiny models built from code or a
 config, CPU, no downloads (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1).
 """
 
@@ -63,13 +63,12 @@ def _assert_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
 def _crash_and_resume(
     script: str, work: Path, *flags: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    ref = _start(script, "run", "--dir", str(work / "ref"), "--out", str(work / "ref.pt"), *flags)
-    crash = _start(script, "crash", "--dir", str(work / "job"), *flags)
+    ref = ["--ref-dir", str(work / "ref"), "--ref-out", str(work / "ref.pt")]
+    crash = _start(script, "crash", "--dir", str(work / "job"), *ref, *flags)
     _finish(crash, expect=-signal.SIGKILL)
     resume = _start(
         script, "resume", "--dir", str(work / "job"), "--out", str(work / "resumed.pt"), *flags
     )
-    _finish(ref)
     _finish(resume)
     a = torch.load(work / "ref.pt", weights_only=True)
     b = torch.load(work / "resumed.pt", weights_only=True)

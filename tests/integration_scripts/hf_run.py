@@ -2,8 +2,9 @@
 (tests/test_integrations.py).
 
 ``run``: train to the end; ``crash``: SIGKILL itself at global step CRASH_STEP (mid-epoch,
-after the checkpoint of step 6); ``resume``: ``train(resume_from_checkpoint=True)`` in a new
-process. ``run`` and ``resume`` write the final weights and optimizer state to ``--out``.
+after the checkpoint of step 6), with ``--ref-dir`` after an uninterrupted run; ``resume``:
+``train(resume_from_checkpoint=True)`` in a new process. ``run`` and ``resume`` write the
+final weights and optimizer state to ``--out``.
 """
 
 from __future__ import annotations
@@ -48,13 +49,7 @@ class Crash(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["run", "crash", "resume"])
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--out")
-    a = ap.parse_args()
-    work = Path(a.dir)
+def job(mode: str, work: Path, out: str | None) -> None:
     args = TrainingArguments(
         output_dir=str(work / "out"),
         per_device_train_batch_size=4,
@@ -74,10 +69,10 @@ def main() -> None:
     model = GPT2LMHeadModel(config)
     tc = TiercheckCallback(work / "store")
     callbacks: list[TrainerCallback] = [tc]
-    if a.mode == "crash":
+    if mode == "crash":
         callbacks.append(Crash())
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=a.mode == "resume")
+    trainer.train(resume_from_checkpoint=mode == "resume")
     opt = trainer.optimizer.state_dict()
     torch.save(
         {
@@ -85,8 +80,23 @@ def main() -> None:
             "optim": opt["state"],
             "resumed": None if tc.restored is None else tc.restored.step,
         },
-        a.out,
+        out,
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["run", "crash", "resume"])
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--ref-dir", help="crash: first do an uninterrupted run here")
+    ap.add_argument("--ref-out")
+    a = ap.parse_args()
+    if a.ref_dir:
+        # the reference, in this process (it saves an import); a side effect on the crash run
+        # below could only make the resumed result differ from it, never hide a difference
+        job("run", Path(a.ref_dir), a.ref_out)
+    job(a.mode, Path(a.dir), a.out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """A tiny Lightning run checkpointed by TiercheckIO (tests/test_integrations.py).
 
 ``run``: train to the end; ``crash``: SIGKILL itself in the middle of epoch 3 (after the
-checkpoints of epochs 0-2); ``resume``: ``fit(ckpt_path="last")`` in a new process. ``run``
-and ``resume`` write the final weights and optimizer state to ``--out`` (torch.save).
+checkpoints of epochs 0-2), with ``--ref-dir`` after an uninterrupted run; ``resume``:
+``fit(ckpt_path="last")`` in a new process. ``run`` and ``resume`` write the final weights
+and optimizer state to ``--out`` (torch.save).
 """
 
 from __future__ import annotations
@@ -55,25 +56,18 @@ class FirstEpoch(Callback):
             self.first = trainer.current_epoch
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["run", "crash", "resume"])
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--out")
-    ap.add_argument("--async-save", action="store_true")
-    args = ap.parse_args()
-    work = Path(args.dir)
+def job(mode: str, work: Path, out: str | None, async_save: bool) -> None:
     L.seed_everything(0)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
     loader = DataLoader(data, batch_size=8, shuffle=True)
     first = FirstEpoch()
     callbacks: list[Callback] = [
-        TiercheckIO(work / "store", async_save=args.async_save),
+        TiercheckIO(work / "store", async_save=async_save),
         ModelCheckpoint(dirpath=work / "ckpts", save_last=True, every_n_epochs=1),
         first,
     ]
-    if args.mode == "crash":
+    if mode == "crash":
         callbacks.append(Crash())
     trainer = L.Trainer(
         max_epochs=EPOCHS,
@@ -86,12 +80,27 @@ def main() -> None:
         callbacks=callbacks,
     )
     model = Net()
-    trainer.fit(model, loader, ckpt_path="last" if args.mode == "resume" else None)
+    trainer.fit(model, loader, ckpt_path="last" if mode == "resume" else None)
     opt = trainer.optimizers[0].state_dict()
     torch.save(
-        {"model": model.state_dict(), "optim": opt["state"], "first_epoch": first.first},
-        args.out,
+        {"model": model.state_dict(), "optim": opt["state"], "first_epoch": first.first}, out
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["run", "crash", "resume"])
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--ref-dir", help="crash: first do an uninterrupted run here")
+    ap.add_argument("--ref-out")
+    ap.add_argument("--async-save", action="store_true")
+    args = ap.parse_args()
+    if args.ref_dir:
+        # the reference, in this process (it saves an import); a side effect on the crash run
+        # below could only make the resumed result differ from it, never hide a difference
+        job("run", Path(args.ref_dir), args.ref_out, args.async_save)
+    job(args.mode, Path(args.dir), args.out, args.async_save)
 
 
 if __name__ == "__main__":
