@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tiercheck.chunking import Layout, plan_layout
+from tiercheck.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.cluster import Coordinator, DistCoordinator, LocalCoordinator, Vote
 from tiercheck.config import (
     CONFIG_NAME,
@@ -446,7 +446,7 @@ class Checkpointer:
         meta = dict(metadata or {})
         encode_scalar(meta, "<metadata>", allow_pickle=False)
         tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
-        layout = plan_layout(leaves, self.policy.chunk_size)
+        layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         if self.policy.on_busy == "skip":
             if not self._outstanding.acquire(blocking=False):
                 handle = SaveHandle(step, None, None, None)

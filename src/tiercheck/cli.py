@@ -166,17 +166,64 @@ def progress_bar(enabled: bool, description: str) -> Iterator[history.Progress |
 # --- opening stores and versions --------------------------------------------------------
 
 
+def dcp_ranks(root: str) -> list[Path]:
+    """The per-rank stores of a DCP root (``TierWriter(root)`` makes ``root/rank{r}``), or
+    ``[]`` when ``root`` is not one."""
+    from tiercheck.config import CONFIG_NAME
+
+    path = Path(root).expanduser()
+    if "://" in root or not path.is_dir() or (path / CONFIG_NAME).is_file():
+        return []
+    found = sorted(
+        (int(p.parent.name[4:]), p.parent)
+        for p in path.glob(f"rank*/{CONFIG_NAME}")
+        if p.parent.name[4:].isdigit()
+    )
+    return [p for _, p in found]
+
+
+def label(ckpt: Any) -> str:
+    """How a store is named on screen: its root, or the tier URL it was opened from."""
+    return str(getattr(ckpt, "cli_label", ckpt.root))
+
+
 def open_store(root: str, *, write: bool = False) -> Any:
-    """Open the store at ``root`` (read-only unless ``write``); UsageError if it is not one."""
+    """Open the store at ``root`` (read-only unless ``write``); UsageError if it is not one.
+
+    ``root`` may also be a tier URL (``file:///...``, ``s3://...``, ``lmdb:///...``, e.g. where
+    ``migrate --to URL`` copied versions): the tier alone is opened, read-only.
+    """
     from tiercheck.checkpointer import Checkpointer
     from tiercheck.cluster import LocalCoordinator
     from tiercheck.config import CONFIG_NAME
 
+    if "://" in root:
+        if write:
+            raise UsageError(f"{root}: a tier URL is opened read-only; this command writes")
+        try:
+            ckpt: Any = Checkpointer(
+                Path.cwd(), tiers=[root], read_only=True, coordinator=LocalCoordinator()
+            )
+        except (ConfigError, InvalidURL, FormatVersionError) as exc:
+            raise UsageError(f"{root}: {exc}") from None
+        down = [s for s in ckpt.tierset.slots if s.tier is None]
+        if down:
+            ckpt.close()
+            raise UsageError(f"{root}: cannot open the tier: {down[0].error}")
+        ckpt.cli_label = root
+        return ckpt
     path = Path(root).expanduser()
     if not path.exists():
         raise UsageError(f"{root}: no such store root")
     if not path.is_dir():
         raise UsageError(f"{root}: not a directory")
+    ranks = dcp_ranks(root)
+    if ranks:
+        raise UsageError(
+            f"{root}: a DCP root holding one store per rank ({ranks[0].name}..{ranks[-1].name});"
+            f" `ls`, `verify` and `export` take it as it is, other commands one rank's store, "
+            f"e.g. {ranks[0]}"
+        )
     if not (path / CONFIG_NAME).is_file():
         raise UsageError(f"{root}: not a tiercheck store (no {CONFIG_NAME})")
     try:
@@ -255,59 +302,79 @@ _STATE_STYLE = {
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with contextlib.closing(open_store(args.root)) as ckpt:
-        versions = ckpt.history()
-        if args.limit is not None:
-            versions = versions[-args.limit :] if args.limit > 0 else []
+    ranks = dcp_ranks(args.root)
+    if ranks:  # a DCP root: every rank's store, rank 0's versions carry the DCP metadata
+        listed = []
+        for path in ranks:
+            with contextlib.closing(open_store(str(path))) as ckpt:
+                listed.append(_ls_one(ckpt, args))
         if args.json:
             emit_json(
-                {
-                    "root": str(ckpt.root),
-                    "tiers": _tiers_json(ckpt),
-                    "versions": [v.to_json() for v in versions],
-                }
+                {"root": str(Path(args.root).expanduser().resolve()), "dcp": True, "ranks": listed}
             )
-            return 0
-        from rich.table import Table
-
-        names = [s.name for s in ckpt.tierset.slots]
-        table = Table(title=f"{ckpt.root}", title_justify="left")
-        for col, justify in (
-            ("version", "right"),
-            ("step", "right"),
-            ("role", "left"),
-            ("time", "left"),
-            ("size", "right"),
-            ("stored", "right"),
-        ):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
-        for n in names:
-            table.add_column(n)
-        now = time.time()
-        for v in versions:
-            role = v.role if v.base is None else f"{v.role} of {v.base}"
-            mark = "" if v.restorable else " [red](not restorable)[/red]"
-            cells = [
-                f"[{_STATE_STYLE.get(v.tiers[n], '')}]{v.tiers[n]}[/]" if v.tiers[n] else ""
-                for n in names
-            ]
-            table.add_row(
-                f"{v.id}{mark}",
-                str(v.step),
-                role,
-                f"{absolute_time(v.time)} ({relative_time(v.time, now)})",
-                human_size(v.logical_bytes),
-                human_size(v.stored_bytes),
-                *cells,
-            )
-        console = _console()
-        console.print(table)
-        down = [s for s in ckpt.tierset.slots if s.tier is None]
-        for s in down:
-            console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
-        if not versions:
-            console.print("no committed versions")
+        return 0
+    with contextlib.closing(open_store(args.root)) as ckpt:
+        data = _ls_one(ckpt, args)
+        if args.json:
+            emit_json(data)
     return 0
+
+
+def _ls_one(ckpt: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """List one store (as a table unless ``--json``); returns its JSON document."""
+    versions = ckpt.history()
+    if args.limit is not None:
+        versions = versions[-args.limit :] if args.limit > 0 else []
+    data = {
+        "root": label(ckpt),
+        "tiers": _tiers_json(ckpt),
+        "versions": [v.to_json() for v in versions],
+    }
+    if not args.json:
+        _ls_table(ckpt, versions)
+    return data
+
+
+def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
+    from rich.table import Table
+
+    names = [s.name for s in ckpt.tierset.slots]
+    table = Table(title=label(ckpt), title_justify="left")
+    for col, justify in (
+        ("version", "right"),
+        ("step", "right"),
+        ("role", "left"),
+        ("time", "left"),
+        ("size", "right"),
+        ("stored", "right"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for n in names:
+        table.add_column(n)
+    now = time.time()
+    for v in versions:
+        role = v.role if v.base is None else f"{v.role} of {v.base}"
+        mark = "" if v.restorable else " [red](not restorable)[/red]"
+        cells = [
+            f"[{_STATE_STYLE.get(v.tiers[n], '')}]{v.tiers[n]}[/]" if v.tiers[n] else ""
+            for n in names
+        ]
+        table.add_row(
+            f"{v.id}{mark}",
+            str(v.step),
+            role,
+            f"{absolute_time(v.time)} ({relative_time(v.time, now)})",
+            human_size(v.logical_bytes),
+            human_size(v.stored_bytes),
+            *cells,
+        )
+    console = _console()
+    console.print(table)
+    down = [s for s in ckpt.tierset.slots if s.tier is None]
+    for s in down:
+        console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
+    if not versions:
+        console.print("no committed versions")
 
 
 def _show_data(v: history.Version) -> dict[str, Any]:
@@ -480,19 +547,37 @@ def _describe(e: history.EntryInfo) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    ranks = dcp_ranks(args.root)
+    if ranks:  # a DCP root: every rank's store
+        reports = [_verify_one(str(path), args) for path in ranks]
+        if args.json:
+            emit_json(
+                {
+                    "root": str(Path(args.root).expanduser().resolve()),
+                    "dcp": True,
+                    "ok": all(r.ok for r in reports),
+                    "ranks": [{"root": str(p), **r.to_json()} for p, r in zip(ranks, reports)],
+                }
+            )
+        return 0 if all(r.ok for r in reports) else 1
+    report = _verify_one(args.root, args)
+    if args.json:
+        emit_json(report.to_json())
+    return 0 if report.ok else 1
+
+
+def _verify_one(root: str, args: argparse.Namespace) -> history.VerifyReport:
     from tiercheck import history
 
-    with contextlib.closing(open_store(args.root, write=args.repair)) as ckpt:
+    with contextlib.closing(open_store(root, write=args.repair)) as ckpt:
         tiers = _tier_names(ckpt, args.tier)
         with progress_bar(not args.json, "verifying") as progress:
             report = history.verify(ckpt, tiers=tiers, repair=args.repair, progress=progress)
-        if args.json:
-            emit_json(report.to_json())
-        else:
+        if not args.json:
             from rich.table import Table
 
             console = _console()
-            t = Table(title="verify", title_justify="left")
+            t = Table(title=f"verify {label(ckpt)}", title_justify="left")
             for col in ("tier", "versions", "blobs", "bytes", "problems"):
                 t.add_column(col)
             for tv in report.tiers:
@@ -531,7 +616,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
             if not args.repair and len(left) > newer:
                 console.print("problems found; run again with --repair to fix them")
-        return 0 if report.ok else 1
+        return report
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -696,6 +781,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = _check_output(args.out, args.force)
     fmt = "safetensors" if out.suffix.lower() == ".safetensors" else "torch"
+    if dcp_ranks(args.root):
+        return _export_dcp(args, out, fmt)
     with contextlib.closing(open_store(args.root)) as ckpt:
         v = pick_version(ckpt, args.version, args.rank)
         prefix = args.only or ""
@@ -735,43 +822,104 @@ def cmd_export(args: argparse.Namespace) -> int:
             if isinstance(value, np.ndarray):
                 value = torch.from_numpy(np.ascontiguousarray(value))
             obj[name(k)] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
-        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-        try:
-            if fmt == "safetensors":
-                from safetensors.torch import save_file
+        _write_export(obj, out, fmt, v.id, v.step, v.metadata, skipped, args.json)
+    return 0
 
-                meta = {
-                    "tiercheck.version": str(v.id),
-                    "tiercheck.step": str(v.step),
-                    "tiercheck.metadata": json.dumps(dict(v.metadata), default=_json_default),
-                }
-                save_file(obj, str(tmp), metadata=meta)
-            else:
-                torch.save(obj, tmp)
-            os.replace(tmp, out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        result: dict[str, Any] = {
-            "version": v.id,
-            "step": v.step,
-            "out": str(out),
-            "format": fmt,
-            "entries": len(obj),
-            "bytes": out.stat().st_size,
-            "skipped": skipped,
-        }
-        if args.json:
-            emit_json(result)
+
+def _write_export(
+    obj: dict[str, Any],
+    out: Path,
+    fmt: str,
+    version: int,
+    step: int,
+    metadata: Any,
+    skipped: list[str],
+    as_json: bool,
+) -> None:
+    """Write ``obj`` to ``out`` atomically (temp file, then rename) and report it."""
+    import torch
+
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            meta = {
+                "tiercheck.version": str(version),
+                "tiercheck.step": str(step),
+                "tiercheck.metadata": json.dumps(dict(metadata), default=_json_default),
+            }
+            save_file(obj, str(tmp), metadata=meta)
         else:
-            console = _console()
-            console.print(
-                f"exported {len(obj)} entries of version {v.id} (step {v.step}) to {out} "
-                f"({human_size(result['bytes'])})"
-            )
-            if skipped:
-                why = "not tensors" if fmt == "safetensors" else "stored with pickle"
-                console.print(f"skipped {len(skipped)} entries ({why}): " + ", ".join(skipped))
+            torch.save(obj, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    result: dict[str, Any] = {
+        "version": version,
+        "step": step,
+        "out": str(out),
+        "format": fmt,
+        "entries": len(obj),
+        "bytes": out.stat().st_size,
+        "skipped": skipped,
+    }
+    if as_json:
+        emit_json(result)
+        return
+    console = _console()
+    console.print(
+        f"exported {len(obj)} entries of version {version} (step {step}) to {out} "
+        f"({human_size(result['bytes'])})"
+    )
+    if skipped:
+        why = "not tensors" if fmt == "safetensors" else "stored with pickle"
+        console.print(f"skipped {len(skipped)} entries ({why}): " + ", ".join(skipped))
+
+
+def _export_dcp(args: argparse.Namespace, out: Path, fmt: str) -> int:
+    """Export a DCP root's checkpoint, assembled from every rank, with the plain keys given
+    to ``dcp.save`` (nested dicts joined by ``/``: ``model/layer.weight``)."""
+    import torch
+
+    from tiercheck import dcp, history
+
+    try:
+        kind, n = history.parse_version_spec(args.version)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    cid = {"latest": None, "id": f"version:{n}", "step": f"step:{n}"}[kind]
+    reader = dcp.TierReader(args.root, checkpoint_id=cid)
+    try:
+        sd = dcp.load_full_state_dict(reader)
+    except NoRestorableVersion as exc:
+        raise UsageError(f"{args.root}: {exc}") from None
+    info = reader.version
+    assert info is not None
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{key}/{k}" if key else str(k))
+        else:
+            flat[key] = node
+
+    walk(sd, "")
+    prefix = args.only or ""
+    keys = [k for k in flat if k.startswith(prefix)]
+    if not keys:
+        raise UsageError(f"the DCP checkpoint has no entry whose key starts with {prefix!r}")
+    skipped = [k for k in keys if fmt == "safetensors" and not isinstance(flat[k], torch.Tensor)]
+    obj = {
+        (k if args.keep_prefix or not prefix else k[len(prefix) :] or k): (
+            flat[k] if isinstance(flat[k], torch.Tensor) else _weights_only_safe(flat[k])
+        )
+        for k in keys
+        if k not in skipped
+    }
+    _write_export(obj, out, fmt, info.id, info.step, info.metadata, skipped, args.json)
     return 0
 
 
@@ -804,7 +952,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             if not report.configured:
                 console.print(
                     f"{report.url} is not a tier of this store: it now holds a self-contained "
-                    "copy; open it with Checkpointer(root, tiers=[url]) to restore from it"
+                    f"copy; browse it with `tiercheck ls {report.url}`, restore from it with "
+                    "Checkpointer(root, tiers=[url])"
                 )
     return 0
 
@@ -1126,6 +1275,11 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="show tiercheck's log and tracebacks"
     )
     version_help = "a version id, 'latest' or 'step:N'"
+    root_help = (
+        "store root (the directory with tiercheck.toml), a DCP root (TierWriter's, with one "
+        "store per rank), or a tier URL such as one `migrate --to` wrote (read-only)"
+    )
+    url_help = "store root, or a tier URL (read-only)"
 
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -1141,7 +1295,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="List every committed version: step, role, time, sizes and, per tier, "
         "committed / migrating / missing / dropped / unreachable. Reads the logs only.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root (the directory with tiercheck.toml)")
+    p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--limit", type=_nonneg_int, metavar="N", help="only the newest N versions")
     p.set_defaults(func=cmd_ls)
 
@@ -1153,7 +1307,7 @@ def build_parser() -> argparse.ArgumentParser:
         "changed chunks against its base, per-tier stored bytes, and metadata. Reads the "
         "shard manifest only.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help=url_help)
     p.add_argument("version", metavar="VERSION", help=version_help)
     p.add_argument("--rank", type=_nonneg_int, metavar="N", help="shard of rank N (default 0)")
     p.set_defaults(func=cmd_show)
@@ -1166,7 +1320,7 @@ def build_parser() -> argparse.ArgumentParser:
         "change) and unchanged between versions A and B. Entries whose chunks are identical "
         "are decided without reading data.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help=url_help)
     p.add_argument("a", metavar="A", help=version_help)
     p.add_argument("b", metavar="B", help=version_help)
     p.add_argument("--rank", type=_nonneg_int, metavar="N", help="shard of rank N (default 0)")
@@ -1183,7 +1337,7 @@ def build_parser() -> argparse.ArgumentParser:
         "lock). A blob written by a newer major format is reported as newer-format (upgrade "
         "tiercheck to check it) and left as it is.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument(
         "--tier",
         action="append",
@@ -1249,7 +1403,7 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.load(weights_only=True)). Keys are the flattened paths, e.g. "
         "model/layers.0.weight; with --only PREFIX only those entries, the prefix removed.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("version", metavar="VERSION", help=version_help)
     p.add_argument("out", metavar="OUT", help="output file (.safetensors, .pt or .pth)")
     p.add_argument("--only", metavar="PREFIX", help="only entries under PREFIX, e.g. model/")
@@ -1264,7 +1418,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="copy a version (and its base) to a tier",
         description="Copy a version, every rank's shard and the base it needs, to --to: one "
         "of the store's tiers (name or URL; takes the writer lock) or any tier URL, which "
-        "then holds a self-contained copy.",
+        "then holds a self-contained copy (browse it with `tiercheck ls URL`).",
     )
     p.add_argument("root", metavar="ROOT", help="store root")
     p.add_argument("version", metavar="VERSION", help=version_help)

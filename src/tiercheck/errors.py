@@ -21,6 +21,9 @@ __all__ = [
     "NotSupported",
     "OverBudget",
     "ReadOnlyTier",
+    "ReplayError",
+    "ReplayMismatch",
+    "ReplayRefused",
     "StateError",
     "StoreLocked",
     "TierError",
@@ -161,3 +164,31 @@ class CommitAborted(CheckpointError):
 
 class NoRestorableVersion(TiercheckError, LookupError):
     """No version (or not the one asked for) can be restored from the surviving tiers."""
+
+
+# --- update-log replay ---------------------------------------------------------------
+
+
+class ReplayError(TiercheckError):
+    """A log version could not be replayed into the state it must reproduce."""
+
+
+class ReplayRefused(ReplayError):
+    """The optimizer differs from the one that wrote the log (class, implementation flags
+    such as foreach/fused/capturable, device type, torch version, parameters): replaying
+    would not be exact, so nothing was changed. ``differences`` lists what differs."""
+
+    def __init__(self, message: str, *, differences: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.differences = differences
+
+
+class ReplayMismatch(ReplayError):
+    """The replay ran but did not reproduce the saved state: the fingerprints of
+    ``tensors`` differ (a parameter edited outside ``optimizer.step()``, an EMA, a
+    different kernel). The optimizer's state is then not the saved one: restore a full
+    version into it."""
+
+    def __init__(self, message: str, *, tensors: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.tensors = tensors

@@ -196,6 +196,11 @@ class Catalog:
                 continue
             if info.role == "diff" and info.base is not None and info.base not in good:
                 continue
+            if info.role == "log":
+                # The restore does not replay update logs yet (tiercheck.replay is not wired
+                # into it), and a reader that cannot replay must not restore one (SPEC.md
+                # section 12.5): the newest full version is restored instead.
+                continue
             good.add(vid)
         return good
 
