@@ -15,7 +15,9 @@ it is); requests and replies are msgpack headers plus raw payloads — nothing i
 
 Options: ``ranks_per_node`` (default ``LOCAL_WORLD_SIZE``), ``partners``, ``store``
 (default ``"shm://{name}-from-{src}"``), ``shm_root`` (the shm root on the partner's node),
-``timeout`` (seconds for the group's operations). Every rank must open the tier, in the
+``budget`` (most bytes the store held for the source may take on this node, a size such as
+``"8GiB"``: writes past it raise ``OverBudget`` on the source), ``timeout`` (seconds for the
+group's operations). Every rank must open the tier, in the
 same order relative to other process-group creation (the registry does this when each
 rank's ``Checkpointer`` opens its tiers). With one rank, or a partner equal to the rank
 itself, the store is local and nothing crosses the network.
@@ -27,6 +29,7 @@ import builtins
 import datetime
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -42,9 +45,10 @@ from tiercheck.backends.base import (
     Tier,
     check_blob_id,
     invalid_url,
+    parse_budget,
 )
 from tiercheck.backends.registry import open_tier
-from tiercheck.errors import NotFound, TierError, TierUnavailable
+from tiercheck.errors import NotFound, OverBudget, TierError, TierFull, TierUnavailable
 
 __all__ = ["CollectivePeerTier"]
 
@@ -88,6 +92,16 @@ def _recv(src: int, tag: int, group: Any) -> tuple[dict[str, Any], bytes]:
     return header, data
 
 
+def _bind(held: Tier, root: str, host: str) -> None:
+    """Record the source's store (on node ``host``) as the owner of what is held for it."""
+    from tiercheck.backends._shm import ShmTier
+
+    if isinstance(held, ShmTier):
+        held.bind_store(root, host=host)
+    else:
+        held.bind_store(root)
+
+
 class CollectivePeerTier(Tier):
     """Blobs and log of this rank, held by its partner rank's node (see module doc)."""
 
@@ -101,6 +115,7 @@ class CollectivePeerTier(Tier):
         partners: builtins.list[int] | None = None,
         store: str | None = None,
         shm_root: str | None = None,
+        budget: int | str | None = None,
         timeout: float = 120.0,
         read_only: bool = False,
     ) -> None:
@@ -122,6 +137,9 @@ class CollectivePeerTier(Tier):
         self.source = partners.index(self.rank)
         template = store or f"shm://{self.name}-from-{{src}}"
         options: dict[str, Any] = {"root": shm_root} if shm_root else {}
+        self.budget = parse_budget(budget, url)
+        if self.budget is not None:
+            options["budget"] = self.budget
         # the store this rank keeps for its source (the rank replicating to it)
         self._held = open_tier(template.replace("{src}", str(self.source)), **options)
         self._local = self.partner == self.rank
@@ -155,6 +173,20 @@ class CollectivePeerTier(Tier):
                 reply, payload = self._handle(op, header, data)
             except NotFound as exc:
                 reply, payload = {"ok": False, "error": "NotFound", "message": str(exc)}, None
+            except OverBudget as exc:
+                reply = {
+                    "ok": False,
+                    "error": "OverBudget",
+                    "message": str(exc),
+                    "needed": exc.needed,
+                    "held": exc.held,
+                    "budget": exc.budget,
+                }
+                payload = None
+            except TierFull as exc:
+                reply, payload = {"ok": False, "error": "TierFull", "message": str(exc)}, None
+            except ValueError as exc:
+                reply, payload = {"ok": False, "error": "ValueError", "message": str(exc)}, None
             except Exception as exc:
                 reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
                 payload = None
@@ -186,6 +218,17 @@ class CollectivePeerTier(Tier):
             return {"ok": True}, None
         if op == "read_log":
             return {"ok": True}, msgpack.packb(held.read_log(), use_bin_type=True)
+        if op == "replace_log_prefix":
+            held.replace_log_prefix(int(header["count"]), data)
+            return {"ok": True}, None
+        if op == "usage":
+            return {"ok": True, "bytes": held.usage()}, None
+        if op == "set_budget":
+            held.set_budget(header["budget"])
+            return {"ok": True}, None
+        if op == "bind_store":
+            _bind(held, str(header["root"]), str(header["host"]))
+            return {"ok": True}, None
         raise TierError(f"unknown collective peer request {op!r}")
 
     # --- the client side: ask the partner ---------------------------------------------
@@ -207,8 +250,24 @@ class CollectivePeerTier(Tier):
                     f"partner rank {self.partner} unreachable: {exc}", url=self.url
                 ) from None
         if not reply.get("ok"):
-            if reply.get("error") == "NotFound":
-                raise NotFound(str(reply.get("message")), url=self.url, key=header.get("id", ""))
+            error, message = reply.get("error"), str(reply.get("message"))
+            key = header.get("id", "")
+            if error == "NotFound":
+                raise NotFound(message, url=self.url, key=key)
+            if error == "OverBudget":
+                budget = reply.get("budget")
+                raise OverBudget(
+                    f"partner rank {self.partner}: {message}",
+                    url=self.url,
+                    key=key,
+                    needed=int(reply.get("needed") or 0),
+                    held=int(reply.get("held") or 0),
+                    budget=budget if isinstance(budget, int) else None,
+                )
+            if error == "TierFull":
+                raise TierFull(f"partner rank {self.partner}: {message}", url=self.url, key=key)
+            if error == "ValueError":
+                raise ValueError(message)
             raise TierError(f"partner rank {self.partner}: {reply.get('message')}", url=self.url)
         return reply, payload
 
@@ -263,6 +322,39 @@ class CollectivePeerTier(Tier):
         _, data = self._call({"op": "read_log"})
         records = msgpack.unpackb(data, raw=False)
         return [bytes(r) for r in records]
+
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        """Compacted in the store the partner holds (atomic there)."""
+        self._check_writable("compact the log")
+        if self._local:
+            self._held.replace_log_prefix(count, record)
+            return
+        self._call({"op": "replace_log_prefix", "count": count}, record)
+
+    def usage(self) -> int | None:
+        """Bytes of blobs the partner holds for this rank."""
+        if self._local:
+            return self._held.usage()
+        reply, _ = self._call({"op": "usage"})
+        value = reply.get("bytes")
+        return int(value) if isinstance(value, int) else None
+
+    def set_budget(self, nbytes: int | str | None) -> None:
+        """The budget of what the partner holds for this rank (set on the partner)."""
+        self.budget = parse_budget(nbytes, self.url)
+        if self._local:
+            self._held.set_budget(self.budget)
+            return
+        self._call({"op": "set_budget", "budget": self.budget})
+
+    def bind_store(self, root: str) -> None:
+        """The partner records this rank's store as the owner of what it holds."""
+        if self.read_only:
+            return
+        if self._local:
+            self._held.bind_store(root)
+            return
+        self._call({"op": "bind_store", "root": root, "host": socket.gethostname()})
 
     def close(self) -> None:
         if self._group is not None and not self._local and self._broken is None:

@@ -7,6 +7,7 @@ Layout under the root (the URL's path)::
     tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1}
     blobs/<id[:2]>/<id>          one object per blob, written once (repairs overwrite)
     log/<seq:016d>.rec           one object per log record, seq = 0, 1, 2, ... in append order
+    log/<seq:016d>.ckpt          a checkpoint record standing for every record up to seq
 
 Each log object holds one record framed with :mod:`tiercheck.formats.framing`, so a damaged
 or torn object is detected (and skipped with a warning) rather than parsed. The marker is
@@ -31,28 +32,43 @@ practice; it does after 1000 lost races in a row). How each store creates if abs
   later object replaces the earlier record. Use such a store from one writer at a time
   (the engine's store lock gives that).
 
-**Blob puts.** Local: temporary file, fsync, ``rename``, fsync of the directory. Object
+**Log compaction.** ``replace_log_prefix`` writes the checkpoint as ``log/<S>.ckpt``, S
+being the sequence number of the last record it replaces, then deletes the ``.rec``
+objects up to S and older checkpoints. A reader takes the newest checkpoint and only the
+records after it, so between the two steps (or after a crash between them) it reads the
+same log, and reading costs one GET per record kept, not per record ever appended. New
+sequence numbers continue after checkpoints too.
+
+**Blob puts.** Local: temporary file (header and payload in one vectored write), fsync,
+``rename``; the directories new blobs were named in are fsynced once each before the next
+log record is written (and at close), so a record never names a blob whose name a power
+loss could undo, and a version of many blobs pays one directory fsync per directory, not
+per blob. Reads go straight into the caller's buffer. Object
 stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *`` on S3 for
 a put without ``overwrite``, which saves the existence check). Other fsspec file systems
 write in place: a crash may leave a partial blob, which the codec layer detects by hash.
 
 **Capabilities** (each overridable by the options of the same name):
 
-=====================  ===========  ======  ==========  ==========
-store                  survives     shared  persistent  speed_rank
-=====================  ===========  ======  ==========  ==========
-local ``file://``      process      no      yes         40
-local, ``shared=True`` node         yes     yes         40
-``fsspec+memory://``   none         no      no          5
-anything else          cluster      yes     yes         50
-=====================  ===========  ======  ==========  ==========
+=====================  ===========  ======  ==========  ==========  ========
+store                  survives     shared  persistent  speed_rank  compress
+=====================  ===========  ======  ==========  ==========  ========
+local ``file://``      process      no      yes         40          no
+local, ``shared=True`` node         yes     yes         40          no
+``fsspec+memory://``   none         no      no          5           no
+anything else          cluster      yes     yes         50          yes
+=====================  ===========  ======  ==========  ==========  ========
+
+``compress`` decides the default codec of a shared or cluster-surviving tier: a file system
+mounted here (``file://``, even one declared ``survives="cluster"``) gets raw blobs, an
+object store zstd (see :mod:`tiercheck.placement`).
 
 A local path on a shared mount (NFS, Lustre) should be opened with ``shared=True`` (and
 ``survives="cluster"`` if the file system outlives the cluster).
 
 **Options:** ``storage_options`` (dict passed to fsspec, e.g. ``endpoint_url``, ``key``,
 ``secret``, ``client_kwargs`` for s3fs), ``read_only``, ``survives``, ``shared``,
-``persistent``, ``speed_rank``.
+``persistent``, ``speed_rank``, ``compress``.
 
 **Errors:** a missing bucket raises ``InvalidURL`` at open; connection failures and
 timeouts ``TierUnavailable``; no space ``TierFull``; a missing blob ``NotFound``.
@@ -76,6 +92,7 @@ from functools import partial
 from typing import Any, ClassVar, NoReturn
 from urllib.parse import urlsplit
 
+from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
     BLOB_ID_RE,
     Buffer,
@@ -84,6 +101,7 @@ from tiercheck.backends.base import (
     Tier,
     check_blob_id,
     invalid_url,
+    scatter,
 )
 from tiercheck.errors import (
     AlreadyExists,
@@ -105,6 +123,7 @@ LAYOUT_VERSION = 1
 _MARKER = "tier.json"
 _MARKER_KIND = "tiercheck-fsspec"
 _LOG_NAME_RE = re.compile(r"^(\d{16})\.rec$")
+_CKPT_NAME_RE = re.compile(r"^(\d{16})\.ckpt$")
 _MAX_APPEND_RACES = 1000
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # Protocols whose first path component is a bucket (checked at open).
@@ -128,6 +147,8 @@ _UNAVAILABLE_ERRNOS = frozenset(
         getattr(errno, "EREMOTEIO", 121),  # s3fs: InternalError (HTTP 500)
     }
 )
+# iovecs per writev call (Linux's IOV_MAX is 1024)
+_IOV_MAX = 1024
 _FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG})
 # fsspec's memory file system is one process-wide dict: a process-wide lock makes its
 # check-then-put atomic.
@@ -197,8 +218,9 @@ class _Store(abc.ABC):
     exclusive_create: bool
 
     @abc.abstractmethod
-    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
-        """Write ``path`` atomically; with ``if_absent``, return False if it exists.
+    def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
+        """Write the concatenation of ``parts`` to ``path`` atomically; with ``if_absent``,
+        return False if it exists.
 
         ``if_absent`` may race (both writers write): fine for content-addressed blobs.
         """
@@ -207,9 +229,16 @@ class _Store(abc.ABC):
     def create(self, path: str, data: memoryview) -> None:
         """Write ``path`` only if absent; raise ``FileExistsError`` if it exists."""
 
+    def sync(self) -> None:  # noqa: B027 - a PUT to an object store is durable on return
+        """Make the names of every ``put`` so far durable (called before a log record)."""
+
     @abc.abstractmethod
     def read(self, path: str, out: memoryview | None) -> memoryview:
         """The bytes of ``path`` (into ``out`` if given); ``FileNotFoundError`` if absent."""
+
+    def read_parts(self, path: str, parts: Sequence[memoryview]) -> int:
+        """Read ``path`` scattered over ``parts`` (see ``Tier.get_parts``); its size."""
+        return scatter(self.read(path, None), parts)
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """The bytes of each path, None for one that vanished."""
@@ -255,6 +284,13 @@ class _LocalStore(_Store):
         self._made: set[str] = set()
         self._made_lock = threading.Lock()
         self._can_link = True
+        # directories with a new entry (a blob, a directory) since the last sync(): their
+        # fsync waits for the next log record, once per directory instead of once per blob
+        self._unsynced: set[str] = set()
+
+    def _named_in(self, directory: str) -> None:
+        with self._made_lock:
+            self._unsynced.add(directory)
 
     def _ensure_dir(self, directory: str) -> None:
         if directory in self._made:
@@ -269,16 +305,16 @@ class _LocalStore(_Store):
                 os.mkdir(d)
             except FileExistsError:
                 continue
-            _fsync_dir(os.path.dirname(d))
+            self._named_in(os.path.dirname(d))
         with self._made_lock:
             self._made.add(directory)
 
-    def _write_temp(self, directory: str, name: str, data: memoryview) -> str:
+    def _write_temp(self, directory: str, name: str, parts: Sequence[memoryview]) -> str:
         self._ensure_dir(directory)
         tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, data)
+            _write_all(fd, parts)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -287,25 +323,38 @@ class _LocalStore(_Store):
         os.close(fd)
         return tmp
 
-    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
+    def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
         if if_absent and os.path.exists(path):
             return False
         directory, name = os.path.split(path)
-        tmp = self._write_temp(directory, name, data)
+        tmp = self._write_temp(directory, name, parts)
         try:
             os.replace(tmp, path)
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        _fsync_dir(directory)
+        self._named_in(directory)  # the content is durable already; its name by sync()
+        if not if_absent:  # a repair replaces a damaged copy: durable now
+            self.sync()
         return True
+
+    def sync(self) -> None:
+        with self._made_lock:
+            dirs, self._unsynced = self._unsynced, set()
+        try:
+            for directory in sorted(dirs):
+                _fsync_dir(directory)
+        except BaseException:
+            with self._made_lock:
+                self._unsynced |= dirs  # not known durable: the next sync tries again
+            raise
 
     def create(self, path: str, data: memoryview) -> None:
         directory, name = os.path.split(path)
         if os.path.exists(path):
             raise FileExistsError(errno.EEXIST, "exists", path)
         if self._can_link:
-            tmp = self._write_temp(directory, name, data)
+            tmp = self._write_temp(directory, name, (data,))
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -315,18 +364,20 @@ class _LocalStore(_Store):
                     raise
                 self._can_link = False  # e.g. a FUSE or FAT mount without hard links
             else:
-                _fsync_dir(directory)
+                self._named_in(directory)
+                self.sync()  # the record, and any directory made on the way
                 return
             finally:
                 _unlink_quietly(tmp)
         self._ensure_dir(directory)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, data)
+            _write_all(fd, (data,))
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(directory)
+        self._named_in(directory)
+        self.sync()
 
     def read(self, path: str, out: memoryview | None) -> memoryview:
         with open(path, "rb", buffering=0) as f:
@@ -344,6 +395,17 @@ class _LocalStore(_Store):
                     raise OSError(errno.EIO, f"{path} shrank while being read")
                 pos += got
             return target
+
+    def read_parts(self, path: str, parts: Sequence[memoryview]) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            want = min(size, sum(len(p) for p in parts))
+            if read_parts(fd, parts, want) != want:
+                raise OSError(errno.EIO, f"{path} shrank while being read")
+        finally:
+            os.close(fd)
+        return size
 
     def head(self, path: str, nbytes: int) -> bytes:
         with open(path, "rb", buffering=0) as f:
@@ -388,10 +450,17 @@ class _LocalStore(_Store):
                 yield name if rel == "." else f"{rel}/{name}"
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    pos = 0
-    while pos < len(data):
-        pos += os.write(fd, data[pos:])
+def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
+    """Write every part, in order, with vectored writes (a short write is continued)."""
+    views = [v for v in parts if len(v)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + _IOV_MAX])
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
 
 
 def _fsync_dir(directory: str) -> None:
@@ -471,8 +540,9 @@ class _FsspecStore(_Store):
 
     # -- primitives --
 
-    def put(self, path: str, data: memoryview, *, if_absent: bool) -> bool:
-        payload = bytes(data)  # the caller may reuse its buffer; stores may keep a reference
+    def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
+        # one copy, which the store may keep: the caller may reuse the buffers of ``parts``
+        payload = b"".join(parts)
         if if_absent and self._conditional_put:
             try:
                 self._pipe(path, payload, create=True)
@@ -603,6 +673,7 @@ class FsspecTier(Tier):
         shared: bool | None = None,
         persistent: bool | None = None,
         speed_rank: int | None = None,
+        compress: bool | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -626,6 +697,11 @@ class FsspecTier(Tier):
                     else bool(persistent)
                 ),
                 speed_rank=caps.speed_rank if speed_rank is None else int(speed_rank),
+                compress=(
+                    caps.compress
+                    if _parse_bool(compress, "compress", url) is None
+                    else bool(compress)
+                ),
             )
         except ValueError as exc:
             raise invalid_url(url, f"bad capability option: {exc}") from None
@@ -636,6 +712,16 @@ class FsspecTier(Tier):
         self._blob_dir = self._join(self._root, "blobs")
         self._log_dir = self._join(self._root, "log")
         self._check_marker()
+
+    def close(self) -> None:
+        """Make the names of blobs put since the last log record durable (a failure is
+        logged: no record names those blobs yet, so nothing committed depends on them)."""
+        if self.read_only:
+            return
+        try:
+            self._store.sync()
+        except OSError as exc:
+            log.warning("%s: could not fsync blob directories at close: %s", self.url, exc)
 
     # --- paths ---------------------------------------------------------------------
 
@@ -648,6 +734,9 @@ class FsspecTier(Tier):
 
     def _log_path(self, seq: int) -> str:
         return self._join(self._log_dir, f"{seq:016d}.rec")
+
+    def _ckpt_path(self, seq: int) -> str:
+        return self._join(self._log_dir, f"{seq:016d}.ckpt")
 
     # --- error mapping -------------------------------------------------------------
 
@@ -698,11 +787,16 @@ class FsspecTier(Tier):
     # --- blobs ---------------------------------------------------------------------
 
     def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
+        return self.put_parts(blob_id, (data,), overwrite=overwrite)
+
+    def put_parts(self, blob_id: str, parts: Sequence[Buffer], *, overwrite: bool = False) -> bool:
+        """As :meth:`put`; a local file system takes the parts in one vectored write, an
+        object store gets them joined once."""
         path = self._blob_path(blob_id)
         self._check_writable("put")
-        view = _byte_view(data)
+        views = [_byte_view(p) for p in parts]
         written: bool = self._call(
-            "put", blob_id, lambda: self._store.put(path, view, if_absent=not overwrite)
+            "put", blob_id, lambda: self._store.put(path, views, if_absent=not overwrite)
         )
         return written
 
@@ -713,7 +807,7 @@ class FsspecTier(Tier):
         if isinstance(store, _LocalStore) or len(batch) < 2:
             count = 0
             for path, view, bid in batch:
-                if self._call("put", bid, partial(store.put, path, view, if_absent=True)):
+                if self._call("put", bid, partial(store.put, path, (view,), if_absent=True)):
                     count += 1
             return count
 
@@ -721,7 +815,7 @@ class FsspecTier(Tier):
         # call from several threads; each call runs on the file system's event loop).
         def one(item: tuple[str, memoryview, str]) -> bool:
             path, view, bid = item
-            written: bool = self._call("put", bid, lambda: store.put(path, view, if_absent=True))
+            written: bool = self._call("put", bid, lambda: store.put(path, (view,), if_absent=True))
             return written
 
         with ThreadPoolExecutor(max_workers=min(_REMOTE_THREADS, len(batch))) as pool:
@@ -736,6 +830,16 @@ class FsspecTier(Tier):
         except ValueError as exc:
             raise ValueError(f"{exc} ({self.url} {blob_id})") from None
         return view
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        """As ``Tier.get_parts``; a local file is read with ``preadv`` straight into
+        ``parts``."""
+        path = self._blob_path(blob_id)
+        try:
+            size: int = self._call("get", blob_id, lambda: self._store.read_parts(path, parts))
+        except NotFound:
+            raise NotFound("blob not found", url=self.url, key=blob_id) from None
+        return size
 
     def head(self, blob_id: str, nbytes: int = 64) -> bytes:
         """The first ``nbytes`` bytes, by a ranged read (local files: a short read)."""
@@ -794,11 +898,25 @@ class FsspecTier(Tier):
 
     # --- log -----------------------------------------------------------------------
 
-    def _log_seqs(self) -> builtins.list[int]:
+    def _log_names(self) -> tuple[builtins.list[int], builtins.list[int]]:
+        """Sequence numbers of the record objects and of the checkpoint objects, sorted."""
         names: builtins.list[str] = self._call(
             "read log", "", lambda: self._store.names(self._log_dir)
         )
-        return sorted(int(m.group(1)) for m in map(_LOG_NAME_RE.match, names) if m)
+        recs = sorted(int(m.group(1)) for m in map(_LOG_NAME_RE.match, names) if m)
+        ckpts = sorted(int(m.group(1)) for m in map(_CKPT_NAME_RE.match, names) if m)
+        return recs, ckpts
+
+    def _log_seqs(self) -> builtins.list[int]:
+        """Every sequence number in use (records and checkpoints): appends go after them."""
+        recs, ckpts = self._log_names()
+        return sorted(recs + ckpts)
+
+    def _log_view(self) -> tuple[int | None, builtins.list[int]]:
+        """The newest checkpoint's seq (or None) and the record seqs after it."""
+        recs, ckpts = self._log_names()
+        ckpt = ckpts[-1] if ckpts else None
+        return ckpt, [r for r in recs if ckpt is None or r > ckpt]
 
     def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
         self._check_writable("append")
@@ -808,6 +926,7 @@ class FsspecTier(Tier):
             check_blob_id(bid, self.url)
         if items:
             self.put_many(items)
+        self._call("sync", "", self._store.sync)  # every blob named so far is durable
         with self._lock:
             seq = self._next_seq
         if seq is None:
@@ -831,37 +950,78 @@ class FsspecTier(Tier):
             url=self.url,
         )
 
-    def read_log(self) -> builtins.list[bytes]:
-        seqs = self._log_seqs()
-        paths = [self._log_path(s) for s in seqs]
+    def _read_view(self) -> builtins.list[tuple[int, bytes]]:
+        """``(seq, payload)`` of the newest checkpoint and every intact record after it."""
+        ckpt, seqs = self._log_view()
+        paths = ([self._ckpt_path(ckpt)] if ckpt is not None else []) + [
+            self._log_path(s) for s in seqs
+        ]
+        names = ([f"{ckpt:016d}.ckpt"] if ckpt is not None else []) + [
+            f"{s:016d}.rec" for s in seqs
+        ]
+        order = ([ckpt] if ckpt is not None else []) + seqs
         raws: builtins.list[bytes | None] = self._call(
             "read log", "", lambda: self._store.read_many(paths)
         )
-        records: builtins.list[bytes] = []
-        for seq, raw in zip(seqs, raws):
+        if ckpt is not None and raws[0] is None:
+            # A newer compaction replaced this checkpoint between listing and reading.
+            return self._read_view()
+        records: builtins.list[tuple[int, bytes]] = []
+        for seq, name, raw in zip(order, names, raws):
             if raw is None:
                 continue
             payload = unframe_record(raw)
             if payload is None:
                 log.warning(
-                    "%s: log record %016d is torn or damaged (%d bytes); skipped",
+                    "%s: log object %s is torn or damaged (%d bytes); skipped",
                     self.url,
-                    seq,
+                    name,
                     len(raw),
                 )
                 continue
-            records.append(payload)
+            records.append((seq, payload))
         with self._lock:
-            nxt = seqs[-1] + 1 if seqs else 0
+            nxt = order[-1] + 1 if order else 0
             if self._next_seq is None or self._next_seq < nxt:
                 self._next_seq = nxt
         return records
 
+    def read_log(self) -> builtins.list[bytes]:
+        """The newest checkpoint (if any) and the records after it: one GET each."""
+        return [payload for _, payload in self._read_view()]
+
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        """Write the checkpoint object, then delete what it replaces (see module doc)."""
+        self._check_writable("compact the log")
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        view = self._read_view()
+        if count > len(view):
+            raise ValueError(f"count {count} is outside the log of {len(view)} records")
+        last = view[count - 1][0]
+        framed = memoryview(frame_record(bytes(record)))
+        path = self._ckpt_path(last)
+        self._call(
+            "compact log",
+            f"log/{last:016d}.ckpt",
+            partial(self._store.put, path, (framed,), if_absent=False),
+        )
+        recs, ckpts = self._log_names()
+        stale = [self._log_path(r) for r in recs if r <= last]
+        stale += [self._ckpt_path(c) for c in ckpts if c < last]
+        if stale:
+            self._call("compact log", "", lambda: self._store.remove_many(stale))
+
 
 def _default_capabilities(*, local: bool, memory: bool, shared: bool | None) -> Capabilities:
+    # a file system of this node (or process memory) takes bytes faster than zstd makes them
     if memory:
         return Capabilities(
-            survives=FailureDomain.NONE, shared=bool(shared), persistent=False, speed_rank=5
+            survives=FailureDomain.NONE,
+            shared=bool(shared),
+            persistent=False,
+            speed_rank=5,
+            compress=False,
         )
     if local:
         return Capabilities(
@@ -869,6 +1029,7 @@ def _default_capabilities(*, local: bool, memory: bool, shared: bool | None) -> 
             shared=bool(shared),
             persistent=True,
             speed_rank=40,
+            compress=False,
         )
     return Capabilities(
         survives=FailureDomain.CLUSTER,

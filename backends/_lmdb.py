@@ -14,8 +14,11 @@ accepted. ``lmdb://relative`` would put a path in the host part of the URL, wher
 easy to misread and resolves against whatever the working directory is; it is refused
 with ``InvalidURL``.
 
-Options: ``read_only`` (open with ``readonly=True, lock=False``: meant for inspecting a
-store no process is writing, e.g. after a crash), ``sync`` (default True: every commit is
+Options: ``read_only`` (open with ``readonly=True``, safe beside a live writer: the reader
+takes a slot in LMDB's reader table in ``lock.mdb``, so the writer never reuses the pages of
+a snapshot it is reading; where ``lock.mdb`` cannot be written, e.g. a read-only mount, it
+falls back to ``lock=False`` with a warning, which is only safe when no process writes),
+``sync`` (default True: every commit is
 fsync'ed, content survives power loss; False trades the last transactions on power loss
 for speed, never integrity), ``map_size`` (initial map size, default 1 GiB) and
 ``max_size`` (cap on map growth; default none).
@@ -40,10 +43,12 @@ settings (``sync``, ``map_size``) come from the first open in the process.
 from __future__ import annotations
 
 import builtins
+import errno
+import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -58,11 +63,14 @@ from tiercheck.backends.base import (
     Tier,
     check_blob_id,
     invalid_url,
+    scatter,
 )
 from tiercheck.errors import NotFound, TierError, TierFull
 from tiercheck.formats.framing import frame_record, unframe_record
 
 __all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
+
+log = logging.getLogger("tiercheck")
 
 DEFAULT_MAP_SIZE = 1 << 30
 # Bytes of blob data per write transaction in put_many: LMDB (without writemap) holds a
@@ -126,6 +134,22 @@ class _Env:
     # LMDB has one writer at a time anyway; queueing writers here keeps them out of the
     # gate while a map growth waits for it.
     write_lock: threading.Lock = field(default_factory=threading.Lock)
+    # the writer's buffer for a blob given in parts (see _joined)
+    join: bytearray = field(default_factory=bytearray)
+
+
+def _joined(e: _Env, views: builtins.list[memoryview]) -> memoryview:
+    """``views`` concatenated in ``e``'s join buffer (valid until the next call; only the
+    writer, under ``e.write_lock``, calls it)."""
+    n = sum(len(v) for v in views)
+    if len(e.join) < n:
+        e.join = bytearray(n)
+    out = memoryview(e.join)
+    pos = 0
+    for v in views:
+        out[pos : pos + len(v)] = v
+        pos += len(v)
+    return out[:n]
 
 
 _envs: dict[str, _Env] = {}
@@ -149,6 +173,27 @@ def _parse_url(url: str) -> str:
     return os.path.normpath(path)
 
 
+def _open_read_only(path: str) -> lmdb.Environment:
+    """Open ``path`` read-only with LMDB's reader locking (safe next to a live writer);
+    without it only where ``lock.mdb`` cannot be opened for writing."""
+    try:
+        return lmdb.open(path, readonly=True, lock=True, max_dbs=2, subdir=True)
+    except lmdb.Error as exc:
+        if not isinstance(exc, (lmdb.ReadonlyError, lmdb.PanicError)) and not (
+            getattr(exc, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
+            or "Permission denied" in str(exc)
+            or "Read-only file system" in str(exc)
+        ):
+            raise
+    log.warning(
+        "opening LMDB at %s read-only without reader locking (%s cannot be written): "
+        "this is only safe while no process writes to it",
+        path,
+        os.path.join(path, "lock.mdb"),
+    )
+    return lmdb.open(path, readonly=True, lock=False, max_dbs=2, subdir=True)
+
+
 def _acquire_env(url: str, path: str, *, read_only: bool, sync: bool, map_size: int) -> _Env:
     key = os.path.realpath(path)
     with _envs_lock:
@@ -164,7 +209,7 @@ def _acquire_env(url: str, path: str, *, read_only: bool, sync: bool, map_size: 
             return cached
         try:
             if read_only:
-                env = lmdb.open(key, readonly=True, lock=False, max_dbs=2, subdir=True)
+                env = _open_read_only(key)
                 try:
                     blobs = env.open_db(b"blobs", create=False)
                     log = env.open_db(b"log", create=False)
@@ -334,15 +379,20 @@ class LmdbTier(Tier):
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
         """Store several blobs in a few transactions (up to 256 MiB each); returns how
         many were written. Each transaction is atomic; the whole call is not."""
+        return self.put_many_parts((blob_id, (data,)) for blob_id, data in items)
+
+    def put_many_parts(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> int:
+        """As :meth:`put_many`; a blob in several parts is joined into a buffer this
+        environment reuses (LMDB copies a value into its own pages during the put)."""
         self._check_writable("put")
         written = 0
-        batch: builtins.list[tuple[bytes, memoryview]] = []
+        batch: builtins.list[tuple[bytes, builtins.list[memoryview]]] = []
         nbytes = 0
-        for blob_id, data in items:
+        for blob_id, parts in items:
             check_blob_id(blob_id, self.url)
-            view = memoryview(data).cast("B")
-            batch.append((bytes.fromhex(blob_id), view))
-            nbytes += len(view)
+            views = [memoryview(p).cast("B") for p in parts]
+            batch.append((bytes.fromhex(blob_id), views))
+            nbytes += sum(len(v) for v in views)
             if nbytes >= _BATCH_BYTES:
                 written += self._put_batch(batch)
                 batch, nbytes = [], 0
@@ -350,9 +400,13 @@ class LmdbTier(Tier):
             written += self._put_batch(batch)
         return written
 
-    def _put_batch(self, batch: builtins.list[tuple[bytes, memoryview]]) -> int:
+    def _put_batch(self, batch: builtins.list[tuple[bytes, builtins.list[memoryview]]]) -> int:
         def txn_put(txn: lmdb.Transaction, e: _Env) -> int:
-            return sum(1 for key, view in batch if txn.put(key, view, db=e.blobs, overwrite=False))
+            count = 0
+            for key, views in batch:
+                value = views[0] if len(views) == 1 else _joined(e, views)
+                count += bool(txn.put(key, value, db=e.blobs, overwrite=False))
+            return count
 
         return self._write(txn_put, "put_many", batch[0][0].hex())
 
@@ -369,6 +423,19 @@ class LmdbTier(Tier):
             if out is None:
                 return memoryview(bytes(buf))
             return self._copy_out(buf, out, self.url, blob_id)
+
+        return self._read(txn_get, "get", blob_id)
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        """Copy the mapped value straight over ``parts``: one copy, no intermediate."""
+        check_blob_id(blob_id, self.url)
+        key = bytes.fromhex(blob_id)
+
+        def txn_get(txn: lmdb.Transaction, e: _Env) -> int:
+            buf = txn.get(key, db=e.blobs)
+            if buf is None:
+                raise NotFound("blob not found", url=self.url, key=blob_id)
+            return scatter(buf, parts)  # inside the transaction: the map stays valid
 
         return self._read(txn_get, "get", blob_id)
 
@@ -477,3 +544,41 @@ class LmdbTier(Tier):
             return records
 
         return self._read(txn_read, "read_log", "")
+
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        """In one write transaction: delete the first ``count`` intact records (and any
+        damaged ones among them) and store ``record`` under the last one's key, so it
+        sorts before every record appended after them."""
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        frame = frame_record(bytes(record))
+
+        def txn_compact(txn: lmdb.Transaction, e: _Env) -> None:
+            cursor = txn.cursor(db=e.log)
+            seen = 0
+            last_key = b""
+            keys: builtins.list[bytes] = []
+            for key, value in cursor.iternext(keys=True, values=True):
+                keys.append(bytes(key))
+                if unframe_record(value) is not None:
+                    seen += 1
+                    if seen == count:
+                        last_key = bytes(key)
+                        break
+            if seen < count:
+                raise ValueError(f"count {count} is outside the log of {seen} records")
+            for key in keys:
+                txn.delete(key, db=e.log)
+            txn.put(last_key, frame, db=e.log)
+
+        self._write(txn_compact, "compact the log", "")
+
+    def usage(self) -> int:
+        """Bytes of the pages that hold blobs (LMDB counts pages, not values: cheap)."""
+
+        def txn_usage(txn: lmdb.Transaction, e: _Env) -> int:
+            st = txn.stat(e.blobs)
+            pages: int = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+            return pages * int(st["psize"])
+
+        return self._read(txn_usage, "usage", "")

@@ -3,6 +3,9 @@
 Layout: a ``dict`` id -> ``bytes`` for blobs and a ``list`` of ``bytes`` for the log, behind
 one lock. Nothing touches disk; everything is lost with the process.
 
+Option ``budget`` (bytes or a size such as ``"1GiB"``) bounds the blob bytes held: a put
+past it raises ``OverBudget``.
+
 Naming: ``memory://NAME`` opens the process-wide store called NAME, created on first use
 and kept until :meth:`MemoryTier.discard` or the end of the process, so two
 ``open_tier("memory://x")`` calls (or a close and a reopen) see the same content.
@@ -13,11 +16,20 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tiercheck.backends.base import Buffer, Capabilities, FailureDomain, Tier, check_blob_id
+from tiercheck.backends.base import (
+    Buffer,
+    Capabilities,
+    FailureDomain,
+    Tier,
+    check_blob_id,
+    check_budget,
+    parse_budget,
+    scatter,
+)
 from tiercheck.backends.base import invalid_url as _invalid_url
 from tiercheck.errors import NotFound
 
@@ -30,6 +42,7 @@ _PREFIX = "memory://"
 class _Store:
     blobs: dict[str, bytes] = field(default_factory=dict)
     log: list[bytes] = field(default_factory=list)
+    nbytes: int = 0  # sum of the blobs' lengths
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -46,7 +59,14 @@ class MemoryTier(Tier):
         survives=FailureDomain.NONE, shared=False, persistent=False, speed_rank=0
     )
 
-    def __init__(self, url: str, *, read_only: bool = False, **options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        read_only: bool = False,
+        budget: int | str | None = None,
+        **options: Any,
+    ) -> None:
         if options:
             raise _invalid_url(url, f"unknown options for memory://: {sorted(options)}")
         if not url.startswith(_PREFIX):
@@ -55,6 +75,7 @@ class MemoryTier(Tier):
         if any(c in name for c in "?#") or any(not c.isprintable() for c in name):
             raise _invalid_url(url, "a memory tier name has no query, fragment or control chars")
         super().__init__(url, capabilities=self.CAPABILITIES, read_only=read_only)
+        self.budget = parse_budget(budget, url)
         self.name = name
         if not name:
             self._store = _Store()
@@ -78,9 +99,13 @@ class MemoryTier(Tier):
         self._check_writable("put")
         value = bytes(data)  # the caller may reuse its buffer
         with self._store.lock:
-            if not overwrite and blob_id in self._store.blobs:
+            old = self._store.blobs.get(blob_id)
+            if not overwrite and old is not None:
                 return False
+            held = self._store.nbytes - (len(old) if old is not None else 0)
+            check_budget(self.url, blob_id, held=held, needed=len(value), budget=self.budget)
             self._store.blobs[blob_id] = value
+            self._store.nbytes = held + len(value)
             return True
 
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
@@ -90,6 +115,14 @@ class MemoryTier(Tier):
         if data is None:
             raise NotFound("blob not found", url=self.url, key=blob_id)
         return self._copy_out(data, out, self.url, blob_id)
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        check_blob_id(blob_id, self.url)
+        with self._store.lock:
+            data = self._store.blobs.get(blob_id)
+        if data is None:
+            raise NotFound("blob not found", url=self.url, key=blob_id)
+        return scatter(data, parts)
 
     def head(self, blob_id: str, nbytes: int = 64) -> bytes:
         check_blob_id(blob_id, self.url)
@@ -113,8 +146,14 @@ class MemoryTier(Tier):
         for blob_id in ids:
             check_blob_id(blob_id, self.url)
         self._check_writable("delete")
+        removed = 0
         with self._store.lock:
-            return sum(1 for b in ids if self._store.blobs.pop(b, None) is not None)
+            for b in ids:
+                data = self._store.blobs.pop(b, None)
+                if data is not None:
+                    removed += 1
+                    self._store.nbytes -= len(data)
+        return removed
 
     def list(self) -> Iterator[str]:
         with self._store.lock:
@@ -138,10 +177,28 @@ class MemoryTier(Tier):
             check_blob_id(blob_id, self.url)
         value = bytes(record)
         with self._store.lock:
-            for blob_id, data in items:
-                self._store.blobs.setdefault(blob_id, data)
+            fresh = {b: d for b, d in items if b not in self._store.blobs}
+            needed = sum(len(d) for d in fresh.values())
+            check_budget(self.url, "", held=self._store.nbytes, needed=needed, budget=self.budget)
+            self._store.blobs.update(fresh)
+            self._store.nbytes += needed
             self._store.log.append(value)
 
     def read_log(self) -> builtins.list[bytes]:
         with self._store.lock:
             return list(self._store.log)
+
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        self._check_writable("compact the log")
+        value = bytes(record)
+        with self._store.lock:
+            if not 1 <= count <= len(self._store.log):
+                raise ValueError(f"count {count} is outside the log of {len(self._store.log)}")
+            self._store.log[:count] = [value]
+
+    def usage(self) -> int:
+        with self._store.lock:
+            return self._store.nbytes
+
+    def set_budget(self, nbytes: int | str | None) -> None:
+        self.budget = parse_budget(nbytes, self.url)

@@ -1,14 +1,20 @@
 """The peer-memory tier: blobs and log records in another node's ``tiercheck peer serve``.
 
 URL ``peer://HOST:PORT[/NAMESPACE]``. Options: ``token`` (bytes or str) or ``token_file``
-(else ``TIERCHECK_PEER_TOKEN``), ``namespace`` (else the URL path, else ``"default"``),
-``timeout`` (seconds per connect and per socket operation), ``read_only``, and
-``max_connections`` (the pool size). Content survives losing this node, not the daemon's.
+(else ``TIERCHECK_PEER_TOKEN``): the daemon's token or the namespace's own token
+(``tiercheck peer token NS``); ``namespace`` (else the URL path, else ``"default"``),
+``timeout`` (seconds per connect and per socket operation), ``read_only``,
+``max_connections`` (the pool size), ``budget`` (most bytes this namespace may hold in the
+daemon, a size such as ``"8GiB"``; the daemon refuses writes past it with ``OverBudget``,
+as it does past its own ``--memory-limit``) and ``keepalive`` (seconds of silence before
+TCP keepalive probes, None: off). Content survives losing this node, not the daemon's.
 
 Thread safety: a small pool of connections; a call takes one for its whole
 request/response, so concurrent calls from the engine's threads run in parallel on
 separate connections. A connection that fails is dropped, never reused; the next call
 connects again (lazily), so a restarted daemon is picked up without reopening the tier.
+A pooled connection idle for half the daemon's idle timeout, or already closed by the
+daemon, is dropped instead of used.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ from tiercheck.backends.base import (
     Tier,
     check_blob_id,
     invalid_url,
+    parse_budget,
 )
 from tiercheck.errors import (
     ConfigError,
     NotFound,
     NotSupported,
+    OverBudget,
     TierError,
     TierFull,
     TierUnavailable,
@@ -78,6 +86,8 @@ class PeerTier(Tier):
         timeout: float | None = 30.0,
         read_only: bool = False,
         max_connections: int = 4,
+        budget: int | str | None = None,
+        keepalive: float | None = 60.0,
     ) -> None:
         super().__init__(url, capabilities=PEER_CAPABILITIES, read_only=read_only)
         self.host, self.port, url_namespace = _parse_url(url)
@@ -102,6 +112,8 @@ class PeerTier(Tier):
         if max_connections < 1:
             raise ConfigError(f"max_connections must be at least 1, got {max_connections}")
         self.timeout = timeout
+        self.budget = parse_budget(budget, url)
+        self.keepalive = keepalive
         self._idle: list[PeerConnection] = []
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -118,6 +130,8 @@ class PeerTier(Tier):
                 namespace=self.namespace,
                 token=self._token,
                 timeout=self.timeout,
+                budget=None if self.read_only else self.budget,
+                keepalive=self.keepalive,
             )
         except PeerRejected as exc:
             if exc.code == "Busy":
@@ -148,10 +162,15 @@ class PeerTier(Tier):
         if self._closed:
             raise TierError("tier is closed", url=self.url)
         with self._slots:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                conn = self._connect()
+            conn = None
+            while conn is None:
+                with self._lock:
+                    conn = self._idle.pop() if self._idle else None
+                if conn is None:
+                    conn = self._connect()
+                elif conn.stale():
+                    conn.close()
+                    conn = None
             try:
                 reply, payload, in_out = conn.request(fields, data, out)
             except (OSError, ProtocolError) as exc:
@@ -174,10 +193,22 @@ class PeerTier(Tier):
         message = f"peer daemon: {reply.get('message', code)}"
         if code == "NotFound":
             return NotFound(message, url=self.url, key=key)
+        if code == "TierFull" and reply.get("over_budget"):
+            budget = reply.get("budget")
+            return OverBudget(
+                message,
+                url=self.url,
+                key=key,
+                needed=int(reply.get("needed", 0)),
+                held=int(reply.get("held", 0)),
+                budget=budget if isinstance(budget, int) else None,
+            )
         if code == "TierFull":
             return TierFull(message, url=self.url, key=key)
         if code == "Busy":
             return TierUnavailable(message, url=self.url, key=key)
+        if code == "OutOfRange":
+            return ValueError(message)
         if code == "Unsupported":
             return NotSupported(message, url=self.url, key=key)
         return TierError(f"{message} ({code})", url=self.url, key=key)
@@ -314,6 +345,29 @@ class PeerTier(Tier):
             records.extend(page)
             if not reply.get("more") or not page:
                 return records
+
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        """The daemon replaces the records under its store lock (atomic)."""
+        self._check_writable("compact the log")
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        if len(record) > self._frame_budget():
+            raise NotSupported(
+                f"log checkpoint of {len(record)} bytes exceeds the peer daemon's frame limit "
+                f"of {self._max_frame} bytes",
+                url=self.url,
+            )
+        self._request({"op": "replace_log_prefix", "count": count}, record)
+
+    def set_budget(self, nbytes: int | str | None) -> None:
+        """Set this namespace's budget in the daemon (and in later hellos)."""
+        self.budget = parse_budget(nbytes, self.url)
+        self._request({"op": "set_budget", "budget": self.budget})
+
+    def usage(self) -> int:
+        """Bytes of blobs this namespace holds in the daemon."""
+        reply, _, _ = self._request({"op": "usage"})
+        return int(reply["bytes"])
 
     # --- extras ---
 

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import select
 import socket
+import stat
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +48,7 @@ __all__ = [
     "read_length",
     "recv_exact",
     "send_frame",
+    "set_keepalive",
     "token_from_env",
 ]
 
@@ -227,9 +232,29 @@ def recv_exact(
         done += n
 
 
+def set_keepalive(sock: socket.socket, idle: float) -> None:
+    """TCP keepalive on ``sock``: probes after ``idle`` seconds of silence, every
+    ``idle / 6`` seconds (at least 1); 3 unanswered probes drop the connection."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (
+        ("TCP_KEEPIDLE", int(idle)),
+        ("TCP_KEEPINTVL", max(1, int(idle / 6))),
+        ("TCP_KEEPCNT", 3),
+    ):
+        if hasattr(socket, opt):  # Linux; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
 def load_token_file(path: str | os.PathLike[str]) -> bytes:
-    """Read a shared-secret token file: its bytes without surrounding whitespace."""
+    """Read a shared-secret token file: its bytes without surrounding whitespace.
+
+    Warns when the file can be read by other users (it should be mode 0600).
+    """
     with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logging.getLogger("tiercheck").warning(
+                "token file %r is readable by other users; chmod 600 it", os.fspath(path)
+            )
         token = f.read().strip()
     if not token:
         raise ValueError(f"token file {os.fspath(path)!r} is empty")
@@ -311,17 +336,38 @@ class PeerConnection:
         namespace: str,
         token: bytes | None,
         timeout: float | None,
+        budget: int | None = None,
+        keepalive: float | None = 60.0,
     ) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if keepalive is not None:
+                set_keepalive(self.sock, keepalive)
             self.max_frame = HANDSHAKE_MAX_FRAME
-            self.server_info = self._handshake(namespace, token)
+            self.server_info = self._handshake(namespace, token, budget)
         except BaseException:
             self.sock.close()
             raise
+        idle = self.server_info.get("idle_timeout")
+        #: The daemon closes a connection idle this long (None: never).
+        self.idle_timeout: float | None = float(idle) if isinstance(idle, (int, float)) else None
+        self.last_used = time.monotonic()
 
-    def _handshake(self, namespace: str, token: bytes | None) -> dict[str, Any]:
+    def stale(self) -> bool:
+        """Whether this idle connection should not be reused: it sat unused for half the
+        daemon's idle timeout, or the daemon already closed it (readable at EOF)."""
+        if self.idle_timeout is not None and (
+            time.monotonic() - self.last_used > self.idle_timeout / 2
+        ):
+            return True
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)  # between requests the daemon sends nothing but a close
+
+    def _handshake(self, namespace: str, token: bytes | None, budget: int | None) -> dict[str, Any]:
         challenge, _ = read_frame(self.sock, HANDSHAKE_MAX_FRAME)
         if challenge.get("ok") is False:
             raise PeerRejected(
@@ -344,6 +390,8 @@ class PeerConnection:
                     {},
                 )
             hello["mac"] = auth_mac(token, nonce)
+        if budget is not None:
+            hello["budget"] = budget
         send_frame(self.sock, hello)
         reply, _ = read_frame(self.sock, HANDSHAKE_MAX_FRAME)
         if not reply.get("ok"):
@@ -370,9 +418,12 @@ class PeerConnection:
         # A reply holds at most one frame's payload plus small fields.
         limit = self.max_frame + HANDSHAKE_MAX_FRAME
         if out is not None:
-            return read_frame_into(self.sock, limit, out)
-        reply, payload = read_frame(self.sock, limit)
-        return reply, payload, False
+            result = read_frame_into(self.sock, limit, out)
+        else:
+            reply, payload = read_frame(self.sock, limit)
+            result = reply, payload, False
+        self.last_used = time.monotonic()
+        return result
 
     def close(self) -> None:
         try:

@@ -4,10 +4,24 @@ On-disk layout (``ROOT`` is ``/dev/shm/tiercheck`` unless the option ``root=`` s
 otherwise)::
 
     ROOT/NAME/
+      owner.json       who owns the segment: store root, host, creating pid, time
       blobs/<id>       one file per blob; only complete files ever get this name
       pool/<token>     free segments: files of deleted blobs, pages still allocated
       tmp/<pid>.<n>    puts in flight; a dead writer's leftovers are recycled at open
       log              append-only log: framed records (tiercheck.formats.framing)
+      log.compact      a compacted log being written (renamed over ``log``, or removed)
+
+Ownership: the first writable open writes ``owner.json`` (``{"kind": "tiercheck-shm",
+"store": null, "host", "pid", "created", "url"}``); :meth:`ShmTier.bind_store` records the
+owning store's root in it. ``tiercheck gc --orphans`` reads it to find segments whose store
+is gone (:func:`list_segments`, :func:`remove_segment`; see :mod:`tiercheck.lifecycle`).
+
+Budget: the option ``budget`` (bytes or a size such as ``"8GiB"``) bounds the bytes of
+blobs held plus the pool; pooled segments are freed first to make room, and a put that
+still does not fit raises ``OverBudget``. Every put that needs fresh pages first checks
+that /dev/shm (the file system under ``root``) has them free and raises ``OverBudget``
+otherwise; no write is attempted past the free space (a full tmpfs answers writes with
+ENOSPC, mapped to ``TierFull``, but a mapped page would fault with SIGBUS instead).
 
 Why a pool: tmpfs allocates (and zeroes) a page on the first write to it, which costs
 about ten times a write into a page that is already there. A checkpoint store deletes
@@ -21,9 +35,12 @@ Atomicity: a put writes ``tmp/<pid>.<n>`` and then links (create-if-absent) or r
 (overwrite) it to ``blobs/<id>``, so a reader never sees a prefix. A log append is one
 framed record written at the end of ``log`` under an exclusive ``flock``; a crash can
 leave a torn frame at the tail, which readers skip (a frame carries its length and
-checksum) and which a writable open truncates away before appending again. Nothing is
-fsync'ed: tmpfs has no disk behind it, and a write that returned is visible to every
-later process.
+checksum) and which a writable open truncates away before appending again. A damaged
+frame in the middle is stepped over, never truncated: the records after it are kept
+(``scan_frames``, SPEC section 6.1). Compaction (:meth:`ShmTier.replace_log_prefix`)
+writes the new log to ``log.compact`` and renames it over ``log`` under the same lock; an
+appender holding the old file notices the rename and reopens. Nothing is fsync'ed: tmpfs
+has no disk behind it, and a write that returned is visible to every later process.
 
 One writer per NAME at a time (``Capabilities.shared`` is False); any number of
 ``read_only=True`` readers. A blob file that is deleted can be reused at once by a
@@ -38,12 +55,18 @@ import builtins
 import errno
 import fcntl
 import itertools
+import json
 import os
 import re
+import shutil
+import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
     BLOB_ID_RE,
     Buffer,
@@ -51,12 +74,22 @@ from tiercheck.backends.base import (
     FailureDomain,
     Tier,
     check_blob_id,
+    check_budget,
     invalid_url,
+    parse_budget,
 )
-from tiercheck.errors import NotFound, TierError, TierFull
-from tiercheck.formats.framing import FRAME_HEADER, frame_record, iter_frames
+from tiercheck.errors import NotFound, OverBudget, TierError, TierFull
+from tiercheck.formats.framing import frame_record, scan_frames
 
-__all__ = ["DEFAULT_ROOT", "ShmTier"]
+__all__ = [
+    "DEFAULT_ROOT",
+    "OWNER_FILE",
+    "Segment",
+    "ShmTier",
+    "list_segments",
+    "remove_segment",
+    "shm_free_bytes",
+]
 
 DEFAULT_ROOT = "/dev/shm/tiercheck"
 DEFAULT_POOL_LIMIT = 4 << 30
@@ -85,9 +118,124 @@ def _read_exact(fd: int, into: memoryview) -> int:
     return pos
 
 
-def _intact_length(data: bytes) -> int:
-    """Length of the prefix of ``data`` made of whole, valid frames."""
-    return sum(FRAME_HEADER + len(payload) for payload in iter_frames(data))
+OWNER_FILE = "owner.json"
+_OWNER_KIND = "tiercheck-shm"
+_COMPACT_NAME = "log.compact"
+
+
+def shm_free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer can still allocate on the file system of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _write_json_atomic(path: str, obj: dict[str, Any]) -> None:
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One shm store (a directory under an shm root) and what its owner file says.
+
+    ``store`` is the owning store's root on node ``store_host`` (None: opened without a
+    store, or no owner file); ``host`` is the node that created it; ``owned`` says whether
+    an owner file was found at all. ``nbytes`` is the memory its files take (None when
+    not measured).
+    """
+
+    path: str
+    name: str
+    root: str
+    store: str | None
+    store_host: str | None
+    host: str | None
+    pid: int | None
+    created: float | None
+    owned: bool
+    nbytes: int | None
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def read_owner(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The owner record of the segment directory ``path``, or None if it has none."""
+    try:
+        with open(os.path.join(path, OWNER_FILE)) as f:
+            obj = json.load(f)
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) and obj.get("kind") == _OWNER_KIND else None
+
+
+def _is_segment(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "blobs")) and os.path.exists(os.path.join(path, "log"))
+
+
+def list_segments(
+    root: str | os.PathLike[str] = DEFAULT_ROOT, *, sizes: bool = True
+) -> builtins.list[Segment]:
+    """Every shm store under ``root`` (an shm root, default ``/dev/shm/tiercheck``).
+
+    ``sizes=False`` skips measuring each store (a walk of its files): the cheap listing.
+    """
+    root = os.fspath(root)
+    try:
+        entries = sorted(e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+    out = []
+    for path in entries:
+        if not _is_segment(path):
+            continue
+        owner = read_owner(path) or {}
+
+        def field(name: str, kind: type, owner: dict[str, Any] = owner) -> Any:
+            value = owner.get(name)
+            return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+        created = owner.get("created")
+        out.append(
+            Segment(
+                path=path,
+                name=os.path.basename(path),
+                root=root,
+                store=field("store", str),
+                store_host=field("store_host", str),
+                host=field("host", str),
+                pid=field("pid", int),
+                created=float(created) if isinstance(created, (int, float)) else None,
+                owned=bool(owner),
+                nbytes=_dir_bytes(path) if sizes else None,
+            )
+        )
+    return out
+
+
+def remove_segment(path: str | os.PathLike[str]) -> int:
+    """Delete the shm store at ``path`` (all its files); returns the bytes freed.
+
+    Refuses a directory that is not an shm store, so a wrong path deletes nothing.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return 0
+    if not _is_segment(path):
+        raise TierError(f"{path} is not a tiercheck shm store; not deleting it")
+    freed = _dir_bytes(path)
+    shutil.rmtree(path, ignore_errors=True)
+    return freed
 
 
 def _pid_alive(pid: int) -> bool:
@@ -139,7 +287,9 @@ class ShmTier(Tier):
     """Tier in host shared memory. See the module docstring for layout and guarantees.
 
     Options: ``root`` (directory holding the stores, default ``/dev/shm/tiercheck``),
-    ``read_only``, ``pool_limit`` (bytes of free segments kept for reuse, default 4 GiB).
+    ``read_only``, ``pool_limit`` (bytes of free segments kept for reuse, default 4 GiB),
+    ``budget`` (most bytes of blobs plus pool held; default none: only the free memory of
+    /dev/shm bounds it).
     """
 
     scheme: ClassVar[str] = "shm"
@@ -154,6 +304,7 @@ class ShmTier(Tier):
         root: str | os.PathLike[str] = DEFAULT_ROOT,
         read_only: bool = False,
         pool_limit: int = DEFAULT_POOL_LIMIT,
+        budget: int | str | None = None,
         **options: Any,
     ) -> None:
         if options:
@@ -167,8 +318,11 @@ class ShmTier(Tier):
             raise ValueError(f"pool_limit must be >= 0, got {pool_limit}")
         super().__init__(url, capabilities=self.CAPABILITIES, read_only=read_only)
         self.name = name
-        self.path = os.path.join(os.fspath(root), name)
-        self.pool_limit = pool_limit
+        self.root = os.fspath(root)
+        self.path = os.path.join(self.root, name)
+        self._pool_limit = self.pool_limit = pool_limit
+        self.budget: int | None = None
+        self.set_budget(budget)
         self._blobs = os.path.join(self.path, "blobs")
         self._pool_dir = os.path.join(self.path, "pool")
         self._tmp = os.path.join(self.path, "tmp")
@@ -178,6 +332,10 @@ class ShmTier(Tier):
         self._tag = f"{os.getpid()}.{id(self):x}"
         self._log_lock = threading.Lock()
         self._log_fd = -1
+        # Bytes of blobs held (counted at a writable open, kept by put/delete), and the
+        # lock that makes a budget check and its reservation one step.
+        self._held = 0
+        self._held_lock = threading.Lock()
         #: Segments taken from the pool / created fresh by this instance's puts.
         self.segments_reused = 0
         self.segments_created = 0
@@ -188,6 +346,8 @@ class ShmTier(Tier):
         try:
             for d in (self._blobs, self._pool_dir, self._tmp):
                 os.makedirs(d, exist_ok=True)
+            if read_owner(self.path) is None:
+                self._write_owner(None)
             self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
             self._recover()
         except OSError as exc:
@@ -196,17 +356,53 @@ class ShmTier(Tier):
 
     # --- opening -------------------------------------------------------------------
 
+    def _write_owner(self, store: str | None, store_host: str | None = None) -> None:
+        previous = read_owner(self.path) or {}
+        _write_json_atomic(
+            os.path.join(self.path, OWNER_FILE),
+            {
+                "kind": _OWNER_KIND,
+                "store": store,
+                "store_host": store_host,
+                "host": previous.get("host", socket.gethostname()),
+                "pid": previous.get("pid", os.getpid()),
+                "created": previous.get("created", time.time()),
+                "url": self.url,
+            },
+        )
+
+    def bind_store(self, root: str, *, host: str | None = None) -> None:
+        """Record ``root`` on ``host`` (default: this one) as the store owning this segment
+        (in ``owner.json``). A segment kept for a store on another node (the collective
+        tier's partner) names that node, and this node's orphan scan leaves it alone."""
+        if self.read_only:
+            return
+        host = host or socket.gethostname()
+        owner = read_owner(self.path)
+        if owner is not None and (owner.get("store"), owner.get("store_host")) == (root, host):
+            return
+        try:
+            self._write_owner(root, host)
+        except OSError as exc:
+            raise self._os_error(exc, "record the owner") from exc
+
     def _recover(self) -> None:
-        """Undo what a crashed writer left: a torn log tail, files in tmp/; index the pool."""
+        """Undo what a crashed writer left: a torn log tail, files in tmp/, an unfinished
+        compaction; index the pool and count the blobs held."""
         with self._log_lock:
-            fcntl.flock(self._log_fd, fcntl.LOCK_EX)
+            self._lock_log()
             try:
                 data = self._read_log_bytes()
-                good = _intact_length(data)
+                good = scan_frames(data).intact_end
                 if good < len(data):
                     os.ftruncate(self._log_fd, good)
+                try:
+                    os.unlink(os.path.join(self.path, _COMPACT_NAME))
+                except FileNotFoundError:
+                    pass
             finally:
                 fcntl.flock(self._log_fd, fcntl.LOCK_UN)
+        self._held = self._count_blob_bytes()
         for entry in os.scandir(self._pool_dir):
             self._pool.add(entry.name, entry.stat(follow_symlinks=False).st_size)
         for entry in os.scandir(self._tmp):
@@ -246,6 +442,49 @@ class ShmTier(Tier):
             )
         return TierError(f"{what} failed at {self.path}: {exc}", url=self.url, key=blob_id)
 
+    def _count_blob_bytes(self) -> int:
+        total = 0
+        for entry in os.scandir(self._blobs):
+            try:
+                total += entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+        return total
+
+    def _reserve(self, blob_id: str, size: int, replaced: int) -> None:
+        """Count ``size`` bytes as held before writing them (``replaced``: bytes of the
+        copy an overwrite replaces); ``OverBudget`` if they do not fit."""
+        with self._held_lock:
+            held = self._held - replaced
+            check_budget(self.url, blob_id, held=held, needed=size, budget=self.budget)
+            self._held += size
+
+    def _fit_pool(self) -> None:
+        """Free pooled segments until blobs plus pool fit the budget (called after a put
+        has taken its segment from the pool, so the segment it reuses is not freed)."""
+        if self.budget is None:
+            return
+        with self._held_lock:
+            room = self.budget - self._held
+        if self._pool.total > room:
+            self.trim_pool(max(0, room))
+
+    def _release(self, size: int) -> None:
+        with self._held_lock:
+            self._held -= size
+
+    def _check_free(self, blob_id: str, need: int) -> None:
+        """``OverBudget`` if /dev/shm has fewer than ``need`` bytes free for new pages."""
+        if need <= 0:
+            return
+        try:
+            free = shm_free_bytes(self.path)
+        except OSError:
+            return  # no statvfs: the write itself reports ENOSPC
+        with self._held_lock:
+            held = self._held
+        check_budget(self.url, blob_id, held=held, needed=need, budget=None, free=free)
+
     def _to_pool(self, path: str, size: int) -> bool:
         """Move the file at ``path`` into the pool, or unlink it when the pool is full."""
         if self._pool.total + size > self.pool_limit:
@@ -284,10 +523,27 @@ class ShmTier(Tier):
             return False
         views = [memoryview(part).cast("B") for part in parts]
         size = sum(len(v) for v in views)
+        replaced = 0
+        if overwrite:
+            try:
+                replaced = os.stat(final).st_size
+            except FileNotFoundError:
+                pass
+        self._reserve(blob_id, size, replaced)
         tmp = ""
         fd = -1
+        kept = False  # whether the reserved bytes ended up held
         try:
             tmp, fd, seg_size = self._claim_segment(size)
+            self._fit_pool()
+            try:
+                self._check_free(blob_id, size - seg_size)
+            except OverBudget:
+                os.close(fd)
+                fd = -1
+                self._to_pool(tmp, seg_size)  # unused: back to the pool (or freed)
+                tmp = ""
+                raise
             if seg_size > size:
                 os.ftruncate(fd, size)  # frees only the pages past the new end
             offset = 0
@@ -298,6 +554,8 @@ class ShmTier(Tier):
             fd = -1
             if overwrite:
                 os.replace(tmp, final)
+                kept = True
+                self._release(replaced)
                 return True
             try:
                 os.link(tmp, final)
@@ -305,6 +563,7 @@ class ShmTier(Tier):
                 self._to_pool(tmp, size)  # lost a race with an equal put: recycle
                 return False
             os.unlink(tmp)
+            kept = True
             return True
         except OSError as exc:
             if fd >= 0:
@@ -315,6 +574,9 @@ class ShmTier(Tier):
                 except FileNotFoundError:
                     pass
             raise self._os_error(exc, "put", blob_id) from exc
+        finally:
+            if not kept:
+                self._release(size)
 
     def _open_blob(self, blob_id: str, op: str) -> int:
         """A read-only descriptor of ``blob_id``'s file (NotFound if there is none)."""
@@ -353,6 +615,23 @@ class ShmTier(Tier):
             )
         return target
 
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        """Read ``blob_id`` over ``parts`` with ``preadv``: no intermediate buffer."""
+        fd = self._open_blob(blob_id, "get")
+        try:
+            size = os.fstat(fd).st_size
+            want = min(size, sum(len(p) for p in parts))
+            n = read_parts(fd, parts, want)
+        except OSError as exc:
+            raise self._os_error(exc, "get", blob_id) from exc
+        finally:
+            os.close(fd)
+        if n != want:
+            raise TierError(
+                f"blob shrank while being read ({n} of {size} bytes)", url=self.url, key=blob_id
+            )
+        return size
+
     def head(self, blob_id: str, nbytes: int = 64) -> bytes:
         """The first ``nbytes`` bytes: one ``pread`` of the prefix, not the whole blob."""
         if nbytes < 0:
@@ -382,11 +661,13 @@ class ShmTier(Tier):
         for blob_id in ids:
             path = self._blob_path(blob_id)
             try:
-                self._to_pool(path, os.stat(path).st_size)
+                size = os.stat(path).st_size
+                self._to_pool(path, size)
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 raise self._os_error(exc, "delete", blob_id) from exc
+            self._release(size)
             removed += 1
         return removed
 
@@ -421,6 +702,23 @@ class ShmTier(Tier):
         """Bytes of free segments this instance holds for reuse."""
         return self._pool.total
 
+    def set_budget(self, nbytes: int | str | None) -> None:
+        """Set the budget (blobs plus pool); the pool is trimmed at the next put."""
+        self.budget = parse_budget(nbytes, self.url)
+        self.pool_limit = (
+            self._pool_limit if self.budget is None else min(self._pool_limit, self.budget)
+        )
+
+    def usage(self) -> int:
+        """Bytes of blobs held (a read-only instance counts them now; a writer keeps count)."""
+        if self.read_only:
+            try:
+                return self._count_blob_bytes()
+            except OSError as exc:
+                raise self._os_error(exc, "usage") from exc
+        with self._held_lock:
+            return self._held
+
     # --- log -----------------------------------------------------------------------
 
     def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
@@ -431,7 +729,10 @@ class ShmTier(Tier):
         with self._log_lock:
             if self._log_fd < 0:
                 raise TierError("append on a closed tier", url=self.url)
-            fcntl.flock(self._log_fd, fcntl.LOCK_EX)
+            try:
+                self._lock_log()
+            except OSError as exc:
+                raise self._os_error(exc, "log append") from exc
             try:
                 end = os.fstat(self._log_fd).st_size
                 try:
@@ -452,8 +753,66 @@ class ShmTier(Tier):
         except FileNotFoundError:
             return b""
 
+    def _lock_log(self) -> None:
+        """Take the exclusive lock on the file now named ``log`` (under ``_log_lock``).
+
+        A compaction renames a new file over ``log``: a descriptor of the replaced file
+        is swapped for one of the new file, so nothing is ever appended to a dead log.
+        """
+        while True:
+            fcntl.flock(self._log_fd, fcntl.LOCK_EX)
+            held = os.fstat(self._log_fd)
+            try:
+                named = os.stat(self._log_path)
+            except FileNotFoundError:
+                named = None
+            if named is not None and (named.st_ino, named.st_dev) == (held.st_ino, held.st_dev):
+                return
+            fcntl.flock(self._log_fd, fcntl.LOCK_UN)
+            os.close(self._log_fd)
+            self._log_fd = -1
+            self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
+
     def read_log(self) -> builtins.list[bytes]:
+        """Every intact record; a damaged frame in the middle is skipped, not the rest."""
         try:
-            return builtins.list(iter_frames(self._read_log_bytes()))
+            return builtins.list(scan_frames(self._read_log_bytes()).payloads)
         except OSError as exc:
             raise self._os_error(exc, "read_log") from exc
+
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        """Write ``record`` plus the log after its first ``count`` records to
+        ``log.compact``, then rename it over ``log`` (under the log lock)."""
+        self._check_writable("compact the log")
+        frame = frame_record(bytes(record))
+        tmp = os.path.join(self.path, _COMPACT_NAME)
+        with self._log_lock:
+            if self._log_fd < 0:
+                raise TierError("compaction on a closed tier", url=self.url)
+            try:
+                self._lock_log()
+            except OSError as exc:
+                raise self._os_error(exc, "log compaction") from exc
+            try:
+                data = self._read_log_bytes()
+                scan = scan_frames(data)
+                if not 1 <= count <= len(scan.spans):
+                    raise ValueError(f"count {count} is outside the log of {len(scan.spans)}")
+                cut = scan.spans[count - 1][1]
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    _write_all(fd, memoryview(frame), 0)
+                    _write_all(fd, memoryview(data)[cut:], len(frame))
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self._log_path)
+            except OSError as exc:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise self._os_error(exc, "log compaction") from exc
+            finally:
+                fcntl.flock(self._log_fd, fcntl.LOCK_UN)
+            os.close(self._log_fd)
+            self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)

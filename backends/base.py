@@ -12,11 +12,33 @@ The engine's call sequence into a tier, which an implementation may rely on:
    missing blobs, then ``append(record, blobs=...)``. A record is appended only after every
    blob it references is durable in this tier (a tier with transactions may put the blobs
    passed as ``blobs`` in the same transaction as the record).
-3. Restoring: ``read_log()`` once, then ``get`` per blob (possibly into a caller buffer).
+3. Restoring: ``read_log()`` once, then ``get`` or ``get_parts`` per blob (possibly into a
+   caller buffer).
 4. Repair: ``put(id, data, overwrite=True)`` replaces a copy found corrupt.
 5. Retention / GC: ``list()``, ``head(id)`` (a blob's header, to find a delta's base) and
    ``delete(ids)``, only for blobs no kept record references.
-6. ``close()``; after it no call is made.
+6. Log compaction, after retention: ``read_log()``, then ``replace_log_prefix(n, record)``
+   with a checkpoint record that sums up the first ``n`` records read. Records appended
+   in between stay after the checkpoint. A tier that cannot do it atomically raises
+   ``NotSupported`` (the default) and keeps its whole log.
+7. ``close()``; after it no call is made.
+
+Before any of these, a store opened for writing calls ``bind_store(root)`` once, naming the
+store that owns the tier; a tier holding node memory records it so that a segment whose
+store is deleted can be found and reclaimed (``tiercheck gc --orphans``).
+
+**Budgets (memory tiers).** A tier holding node memory (shm, the peer daemon, the
+collective tier, ``memory://``) takes a ``budget`` option: the most bytes of blob data it
+may hold (an int or a size such as ``"8GiB"``; default none). ``usage()`` returns the bytes
+of blob data held now (None where counting is not cheap). A ``put`` that would take
+``usage()`` past the budget, or that needs more memory than the node has free, writes
+nothing and raises ``OverBudget`` (a ``TierFull``): the tier never takes the memory a
+trainer needs, and a tmpfs page fault can never become a SIGBUS. The engine's side of the
+contract: before placing a version on a tier with a budget, compare ``usage()`` plus the
+bytes it will write with ``budget`` and drop old versions (retention, then GC) to make room;
+a version that still does not fit is skipped on that tier with a warning, never a failed
+training step. ``OverBudget`` raised by a put in flight means the same: skip the tier for
+that version.
 
 Guarantees every tier gives (checked by :mod:`tiercheck.testing`):
 
@@ -25,9 +47,12 @@ Guarantees every tier gives (checked by :mod:`tiercheck.testing`):
 - ``append`` is atomic and ordered: after a crash ``read_log`` returns exactly the records
   whose ``append`` returned, possibly plus the one in flight (whole or not at all), in
   append order.
+- ``replace_log_prefix`` is atomic: after a crash ``read_log`` returns either the old
+  records or the checkpoint followed by the records after the replaced prefix.
 - Errors are typed (:mod:`tiercheck.errors`): ``NotFound`` for a missing blob,
   ``TierUnavailable`` when the tier cannot be reached (retryable), ``TierFull`` when out of
-  space, ``ReadOnlyTier`` for a write to a read-only tier, ``InvalidURL`` for a bad URL.
+  space (``OverBudget`` past a budget), ``ReadOnlyTier`` for a write to a read-only tier,
+  ``InvalidURL`` for a bad URL.
   A tier does not check that a blob's content matches its id: the codec layer does that.
 """
 
@@ -41,7 +66,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
 
-from tiercheck.errors import InvalidURL, NotSupported, ReadOnlyTier, TierError
+from tiercheck.errors import InvalidURL, NotSupported, OverBudget, ReadOnlyTier, TierError
+from tiercheck.sizes import format_size, parse_size
 
 __all__ = [
     "BLOB_ID_RE",
@@ -50,7 +76,10 @@ __all__ = [
     "FailureDomain",
     "Tier",
     "check_blob_id",
+    "check_budget",
     "invalid_url",
+    "parse_budget",
+    "scatter",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -79,6 +108,11 @@ class Capabilities:
     memory 0, shm 10, peer 20, lmdb 30, fsspec local 40, fsspec remote 50.
     ``atomic_batch`` says that ``append(record, blobs=...)`` writes blobs and record in
     one transaction. ``persistent`` says the content survives a reboot of its host.
+    ``compress`` says that bytes are scarcer than CPU on the way to this tier (a network
+    object store), so the default placement compresses what a shared or cluster-surviving
+    tier stores; a file system mounted on this node says False: writing fp32 there is
+    faster than compressing it (zstd level 1 runs at about 1 GB/s per core and saves
+    under 10% on training state).
     """
 
     survives: FailureDomain
@@ -86,6 +120,7 @@ class Capabilities:
     persistent: bool
     speed_rank: int
     atomic_batch: bool = False
+    compress: bool = True
 
 
 def check_blob_id(blob_id: str, url: str = "") -> None:
@@ -135,6 +170,16 @@ class Tier(abc.ABC):
         """Store several blobs; returns how many were written. Not atomic as a group."""
         return sum(1 for blob_id, data in items if self.put(blob_id, data))
 
+    def put_many_parts(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> int:
+        """:meth:`put_many` for blobs given as parts (see :meth:`put_parts`).
+
+        A transactional tier takes the engine's batch of raw blobs this way (a header and
+        a view of the staged chunk each) and joins each into a buffer it reuses, instead
+        of the engine joining every blob into fresh memory. The default joins each blob
+        as it is consumed and calls :meth:`put_many`.
+        """
+        return self.put_many((blob_id, b"".join(parts)) for blob_id, parts in items)
+
     @abc.abstractmethod
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
         """Return the stored bytes of ``blob_id``.
@@ -143,6 +188,21 @@ class Tier(abc.ABC):
         written into its start and ``out[:size]`` is returned; otherwise a new buffer.
         Raises ``NotFound`` (also when ``out`` is too small: ``ValueError``).
         """
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        """Read ``blob_id`` scattered over ``parts`` and return the blob's size in bytes.
+
+        The blob's first ``len(parts[0])`` bytes land in ``parts[0]``, the next ones in
+        ``parts[1]``, and so on (a vectored read). A blob shorter than the parts together
+        leaves the rest untouched; of a longer one only the prefix that fits is read: the
+        caller compares the size returned with what it gave. The engine reads a raw blob as
+        its header into a small buffer and its payload straight into the destination (a
+        tensor, the staging buffer), so a tier able to read into caller memory (``preadv``
+        on a file, a copy out of a mapped value) spares the intermediate copy by
+        overriding this. The default reads the blob with :meth:`get` and copies. Raises
+        ``NotFound``.
+        """
+        return scatter(self.get(blob_id), parts)
 
     @abc.abstractmethod
     def has(self, blob_ids: Iterable[str]) -> set[str]:
@@ -186,6 +246,43 @@ class Tier(abc.ABC):
     def read_log(self) -> builtins.list[bytes]:
         """Every complete record, in append order. Torn or partial records are not returned."""
 
+    def replace_log_prefix(self, count: int, record: bytes) -> None:
+        """Replace the first ``count`` records of the log with the single ``record``.
+
+        ``count`` (``1 <= count <= len(read_log())``, else ``ValueError``) counts records
+        as :meth:`read_log` returns them (damaged ones skipped);
+        records appended after those ``count`` stay, in order, after ``record``. Atomic:
+        a reader (and a crash) sees the old log or the new one, never a mix that loses a
+        record. Log compaction uses it with a checkpoint record of the catalog. The
+        default raises ``NotSupported``: the engine then keeps the whole log.
+        """
+        raise self._unsupported("log compaction (replace_log_prefix)")
+
+    # --- resources -----------------------------------------------------------------
+
+    def usage(self) -> int | None:
+        """Bytes of blob data this tier holds, or None where counting is not cheap.
+
+        Memory tiers count (their ``budget`` bounds it); the default is None.
+        """
+        return None
+
+    def set_budget(self, nbytes: int | str | None) -> None:
+        """Change the tier's ``budget`` (bytes, a size such as ``"8GiB"``, or None: none).
+
+        The engine sets a default budget once it knows the state's size. Blobs already
+        held above a lowered budget stay (retention removes them); only new writes are
+        refused. Memory tiers implement it; the default raises ``NotSupported``.
+        """
+        raise self._unsupported("a memory budget")
+
+    def bind_store(self, root: str) -> None:  # noqa: B027 - optional hook
+        """Record that the store at ``root`` owns this tier (called once, before saving).
+
+        A tier holding node memory records the owner so that its memory can be reclaimed
+        once that store is deleted (see :mod:`tiercheck.lifecycle`). Default: nothing.
+        """
+
     # --- lifecycle -----------------------------------------------------------------
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
@@ -218,6 +315,64 @@ class Tier(abc.ABC):
             )
         out[:n] = data
         return out[:n]
+
+
+def scatter(data: Buffer, parts: Sequence[memoryview]) -> int:
+    """Copy the start of ``data`` over ``parts`` in order; return ``len(data)`` (for
+    :meth:`Tier.get_parts` of tiers that hold the blob in memory)."""
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    pos = 0
+    for part in parts:
+        if pos >= len(view):
+            break
+        n = min(len(part), len(view) - pos)
+        part[:n] = view[pos : pos + n]
+        pos += n
+    return len(view)
+
+
+def parse_budget(value: int | str | None, url: str = "") -> int | None:
+    """A ``budget`` tier option as bytes (None: no budget); ``InvalidURL`` if malformed."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise invalid_url(url, f"budget: {exc}") from None
+
+
+def check_budget(
+    url: str, blob_id: str, *, held: int, needed: int, budget: int | None, free: int | None = None
+) -> None:
+    """Raise ``OverBudget`` if ``needed`` more bytes do not fit.
+
+    ``held`` bytes are held now; ``budget`` bounds ``held + needed`` (None: no budget);
+    ``free`` is the memory the node has free for new pages (None: not checked).
+    """
+    if budget is not None and held + needed > budget:
+        raise OverBudget(
+            f"writing {format_size(needed)} would take the tier past its budget: "
+            f"{format_size(held)} of {format_size(budget)} held; drop old versions "
+            "(retention keep_bases/keep_diffs), or raise the tier's budget option",
+            url=url,
+            key=blob_id,
+            needed=needed,
+            held=held,
+            budget=budget,
+        )
+    if free is not None and needed > free:
+        raise OverBudget(
+            f"writing {format_size(needed)} needs more memory than the node has free "
+            f"({format_size(free)}); free memory (tiercheck gc --orphans, old stores), "
+            "or give the tier a smaller budget so that fewer versions are kept",
+            url=url,
+            key=blob_id,
+            needed=needed,
+            held=held,
+            budget=budget,
+        )
 
 
 def invalid_url(url: str, why: str) -> InvalidURL:

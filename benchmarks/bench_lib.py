@@ -27,11 +27,11 @@ import torch
 
 import tiercheck
 from tiercheck.config import TierSpec
+from tiercheck.lifecycle import destroy_store
 
 MIB = 1 << 20
 GIB = 1 << 30
 SHM = Path("/dev/shm")
-SHM_TIER_ROOT = SHM / "tiercheck"
 
 warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -183,6 +183,30 @@ def scratch(where: Path) -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def private_disk_dir() -> Iterator[Path]:
+    """A directory of this run's own under :func:`disk_dir`, which :func:`disk_dir` returns
+    until the context exits and the directory is removed: concurrent runs (a CI smoke run
+    beside a full one) never remove each other's files."""
+    base = disk_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    own = Path(tempfile.mkdtemp(prefix="run-", dir=base))
+    previous = os.environ.get("TIERCHECK_BENCH_DISK")
+    os.environ["TIERCHECK_BENCH_DISK"] = str(own)
+    try:
+        yield own
+    finally:
+        if previous is None:
+            os.environ.pop("TIERCHECK_BENCH_DISK", None)
+        else:
+            os.environ["TIERCHECK_BENCH_DISK"] = previous
+        shutil.rmtree(own, ignore_errors=True)
+        try:
+            base.rmdir()  # only if no other run is using it
+        except OSError:
+            pass
 
 
 def disk_dir() -> Path:
@@ -399,10 +423,10 @@ def dcp_async(bs: BenchState, where: Path, repeats: int) -> dict[str, Any]:
 # --- tiercheck ------------------------------------------------------------------------------
 
 
-def shm_cleanup(ckpt_config: Any) -> None:
-    for spec in ckpt_config.tiers:
-        if spec.url.startswith("shm://"):
-            shutil.rmtree(SHM_TIER_ROOT / spec.url[len("shm://") :], ignore_errors=True)
+def destroy(ckpt: tiercheck.Checkpointer) -> None:
+    """Close ``ckpt`` and delete its store with its shm segments (tiercheck rm)."""
+    ckpt.close(wait_migrations=False)
+    destroy_store(ckpt.root)
 
 
 @contextmanager
@@ -411,8 +435,8 @@ def store(
     policy: tiercheck.Policy,
     root: Path | None = None,
 ) -> Iterator[tiercheck.Checkpointer]:
-    """A fresh Checkpointer (default tiers when ``tiers`` is None) removed afterwards."""
-    made = root is None
+    """A fresh Checkpointer (default tiers when ``tiers`` is None), deleted afterwards with
+    its shm segments."""
     root = root or Path(tempfile.mkdtemp(prefix="tc-bench-store-", dir=disk_dir()))
     if tiers is not None:
         uid = uuid.uuid4().hex[:10]
@@ -427,9 +451,7 @@ def store(
         try:
             ckpt.close(wait_migrations=False)
         finally:
-            shm_cleanup(ckpt.config)
-            if made:
-                shutil.rmtree(root, ignore_errors=True)
+            destroy_store(root)  # the root and its shm segments (tiercheck rm)
 
 
 def tc_saves(
@@ -444,7 +466,8 @@ def tc_saves(
 
     ``prepare`` runs first (the staging buffer is allocated before the first save, as the
     issue asks). Records per save: blocked (``save`` returning), staged, committed (at the
-    synchronous tiers), per-tier commit times, optionally migrated (``wait_migrated``),
+    synchronous tiers), per-tier commit times, optionally migrated (``wait_migrated``) and the
+    migration alone (migrated minus committed),
     background CPU seconds and peak extra RSS (relative to before ``prepare``: the staging
     buffer counts).
     """
@@ -453,11 +476,13 @@ def tc_saves(
         "staged": [],
         "committed": [],
         "migrated": [],
+        "migration": [],
         "cpu": [],
         "rss": [],
         "tiers": {},
         "bytes": [],
         "blocked_all": [],
+        "committed_first": None,
     }
     gc.collect()
     base_rss = psutil.Process().memory_info().rss
@@ -475,6 +500,8 @@ def tc_saves(
                 r = h.wait_migrated()
             t_end = time.perf_counter() - t0
         out["blocked_all"].append(blocked)
+        if i == 0:
+            out["committed_first"] = r.timings["committed"]
         if i < warm:
             continue
         out["blocked"].append(blocked)
@@ -482,6 +509,9 @@ def tc_saves(
         out["committed"].append(r.timings["committed"])
         if migrated:
             out["migrated"].append(t_end)
+            # the migration starts when the version is committed (the migrator is idle:
+            # every save here waits for the previous one's migration)
+            out["migration"].append(t_end - r.timings["committed"])
         out["cpu"].append(cpu_seconds() - c0)
         out["rss"].append(mem.extra)
         out["bytes"].append(dict(r.bytes_written))

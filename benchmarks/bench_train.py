@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_lib import SHM, dcp_stager, dir_bytes, disk_dir, median, shm_cleanup
+from bench_lib import SHM, dcp_stager, destroy, dir_bytes, disk_dir, median
 from torch import nn
 
 import tiercheck
@@ -106,9 +106,7 @@ def bytes_per_version(scenario: str, versions: int) -> dict[str, Any]:
             torch.save({"model": tr.model.state_dict(), "optim": tr.optim.state_dict()}, f"{d}/x")
             torch_bytes = Path(f"{d}/x").stat().st_size
     finally:
-        ckpt.close()
-        shm_cleanup(ckpt.config)
-        shutil.rmtree(root, ignore_errors=True)
+        destroy(ckpt)
     trainable = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
     out: dict[str, Any] = {
         "scenario": scenario,
@@ -164,9 +162,7 @@ def training_run(mode: str, steps: int) -> float:
             h.wait()
             return time.perf_counter() - t0
         finally:
-            ckpt.close()
-            shm_cleanup(ckpt.config)
-            shutil.rmtree(root, ignore_errors=True)
+            destroy(ckpt)
     if mode == "dcp_async":
         import torch.distributed.checkpoint as dcp
 

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from tiercheck.dcp import TierWriter
+from tiercheck.lifecycle import destroy_store
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -98,7 +99,6 @@ def rep_tier(state: dict[str, Any], work: Path, mode: str) -> list[dict[str, flo
     root = work / f"tier-{mode}"
     out = []
     writer = TierWriter(root)
-    shm_dirs: list[Path] = []
     try:
         for k in range(2):
             row = one_save(state, writer, mode)
@@ -113,14 +113,11 @@ def rep_tier(state: dict[str, Any], work: Path, mode: str) -> list[dict[str, flo
             out.append(row)
             if k == 0:
                 nudge(state)
-        for spec in ckpt.config.tiers:
-            if spec.url.startswith("shm://"):
-                shm_dirs.append(Path("/dev/shm/tiercheck") / spec.url.removeprefix("shm://"))
     finally:
         writer.close()
-        for d in shm_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-            shutil.rmtree(f"{d}-warm", ignore_errors=True)
+        for rank_root in root.glob("rank*"):  # each rank's store with its shm segment
+            if (rank_root / "tiercheck.toml").exists():
+                destroy_store(rank_root)
     return out
 
 

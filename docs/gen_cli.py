@@ -21,7 +21,11 @@ HEADER = """# CLI reference
 
 `tiercheck` (also `python -m tiercheck`) browses and manages a store from the shell.
 
-- `ROOT` is a store root: the directory holding `tiercheck.toml`.
+- `ROOT` is a store root: the directory holding `tiercheck.toml`. Reading commands also take
+  a tier URL (`file:///...`, `s3://...`, `lmdb:///...`), opened read-only: that is how to
+  browse a copy `migrate --to URL` made. `ls`, `verify` and `export` also take a DCP root
+  (the root given to `tiercheck.dcp.TierWriter`, one store per rank in `rank{r}/`), and then
+  act on every rank; other commands take one rank's store.
 - `VERSION` is a version id (`17`), `latest` (the newest restorable version) or `step:N`
   (the newest version saved at step N).
 - Every command takes `--json` and then prints one JSON document on stdout with stable

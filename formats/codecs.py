@@ -30,9 +30,11 @@ __all__ = [
     "BlobHeader",
     "Codec",
     "decode_blob",
+    "delta_if_smaller",
     "delta_or_raw",
     "encode_blob",
     "encode_blob_parts",
+    "raw_payload",
     "read_header",
 ]
 
@@ -386,12 +388,29 @@ def delta_or_raw(
 
     The delta blob is chosen when ``len(raw blob) / len(delta blob) >= min_ratio``.
     """
-    delta = encode_blob(
+    delta = delta_if_smaller(raw, base, base_id, elem_size, level, min_ratio)
+    if delta is not None:
+        return Codec.DELTA, b"".join(delta)
+    return Codec.RAW, encode_blob(raw, Codec.RAW)
+
+
+def delta_if_smaller(
+    raw: Buffer,
+    base: Buffer,
+    base_id: str,
+    elem_size: int = 1,
+    level: int = 1,
+    min_ratio: float = 1.1,
+) -> list[Buffer] | None:
+    """The delta blob of ``raw`` against ``base`` as parts (see :func:`encode_blob_parts`)
+    if ``len(raw blob) / len(delta blob) >= min_ratio``, else None (nothing else is
+    encoded: the caller picks the other codec)."""
+    parts = encode_blob_parts(
         raw, Codec.DELTA, base=base, base_id=base_id, elem_size=elem_size, level=level
     )
-    if BLOB_HEADER_SIZE + len(as_byte_view(raw)) >= min_ratio * len(delta):
-        return Codec.DELTA, delta
-    return Codec.RAW, encode_blob(raw, Codec.RAW)
+    if BLOB_HEADER_SIZE + len(as_byte_view(raw)) >= min_ratio * sum(len(p) for p in parts):
+        return parts
+    return None
 
 
 # --- decode --------------------------------------------------------------------------
@@ -423,6 +442,48 @@ def _zstd_into(payload: memoryview, dst: memoryview, expected_id: str) -> None:
             f"zstd payload decodes to {'more' if extra else pos} bytes, the header says {n}",
             key=expected_id,
         )
+
+
+def raw_payload(
+    header: Buffer, payload: memoryview, size: int, expected_id: str, *, verify: bool = True
+) -> memoryview | None:
+    """The chunk of a blob read in two parts, if it is a plain raw blob; else None.
+
+    ``size`` is the blob's length; its first :data:`BLOB_HEADER_SIZE` bytes were read into
+    ``header`` and the rest into ``payload`` (a tier's ``get_parts``). A raw blob with the
+    standard header returns ``payload[:raw_length]``, checked as :func:`decode_blob` checks
+    (header, lengths, and with ``verify`` the id): the payload was decoded where it landed.
+    Any other codec or header size, or a payload longer than ``payload``, returns None:
+    the caller decodes the whole blob with :func:`decode_blob`. Raises what
+    :func:`decode_blob` raises for a damaged or newer blob.
+    """
+    hview = as_byte_view(header)
+    hdr = read_header(hview[: min(size, len(hview))], expected_id=expected_id)
+    if hdr.codec is not Codec.RAW or hdr.header_size != BLOB_HEADER_SIZE:
+        return None
+    n = size - BLOB_HEADER_SIZE
+    if n > len(payload):
+        return None
+    if hdr.payload_length != n:
+        what = "truncated" if n < hdr.payload_length else "has trailing bytes"
+        raise BlobCorrupt(
+            f"blob {what}: {size} bytes, header + payload is "
+            f"{BLOB_HEADER_SIZE + hdr.payload_length}",
+            key=expected_id,
+        )
+    if hdr.raw_length != n:
+        raise BlobCorrupt(
+            f"raw blob payload is {n} bytes, the header says {hdr.raw_length}", key=expected_id
+        )
+    result = payload[:n]
+    if verify:
+        got = chunk_id(result)
+        if got != expected_id:
+            raise BlobCorrupt(
+                f"decoded chunk hashes to {got}, not its id (damaged blob or wrong base)",
+                key=expected_id,
+            )
+    return result
 
 
 def decode_blob(

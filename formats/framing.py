@@ -5,16 +5,29 @@ payload) | payload``. A reader walks frames from the start and stops at the firs
 that is short, has a bad magic or fails its checksum: that frame and everything after it
 is a torn tail and is not returned. Tiers that keep one record per object frame it too,
 so a damaged object is detected rather than parsed.
+
+:func:`scan_frames` is the reader a tier that keeps its log in one byte stream uses (format
+revision 1.1, SPEC section 6.1): it steps over a damaged frame in the middle to the next
+intact one, so damage to one record never hides the records after it; only bytes after
+the last intact frame are a torn tail.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import blake3
 
-__all__ = ["FRAME_HEADER", "frame_record", "iter_frames", "unframe_record"]
+__all__ = [
+    "FRAME_HEADER",
+    "FrameScan",
+    "frame_record",
+    "iter_frames",
+    "scan_frames",
+    "unframe_record",
+]
 
 _MAGIC = b"TR"
 _HEADER = struct.Struct("<2sI8s")
@@ -56,3 +69,74 @@ def unframe_record(data: bytes | memoryview) -> bytes | None:
             return payload
         return None
     return None
+
+
+def _intact_at(view: memoryview, pos: int) -> int:
+    """End offset of an intact frame starting at ``pos``, or -1 if there is none."""
+    if pos + FRAME_HEADER > len(view):
+        return -1
+    magic, length, digest = _HEADER.unpack_from(view, pos)
+    end: int = pos + FRAME_HEADER + length
+    if magic != _MAGIC or end > len(view):
+        return -1
+    if _digest(view[pos + FRAME_HEADER : end]) != digest:
+        return -1
+    return end
+
+
+@dataclass(frozen=True)
+class FrameScan:
+    """What :func:`scan_frames` found: the intact frames' payloads and ``(start, end)``
+    offsets, how many damaged stretches were stepped over, and ``intact_end``, the end
+    of the last intact frame (bytes after it are a torn tail)."""
+
+    payloads: tuple[bytes, ...]
+    spans: tuple[tuple[int, int], ...]
+    damaged: int
+    intact_end: int
+
+
+def _next_intact(view: memoryview, pos: int) -> int:
+    """Start of the first intact frame after a damaged one at ``pos``, or -1."""
+    # The damaged frame's own length field is usually still right: try where it ends.
+    if pos + FRAME_HEADER <= len(view) and bytes(view[pos : pos + 2]) == _MAGIC:
+        length: int = _HEADER.unpack_from(view, pos)[1]
+        end = pos + FRAME_HEADER + length
+        if end < len(view) and _intact_at(view, end) >= 0:
+            return end
+    data = view.obj if isinstance(view.obj, bytes) else bytes(view)
+    at = pos + 1
+    while True:
+        at = data.find(_MAGIC, at)
+        if at < 0:
+            return -1
+        if _intact_at(view, at) >= 0:
+            return at
+        at += 1
+
+
+def scan_frames(data: bytes | memoryview) -> FrameScan:
+    """Every intact frame of a byte-stream log, stepping over damaged ones.
+
+    A frame that is damaged (bad magic or check, impossible length) but followed by an
+    intact frame is skipped and counted in ``damaged``; the records after it are kept.
+    Bytes after the last intact frame are a torn tail.
+    """
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    payloads: list[bytes] = []
+    spans: list[tuple[int, int]] = []
+    damaged = 0
+    pos = 0
+    while pos < len(view):
+        end = _intact_at(view, pos)
+        if end < 0:
+            nxt = _next_intact(view, pos)
+            if nxt < 0:
+                break  # a torn tail
+            damaged += 1
+            pos = nxt
+            continue
+        payloads.append(bytes(view[pos + FRAME_HEADER : end]))
+        spans.append((pos, end))
+        pos = end
+    return FrameScan(tuple(payloads), tuple(spans), damaged, spans[-1][1] if spans else 0)

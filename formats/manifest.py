@@ -8,6 +8,10 @@ only adds optional fields, which an older reader ignores. Malformed bytes raise
 
 Chunk and manifest ids are 64-character lowercase hex strings in memory and 32 raw bytes
 on the wire.
+
+Schema 1.1 adds the ``log`` role: a version stored as the optimizer inputs of the steps since
+a full version (:class:`ReplayLog`, carried by the shard manifest's optional ``log`` key),
+replayed and verified at restore. SPEC.md section 12 defines it.
 """
 
 from __future__ import annotations
@@ -24,25 +28,33 @@ __all__ = [
     "SCHEMA_MAJOR",
     "SCHEMA_MINOR",
     "AbortRecord",
+    "CheckpointRecord",
     "ChunkRef",
     "CommitRecord",
     "DropRecord",
     "Entry",
+    "Fingerprint",
+    "GroupOptions",
     "LogRecord",
+    "LogStep",
+    "ParamSpec",
     "PrepareRecord",
+    "ReplayLog",
     "ShardManifest",
+    "SmallTensor",
     "VersionInfo",
     "pack_manifest",
     "pack_record",
+    "record_schema",
     "unpack_manifest",
     "unpack_record",
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1
 
 EntryKind = Literal["tensor", "ndarray", "msgpack", "pickle"]
-Role = Literal["base", "diff"]
+Role = Literal["base", "diff", "log"]
 
 
 @dataclass(frozen=True)
@@ -73,12 +85,109 @@ class ChunkRef:
 
 
 @dataclass(frozen=True)
+class SmallTensor:
+    """A small tensor held inline in a manifest: a tensor-valued hyperparameter (``lr`` as a
+    0-d tensor), or ``grad_scale``/``found_inf`` handed to a fused optimizer. ``data`` is its
+    elements, row-major, little-endian, as in a tensor entry."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """The options (hyperparameters) of every param group of an optimizer, as they stood.
+
+    ``packed`` is one msgpack object in the encoding of state-tree leaves (SPEC.md section
+    8, so tuples such as ``betas`` stay tuples): an array with one map per param group, of
+    every option except ``params``. Options whose value is a tensor are left out of it and
+    listed in ``tensors`` as ``(group, name, value)``.
+    """
+
+    packed: bytes
+    tensors: tuple[tuple[int, str, SmallTensor], ...] = ()
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter the optimizer updates: its param group, dtype and shape."""
+
+    group: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A fingerprint of one tensor (or value) the replay must reproduce.
+
+    ``algo`` names how ``digest`` was computed (SPEC.md section 12.4): ``blake3`` (the
+    first 16 bytes of BLAKE3 of the tensor's bytes), ``wsum64`` (two weighted sums over the
+    tensor's bytes as 32-bit words, computed where the tensor lives) or ``value`` (a
+    non-tensor value: ``digest`` is its msgpack encoding).
+    """
+
+    algo: str
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class LogStep:
+    """One ``optimizer.step()`` of the log (or a step GradScaler skipped).
+
+    ``grads[i]`` is the index, in the shard manifest's ``entries``, of the gradient that
+    parameter ``i`` held when the optimizer read it, or ``None`` where it held none.
+    ``options`` are the group options the step ran with; ``attrs`` the tensors a GradScaler
+    set on the optimizer for the step (``grad_scale``, ``found_inf``). ``counter`` is the
+    optimizer's step counter before the step where it was known cheaply; ``scaler`` the
+    GradScaler's state as the step saw it, where one was attached. A ``skipped`` step did
+    not call ``optimizer.step()``: it has no gradients and no options.
+    """
+
+    index: int
+    skipped: bool
+    grads: tuple[int | None, ...]
+    options: GroupOptions | None
+    attrs: Mapping[str, SmallTensor] = field(default_factory=dict)
+    counter: float | None = None
+    scaler: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ReplayLog:
+    """What a log version's shard holds besides its entries: how to replay and verify it.
+
+    The optimizer (``optimizer``, a qualified class name, with ``flags``, its implementation
+    options per param group, under torch ``torch`` on device type ``device``) updated
+    ``params``; ``mirrors`` are ``(param index, dtype)`` of tensors kept equal to a
+    parameter cast to ``dtype`` (bf16 weights of fp32 master weights). Replaying ``steps``
+    from the version's base, then setting ``options``, reproduces every tensor named in
+    ``fingerprints``: ``param/I``, ``state/I/NAME`` (the optimizer's state of parameter
+    ``I``) and ``mirror/J``. ``scaler`` is the GradScaler's state at save, if one was
+    attached.
+    """
+
+    optimizer: str
+    torch: str
+    device: str
+    flags: tuple[Mapping[str, Any], ...]
+    params: tuple[ParamSpec, ...]
+    mirrors: tuple[tuple[int, str], ...]
+    steps: tuple[LogStep, ...]
+    options: GroupOptions
+    fingerprints: Mapping[str, Fingerprint]
+    scaler: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class ShardManifest:
     """One rank's part of a version.
 
     ``tree`` is the container skeleton of the state (msgpack-able, see SPEC.md): dicts,
     lists, tuples and objects with ``state_dict``, whose leaves are indices into
     ``entries``. ``stream_bytes`` is the length of the byte stream the chunks cover.
+    ``log`` is set in the shard of a log version only (schema 1.1).
     """
 
     version: int
@@ -90,11 +199,16 @@ class ShardManifest:
     chunks: tuple[ChunkRef, ...]
     tree: Any
     extra: Mapping[str, Any] = field(default_factory=dict)
+    log: ReplayLog | None = None
 
 
 @dataclass(frozen=True)
 class VersionInfo:
-    """A global checkpoint: what every rank's shard is and how it relates to others."""
+    """A global checkpoint: what every rank's shard is and how it relates to others.
+
+    ``base`` is the base version of a diff, or the full (base or diff) version a log
+    version replays from; ``None`` for a base.
+    """
 
     id: int
     step: int
@@ -150,7 +264,29 @@ class DropRecord:
     time: float
 
 
-LogRecord = PrepareRecord | CommitRecord | AbortRecord | DropRecord
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A summary of a tier's log that stands for every record before it (revision 1.1).
+
+    Log compaction replaces the records it covers with this one record, so reading a log
+    costs O(versions kept), not O(records ever appended). It holds what a reader needs
+    from those records: the version info of every version the tier held (``committed``),
+    their prepare records and those of versions not decided yet (``prepared``), and
+    ``max_version``, the greatest version id any covered record named (new ids are
+    allocated after it). ``delta_blobs`` says whether any covered record named a delta
+    blob (garbage collection then reads blob headers for delta bases). ``records`` is
+    how many records it replaced in all, ``time`` when it was written.
+    """
+
+    committed: tuple[VersionInfo, ...]
+    prepared: tuple[PrepareRecord, ...]
+    max_version: int
+    delta_blobs: bool
+    records: int
+    time: float
+
+
+LogRecord = PrepareRecord | CommitRecord | AbortRecord | DropRecord | CheckpointRecord
 
 # --- encoding helpers ----------------------------------------------------------------
 
@@ -222,7 +358,17 @@ def _role(value: Any, what: str) -> Role:
         return "base"
     if value == "diff":
         return "diff"
+    if value == "log":
+        return "log"
     raise BlobCorrupt(f"malformed {what}: role {value!r}")
+
+
+def _role_and_base(obj: Mapping[str, Any], what: str) -> tuple[Role, int | None]:
+    role = _role(obj.get("role"), what)
+    base = _opt_int(obj, "base", what)
+    if role == "log" and base is None:
+        raise BlobCorrupt(f"malformed {what}: a log version without the version it replays from")
+    return role, base
 
 
 _KINDS: tuple[EntryKind, ...] = ("tensor", "ndarray", "msgpack", "pickle")
@@ -231,23 +377,25 @@ _KINDS: tuple[EntryKind, ...] = ("tensor", "ndarray", "msgpack", "pickle")
 
 
 def pack_manifest(m: ShardManifest) -> bytes:
-    """Encode a shard manifest. Entries and chunks are stored column-wise for compactness."""
-    return _pack(
-        {
-            "type": "shard",
-            "version": m.version,
-            "rank": m.rank,
-            "world_size": m.world_size,
-            "chunk_size": m.chunk_size,
-            "stream_bytes": m.stream_bytes,
-            "entries": [
-                [e.key, e.kind, e.dtype, list(e.shape), e.offset, e.nbytes] for e in m.entries
-            ],
-            "chunks": [[_id_bytes(c.id), c.offset, c.length] for c in m.chunks],
-            "tree": m.tree,
-            "extra": dict(m.extra),
-        }
-    )
+    """Encode a shard manifest. Entries and chunks are stored column-wise for compactness.
+
+    The ``log`` key is written only for the shard of a log version.
+    """
+    obj: dict[str, Any] = {
+        "type": "shard",
+        "version": m.version,
+        "rank": m.rank,
+        "world_size": m.world_size,
+        "chunk_size": m.chunk_size,
+        "stream_bytes": m.stream_bytes,
+        "entries": [[e.key, e.kind, e.dtype, list(e.shape), e.offset, e.nbytes] for e in m.entries],
+        "chunks": [[_id_bytes(c.id), c.offset, c.length] for c in m.chunks],
+        "tree": m.tree,
+        "extra": dict(m.extra),
+    }
+    if m.log is not None:
+        obj["log"] = _replay_log_to_obj(m.log)
+    return _pack(obj)
 
 
 def unpack_manifest(data: bytes | memoryview) -> ShardManifest:
@@ -285,6 +433,8 @@ def unpack_manifest(data: bytes | memoryview) -> ShardManifest:
     extra = obj.get("extra", {})
     if not isinstance(extra, dict):
         raise BlobCorrupt(f"malformed {what}: extra must be a map")
+    raw_log = obj.get("log")
+    replay_log = None if raw_log is None else _replay_log_from_obj(raw_log, entries, what)
     return ShardManifest(
         version=_field(obj, "version", int, what),
         rank=_field(obj, "rank", int, what),
@@ -295,6 +445,178 @@ def unpack_manifest(data: bytes | memoryview) -> ShardManifest:
         chunks=tuple(chunks),
         tree=obj.get("tree"),
         extra=extra,
+        log=replay_log,
+    )
+
+
+# --- the replay log of a log version (schema 1.1) -----------------------------------
+
+
+def _small_to_obj(t: SmallTensor) -> list[Any]:
+    return [t.dtype, list(t.shape), t.data]
+
+
+def _small_from_obj(raw: Any, what: str) -> SmallTensor:
+    if (
+        not isinstance(raw, list)
+        or len(raw) != 3
+        or not isinstance(raw[0], str)
+        or not _is_shape(raw[1])
+        or not isinstance(raw[2], bytes)
+    ):
+        raise BlobCorrupt(f"malformed {what}: bad inline tensor {raw!r:.80}")
+    return SmallTensor(raw[0], tuple(raw[1]), raw[2])
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(d) and d >= 0 for d in value)
+
+
+def _options_to_obj(o: GroupOptions) -> list[Any]:
+    return [o.packed, [[g, name, *_small_to_obj(t)] for g, name, t in o.tensors]]
+
+
+def _options_from_obj(raw: Any, what: str) -> GroupOptions:
+    if not isinstance(raw, list) or len(raw) != 2 or not isinstance(raw[0], bytes):
+        raise BlobCorrupt(f"malformed {what}: bad group options {raw!r:.80}")
+    if not isinstance(raw[1], list):
+        raise BlobCorrupt(f"malformed {what}: bad tensor-valued options {raw[1]!r:.80}")
+    tensors = []
+    for item in raw[1]:
+        if not isinstance(item, list) or len(item) != 5:
+            raise BlobCorrupt(f"malformed {what}: bad tensor-valued option {item!r:.80}")
+        group, name = item[0], item[1]
+        if not _is_int(group) or group < 0 or not isinstance(name, str):
+            raise BlobCorrupt(f"malformed {what}: bad tensor-valued option {item!r:.80}")
+        tensors.append((group, name, _small_from_obj(item[2:], what)))
+    return GroupOptions(raw[0], tuple(tensors))
+
+
+def _str_map(raw: Any, what: str, name: str) -> dict[str, Any]:
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        raise BlobCorrupt(f"malformed {what}: {name} must be a map with str keys")
+    return raw
+
+
+def _step_to_obj(step: LogStep) -> dict[str, Any]:
+    return {
+        "index": step.index,
+        "skipped": step.skipped,
+        "grads": list(step.grads),
+        "options": None if step.options is None else _options_to_obj(step.options),
+        "attrs": {k: _small_to_obj(v) for k, v in step.attrs.items()},
+        "counter": step.counter,
+        "scaler": None if step.scaler is None else dict(step.scaler),
+    }
+
+
+def _step_from_obj(raw: Any, entries: list[Entry], nparams: int, what: str) -> LogStep:
+    if not isinstance(raw, dict):
+        raise BlobCorrupt(f"malformed {what}: a logged step must be a map")
+    index = _field(raw, "index", int, what)
+    skipped = _field(raw, "skipped", bool, what)
+    grads: list[int | None] = []
+    for g in _field(raw, "grads", list, what):
+        if g is not None and (not _is_int(g) or not 0 <= g < len(entries)):
+            raise BlobCorrupt(f"malformed {what}: step {index} names gradient entry {g!r}")
+        if g is not None and entries[g].kind != "tensor":
+            raise BlobCorrupt(f"malformed {what}: step {index} gradient entry {g} not a tensor")
+        grads.append(g)
+    raw_options = raw.get("options")
+    if skipped != (raw_options is None) or len(grads) != (0 if skipped else nparams):
+        raise BlobCorrupt(
+            f"malformed {what}: step {index} must have options and one gradient per "
+            "parameter unless it was skipped, and neither if it was"
+        )
+    attrs = _str_map(raw.get("attrs", {}), what, "attrs")
+    counter = raw.get("counter")
+    if counter is not None and (not isinstance(counter, (int, float)) or isinstance(counter, bool)):
+        raise BlobCorrupt(f"malformed {what}: step {index} counter {counter!r:.40}")
+    scaler = raw.get("scaler")
+    return LogStep(
+        index=index,
+        skipped=skipped,
+        grads=tuple(grads),
+        options=None if raw_options is None else _options_from_obj(raw_options, what),
+        attrs={k: _small_from_obj(v, what) for k, v in attrs.items()},
+        counter=None if counter is None else float(counter),
+        scaler=None if scaler is None else _str_map(scaler, what, "scaler"),
+    )
+
+
+def _replay_log_to_obj(r: ReplayLog) -> dict[str, Any]:
+    return {
+        "optimizer": r.optimizer,
+        "torch": r.torch,
+        "device": r.device,
+        "flags": [dict(f) for f in r.flags],
+        "params": [[p.group, p.dtype, list(p.shape)] for p in r.params],
+        "mirrors": [[i, dtype] for i, dtype in r.mirrors],
+        "steps": [_step_to_obj(s) for s in r.steps],
+        "options": _options_to_obj(r.options),
+        "fingerprints": {k: [f.algo, f.digest] for k, f in r.fingerprints.items()},
+        "scaler": None if r.scaler is None else dict(r.scaler),
+    }
+
+
+def _replay_log_from_obj(raw: Any, entries: list[Entry], what: str) -> ReplayLog:
+    what = f"{what} (replay log)"
+    if not isinstance(raw, dict):
+        raise BlobCorrupt(f"malformed {what}: must be a map")
+    params = []
+    for p in _field(raw, "params", list, what):
+        if (
+            not isinstance(p, list)
+            or len(p) != 3
+            or not _is_int(p[0])
+            or p[0] < 0
+            or not isinstance(p[1], str)
+            or not _is_shape(p[2])
+        ):
+            raise BlobCorrupt(f"malformed {what}: bad parameter {p!r:.80}")
+        params.append(ParamSpec(p[0], p[1], tuple(p[2])))
+    flags = tuple(_str_map(f, what, "flags") for f in _field(raw, "flags", list, what))
+    if any(p.group >= len(flags) for p in params):
+        raise BlobCorrupt(f"malformed {what}: a parameter names a group with no flags")
+    mirrors = []
+    for m in _field(raw, "mirrors", list, what):
+        if (
+            not isinstance(m, list)
+            or len(m) != 2
+            or not _is_int(m[0])
+            or not 0 <= m[0] < len(params)
+            or not isinstance(m[1], str)
+        ):
+            raise BlobCorrupt(f"malformed {what}: bad mirror {m!r:.80}")
+        mirrors.append((m[0], m[1]))
+    fingerprints = {}
+    for name, fp in _str_map(_field(raw, "fingerprints", dict, what), what, "fingerprints").items():
+        if (
+            not isinstance(fp, list)
+            or len(fp) != 2
+            or not isinstance(fp[0], str)
+            or not isinstance(fp[1], bytes)
+        ):
+            raise BlobCorrupt(f"malformed {what}: bad fingerprint of {name!r:.60}")
+        fingerprints[name] = Fingerprint(fp[0], fp[1])
+    scaler = raw.get("scaler")
+    return ReplayLog(
+        optimizer=_field(raw, "optimizer", str, what),
+        torch=_field(raw, "torch", str, what),
+        device=_field(raw, "device", str, what),
+        flags=flags,
+        params=tuple(params),
+        mirrors=tuple(mirrors),
+        steps=tuple(
+            _step_from_obj(s, entries, len(params), what) for s in _field(raw, "steps", list, what)
+        ),
+        options=_options_from_obj(raw.get("options"), what),
+        fingerprints=fingerprints,
+        scaler=None if scaler is None else _str_map(scaler, what, "scaler"),
     )
 
 
@@ -322,11 +644,12 @@ def _info_from_obj(obj: Any, what: str) -> VersionInfo:
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise BlobCorrupt(f"malformed {what}: metadata must be a map")
+    role, base = _role_and_base(obj, what)
     return VersionInfo(
         id=_field(obj, "id", int, what),
         step=_field(obj, "step", int, what),
-        role=_role(obj.get("role"), what),
-        base=_opt_int(obj, "base", what),
+        role=role,
+        base=base,
         world_size=_field(obj, "world_size", int, what),
         shards=tuple(_id_hex(s, what) for s in shards),
         time=float(_field(obj, "time", (int, float), what)),
@@ -335,22 +658,71 @@ def _info_from_obj(obj: Any, what: str) -> VersionInfo:
     )
 
 
+def _prepare_to_obj(rec: PrepareRecord) -> dict[str, Any]:
+    return {
+        "type": "prepare",
+        "version": rec.version,
+        "rank": rec.rank,
+        "step": rec.step,
+        "role": rec.role,
+        "base": rec.base,
+        "manifest": _id_bytes(rec.manifest),
+        "chunks_written": rec.chunks_written,
+        "bytes_written": rec.bytes_written,
+        "time": rec.time,
+        "deltas": {_id_bytes(k): _id_bytes(v) for k, v in rec.deltas.items()},
+    }
+
+
+def _prepare_from_obj(obj: Any, what: str) -> PrepareRecord:
+    if not isinstance(obj, dict):
+        raise BlobCorrupt(f"malformed {what}: a prepare record must be a map")
+    deltas = _field(obj, "deltas", dict, what)
+    role, base = _role_and_base(obj, what)
+    return PrepareRecord(
+        version=_field(obj, "version", int, what),
+        rank=_field(obj, "rank", int, what),
+        step=_field(obj, "step", int, what),
+        role=role,
+        base=base,
+        manifest=_id_hex(obj.get("manifest"), what),
+        chunks_written=_field(obj, "chunks_written", int, what),
+        bytes_written=_field(obj, "bytes_written", int, what),
+        time=float(_field(obj, "time", (int, float), what)),
+        deltas={_id_hex(k, what): _id_hex(v, what) for k, v in deltas.items()},
+    )
+
+
+def record_schema(data: bytes | memoryview) -> tuple[int, int] | None:
+    """The ``[major, minor]`` schema version of an encoded record, or None if unreadable.
+
+    Log compaction refuses to summarise records of a newer minor version: it could not
+    carry forward what it does not understand.
+    """
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
+    except Exception:  # msgpack raises several unrelated types on bad input
+        return None
+    version = obj.get("v") if isinstance(obj, dict) else None
+    if isinstance(version, list) and len(version) == 2 and all(isinstance(x, int) for x in version):
+        return version[0], version[1]
+    return None
+
+
 def pack_record(rec: LogRecord) -> bytes:
     """Encode one log record (the payload a tier's ``append`` stores, before framing)."""
     if isinstance(rec, PrepareRecord):
+        return _pack(_prepare_to_obj(rec))
+    if isinstance(rec, CheckpointRecord):
         return _pack(
             {
-                "type": "prepare",
-                "version": rec.version,
-                "rank": rec.rank,
-                "step": rec.step,
-                "role": rec.role,
-                "base": rec.base,
-                "manifest": _id_bytes(rec.manifest),
-                "chunks_written": rec.chunks_written,
-                "bytes_written": rec.bytes_written,
+                "type": "checkpoint",
+                "committed": [_info_to_obj(i) for i in rec.committed],
+                "prepared": [_prepare_to_obj(p) for p in rec.prepared],
+                "max_version": rec.max_version,
+                "delta_blobs": rec.delta_blobs,
+                "records": rec.records,
                 "time": rec.time,
-                "deltas": {_id_bytes(k): _id_bytes(v) for k, v in rec.deltas.items()},
             }
         )
     if isinstance(rec, CommitRecord):
@@ -368,18 +740,15 @@ def unpack_record(data: bytes | memoryview) -> LogRecord:
     obj = _unpack(data, what)
     kind = obj.get("type")
     if kind == "prepare":
-        deltas = _field(obj, "deltas", dict, what)
-        return PrepareRecord(
-            version=_field(obj, "version", int, what),
-            rank=_field(obj, "rank", int, what),
-            step=_field(obj, "step", int, what),
-            role=_role(obj.get("role"), what),
-            base=_opt_int(obj, "base", what),
-            manifest=_id_hex(obj.get("manifest"), what),
-            chunks_written=_field(obj, "chunks_written", int, what),
-            bytes_written=_field(obj, "bytes_written", int, what),
+        return _prepare_from_obj(obj, what)
+    if kind == "checkpoint":
+        return CheckpointRecord(
+            committed=tuple(_info_from_obj(i, what) for i in _field(obj, "committed", list, what)),
+            prepared=tuple(_prepare_from_obj(p, what) for p in _field(obj, "prepared", list, what)),
+            max_version=_field(obj, "max_version", int, what),
+            delta_blobs=_field(obj, "delta_blobs", bool, what),
+            records=_field(obj, "records", int, what),
             time=float(_field(obj, "time", (int, float), what)),
-            deltas={_id_hex(k, what): _id_hex(v, what) for k, v in deltas.items()},
         )
     if kind == "commit":
         return CommitRecord(_info_from_obj(obj.get("info"), what))

@@ -119,18 +119,17 @@ def run_blocks(page: Path) -> list[int]:
     return ran
 
 
-def shm_segments(cwd: Path) -> list[Path]:
-    """The shm segment directories of every store configured under ``cwd``."""
-    from tiercheck.backends._shm import DEFAULT_ROOT
-    from tiercheck.config import CONFIG_NAME, load_config
+def destroy_stores(cwd: Path) -> list[Path]:
+    """Delete every store configured under ``cwd`` (shm segments, LMDB environments, root)
+    with :func:`tiercheck.lifecycle.destroy_store`; returns their roots."""
+    from tiercheck.config import CONFIG_NAME
+    from tiercheck.lifecycle import destroy_store
 
-    found = []
-    for cfg in sorted(cwd.rglob(CONFIG_NAME)):
-        for spec in load_config(cfg).tiers:
-            if spec.url.startswith("shm://"):
-                name = spec.url.removeprefix("shm://").split("?", 1)[0]
-                found.append(Path(str(spec.options.get("root", DEFAULT_ROOT))) / name)
-    return found
+    roots = sorted({cfg.parent for cfg in cwd.rglob(CONFIG_NAME)}, key=lambda p: len(p.parts))
+    for root in reversed(roots):  # a DCP root's rank stores before anything above them
+        if (root / CONFIG_NAME).is_file():
+            destroy_store(root)
+    return roots
 
 
 # --- the zygote ---------------------------------------------------------------------------

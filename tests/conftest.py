@@ -1,4 +1,11 @@
-"""Shared fixtures: a real S3 endpoint (moto's server) on loopback.
+"""Shared fixtures: a real S3 endpoint (moto's server) on loopback, and a check that no test
+leaks an shm segment.
+
+- ``_no_leaked_segments`` (autouse): fails a test that leaves behind, in
+  ``/dev/shm/tiercheck``, a segment it created: one whose owner record names this test
+  process, or a store under this session's temporary directory (a subprocess's). Other
+  processes' segments (other test runs on the machine) are never counted. A leaked
+  segment is removed after it is reported.
 
 - ``s3_server`` (session): a :class:`MotoS3Server` already started; ``.endpoint_url``,
   ``.storage_options`` (for ``open_tier(..., storage_options=...)``), ``.client()``
@@ -153,6 +160,39 @@ class MotoS3Server:
             yield
         finally:
             self.start()
+
+
+def _segments() -> dict[str, Any]:
+    from tiercheck.backends import DEFAULT_SHM_ROOT, list_segments
+
+    return {s.path: s for s in list_segments(DEFAULT_SHM_ROOT, sizes=False)}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    before = set(_segments())
+    yield
+    from tiercheck.backends import remove_segment
+
+    base = str(tmp_path_factory.getbasetemp().resolve())
+    leaked = [
+        seg
+        for path, seg in _segments().items()
+        if path not in before
+        and (
+            seg.pid == os.getpid()
+            or (seg.store is not None and (seg.store == base or seg.store.startswith(base + "/")))
+        )
+    ]
+    for seg in leaked:
+        remove_segment(seg.path)
+    if leaked:
+        pytest.fail(
+            "the test left shm segments in /dev/shm (removed now): "
+            + ", ".join(f"{s.path} (store {s.store})" for s in leaked)
+            + "; delete stores with Checkpointer.destroy() or tiercheck.lifecycle.destroy_store",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")

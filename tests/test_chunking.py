@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,3 +79,33 @@ def test_a_scalar_growing_moves_no_tensor_chunk() -> None:
         return [o for o, _ in plan_layout(leaves, CS).windows]
 
     assert starts(1) == starts(1 << 40) == [0, CS, CS + 8]
+
+
+def test_small_states_get_small_chunks() -> None:
+    from tiercheck.chunking import CHUNKS_PER_STATE, MIN_CHUNK_SIZE, choose_chunk_size
+
+    big = 4 << 20
+    assert choose_chunk_size([leaf("a", 1 << 30)], big) == big  # large: the policy's size
+    assert choose_chunk_size([leaf("a", 100)], big) == MIN_CHUNK_SIZE
+    mid = 16 << 20
+    assert choose_chunk_size([leaf("a", mid)], big) == mid // CHUNKS_PER_STATE
+    # a power of two: the size changes only when the state doubles or halves
+    assert choose_chunk_size([leaf("a", mid - 640)], big) == mid // CHUNKS_PER_STATE
+    assert choose_chunk_size([leaf("a", mid // 2 + 640)], big) == mid // CHUNKS_PER_STATE
+    assert choose_chunk_size([leaf("a", mid)], 8192) == 8192  # never above the policy's
+
+
+def test_a_one_bias_change_rewrites_a_small_part_of_a_small_state(tmp_path: Path) -> None:
+    import uuid
+
+    import tiercheck
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))  # 514 KiB
+    tier = "memory://" + uuid.uuid4().hex
+    with tiercheck.Checkpointer(tmp_path / "s", tiers=[tier]) as ckpt:
+        first = ckpt.save(0, {"model": model}).wait()
+        with torch.no_grad():
+            model[1].bias[0] += 1
+        second = ckpt.save(1, {"model": model}).wait()
+    (name,) = first.bytes_written
+    assert second.bytes_written[name] < first.bytes_written[name] / 5  # one 64 KiB chunk

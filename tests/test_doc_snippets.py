@@ -6,14 +6,14 @@ tiercheck once) whose working directory is a fresh temporary directory; a block 
 ``<!-- snippet: skip (REASON) -->`` is not run. Each page is one test, so a failure names
 the page, and the message names the block's line and shows the snippet's traceback.
 
-After a page, the shared-memory segments of every store it configured in its directory are
-removed (the snippets close their stores; ``/dev/shm`` outlives the process by design).
+After a page, every store it configured in its directory is deleted with
+``tiercheck.lifecycle.destroy_store`` (the snippets close their stores; their shm segments
+outlive the process by design).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from _snippets import REPO, blocks_of, run_blocks, shm_segments
+from _snippets import REPO, blocks_of, destroy_stores, run_blocks
 
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
 PAGES_WITH_CODE = [p for p in PAGES if blocks_of(p)]
@@ -52,8 +52,7 @@ class Zygote:
                 raise RuntimeError(f"the snippet zygote died (exit {self.proc.wait()})")
             status = int(json.loads(reply)["status"])
         finally:
-            for seg in shm_segments(cwd):
-                shutil.rmtree(seg, ignore_errors=True)
+            destroy_stores(cwd)
         verdict = json.loads(result.read_text()) if result.exists() else None
         text = output.read_text(errors="replace") if output.exists() else ""
         return status, verdict, text

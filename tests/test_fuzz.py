@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -220,6 +221,10 @@ def _samples() -> dict[str, bytes]:
         "delta": encode_blob(raw, Codec.DELTA, base=base, base_id=chunk_id(base), elem_size=4),
         "manifest": pack_manifest(manifest),
         "log": b"".join(frame_record(pack_record(r)) for r in records),
+        # a log version's shard (schema 1.1): the replay log's nested fields
+        "log_manifest": (
+            Path(__file__).parent / "golden" / "log_version_manifest.msgpack"
+        ).read_bytes(),
         **{f"rec{i}": pack_record(r) for i, r in enumerate(records)},
     }
 
@@ -266,7 +271,7 @@ def test_fuzzed_blobs_raise_only_typed_errors(data: bytes, base: bytes) -> None:
 
 
 @BYTES
-@given(data=mutated(["manifest"]))
+@given(data=mutated(["manifest", "log_manifest"]))
 def test_fuzzed_manifests_raise_only_typed_errors(data: bytes) -> None:
     typed_only(lambda: unpack_manifest(data))
 
@@ -312,6 +317,7 @@ FIELDS = [
     "chunk_size",
     "stream_bytes",
     "extra",
+    "log",
 ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,6 +20,8 @@ import blake3
 import pytest
 import zstandard
 
+from tiercheck.errors import BlobCorrupt
+from tiercheck.fingerprint import fingerprints, wsum64_reference
 from tiercheck.formats import (
     Codec,
     chunk_id,
@@ -28,7 +31,14 @@ from tiercheck.formats import (
     iter_frames,
     read_header,
 )
-from tiercheck.formats.manifest import pack_manifest, pack_record, unpack_manifest, unpack_record
+from tiercheck.formats.manifest import (
+    SCHEMA_MINOR,
+    pack_manifest,
+    pack_record,
+    unpack_manifest,
+    unpack_record,
+)
+from tiercheck.update_log import CapturedStep, GradSlot, Implementation, LoggedSteps, plan_log
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 INDEX: dict[str, Any] = json.loads((GOLDEN / "index.json").read_text())
@@ -44,6 +54,17 @@ def _load_maker() -> ModuleType:
 
 
 MAKER = _load_maker()
+
+
+def _load_reader_1_0() -> ModuleType:
+    """formats/manifest.py as released with schema 1.0 (a frozen copy)."""
+    path = GOLDEN / "v1_0" / "manifest_1_0.py"
+    spec = importlib.util.spec_from_file_location("tiercheck_manifest_1_0", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def _read(name: str) -> bytes:
@@ -184,3 +205,140 @@ def test_golden_torn_log() -> None:
     payloads = list(iter_frames(torn))
     assert len(payloads) == INDEX["log_torn"]["records"]
     assert b"".join(frame_record(p) for p in payloads) == _read("log.bin")
+
+
+# --- schema 1.0 vectors: a 1.1 reader keeps reading them ---------------------------------
+
+
+def test_v1_0_vectors_intact_and_read() -> None:
+    for spec in INDEX["v1_0"].values():
+        assert chunk_id(_read(spec["file"])) == spec["blake3"], spec["file"]
+    base, new = _inputs()["base"], _inputs()["new"]
+    old_manifest = _read("v1_0/manifest.msgpack")
+    fixed = MAKER.fixed_manifest(base, new)
+    assert unpack_manifest(old_manifest) == fixed
+    # "v" is the last key and [1, minor] packs as 92 01 <minor>: re-encoding changes only it
+    assert pack_manifest(fixed) == old_manifest[:-1] + bytes([SCHEMA_MINOR])
+    payloads = list(iter_frames(_read("v1_0/log.bin")))
+    records = MAKER.fixed_records(chunk_id(old_manifest), base, new)
+    assert [unpack_record(p) for p in payloads] == records
+    assert [pack_record(r) for r in records] == [p[:-1] + bytes([SCHEMA_MINOR]) for p in payloads]
+
+
+# --- schema 1.1: log versions (SPEC.md section 12) -------------------------------------
+
+
+def test_golden_log_version_manifest() -> None:
+    base, new = _inputs()["base"], _inputs()["new"]
+    data = _read("log_version_manifest.msgpack")
+    assert chunk_id(data) == INDEX["log_version"]["manifest"]["id"]
+    fixed = MAKER.fixed_log_manifest(base, new)
+    assert unpack_manifest(data) == fixed
+    assert pack_manifest(fixed) == data
+    stream = _read(INDEX["log_version"]["stream"])
+    assert stream == MAKER.fixed_log_stream(new)
+    assert fixed.stream_bytes == len(stream)
+    for c in fixed.chunks:
+        assert chunk_id(stream[c.offset : c.offset + c.length]) == c.id
+    assert fixed.log is not None
+    for step in fixed.log.steps:
+        for i, e in enumerate(step.grads):
+            if e is not None:
+                assert fixed.entries[e].key == f"/log/{step.index}/{i}"
+
+
+def test_golden_log_version_records() -> None:
+    records = MAKER.fixed_log_records(INDEX["log_version"]["manifest"]["id"])
+    payloads = list(iter_frames(_read(INDEX["log_version"]["records"]["file"])))
+    assert [chunk_id(p) for p in payloads] == INDEX["log_version"]["records"]["record_ids"]
+    assert [unpack_record(p) for p in payloads] == records
+    assert [pack_record(r) for r in records] == payloads
+
+
+def test_plan_log_writes_the_golden_layout() -> None:
+    """The reference writer lays the golden steps out byte for byte as the vector does."""
+    base, new = _inputs()["base"], _inputs()["new"]
+    fixed = MAKER.fixed_log_manifest(base, new)
+    log = fixed.log
+    assert log is not None
+    w, b = GradSlot(0, 128, "float32", (4, 8)), GradSlot(128, 6, "bfloat16", (3,))
+    data = {0: new[0:134], 1: b"", 2: new[256:384]}
+    slots = {0: (w, b), 1: (), 2: (w, None)}
+    steps = tuple(
+        CapturedStep(
+            index=s.index,
+            skipped=s.skipped,
+            grads=slots[s.index],
+            data=memoryview(data[s.index]),
+            options=s.options,
+            attrs=s.attrs,
+            counter=s.counter,
+            scaler=s.scaler,
+            seconds=0.0,
+        )
+        for s in log.steps
+    )
+    impl = Implementation(log.optimizer, log.torch, log.device, log.flags, log.params)
+    logged = LoggedSteps(
+        steps, impl, log.mirrors, log.options, log.scaler, fingerprints=log.fingerprints
+    )
+    layout = plan_log(logged, fixed.chunk_size)
+    assert layout.replay == log
+    assert layout.entries == fixed.entries[:3]
+    assert layout.end == 320 == fixed.entries[3].offset
+    assert [(c.offset, c.length) for c in fixed.chunks[:3]] == list(layout.windows)
+    stream = _read(INDEX["log_version"]["stream"])
+    for offset, segment in layout.segments:
+        assert stream[offset : offset + len(segment)] == bytes(segment)
+
+
+def _wsum64_spec(data: bytes) -> bytes:
+    """SPEC.md section 12.4's wsum64, written from the text with struct alone."""
+    padded = data + bytes(-len(data) % 4)
+    words = struct.unpack(f"<{len(padded) // 4}I", padded)
+    s0 = sum(words) % 2**64
+    s1 = sum((2 * i + 1) * w for i, w in enumerate(words)) % 2**64
+    return struct.pack("<QQ", s0, s1)
+
+
+@pytest.mark.parametrize("name", ["base", "new"])
+def test_golden_fingerprints(name: str) -> None:
+    import torch
+
+    data = _inputs()[name]
+    want = {algo: bytes.fromhex(h) for algo, h in INDEX["fingerprints"][name].items()}
+    assert blake3.blake3(data).digest(length=16) == want["blake3"]
+    assert _wsum64_spec(data) == wsum64_reference(data) == want["wsum64"]
+    # the same bytes as tensors of several dtypes: fingerprints depend on the bytes only
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    views = {"uint8": raw, "odd": raw[: len(data) - len(data) % 2].view(torch.bfloat16)}
+    if len(data) % 4 == 0:
+        views["float32"] = raw.view(torch.float32).reshape(-1, 4)
+    for label, t in views.items():
+        got = fingerprints({"t": t}, {"t": "wsum64"})["t"].digest
+        assert got == wsum64_reference(bytes(t.contiguous().view(torch.uint8).numpy())), label
+    assert fingerprints({"t": raw}, {"t": "wsum64"})["t"].digest == want["wsum64"]
+    assert fingerprints({"t": raw})["t"].digest == want["blake3"]
+
+
+def test_a_1_0_reader_skips_log_versions_and_keeps_the_rest() -> None:
+    """SPEC.md section 12.6, with the released 1.0 reader: the log version's records are
+    damaged records to it (skipped, never misread); the 1.1 records of other versions,
+    and the log shard's manifest, decode normally."""
+    old = _load_reader_1_0()
+    frames = list(iter_frames(_read("log.bin"))) + list(
+        iter_frames(_read(INDEX["log_version"]["records"]["file"]))
+    )
+    committed, corrupt = {}, 0
+    for payload in frames:  # tiercheck 1.0's read_tier_log
+        try:
+            rec = old.unpack_record(payload)
+        except BlobCorrupt:
+            corrupt += 1
+            continue
+        if isinstance(rec, old.CommitRecord):
+            committed[rec.info.id] = rec.info
+    assert corrupt == 2
+    assert sorted(committed) == [7] and committed[7].role == "diff"
+    manifest = old.unpack_manifest(_read("log_version_manifest.msgpack"))
+    assert not hasattr(manifest, "log") and len(manifest.entries) == 5

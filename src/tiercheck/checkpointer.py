@@ -70,7 +70,7 @@ from tiercheck.restore import (
 )
 from tiercheck.retention import GCReport
 from tiercheck.saving import SaveService
-from tiercheck.staging import StagingBuffer
+from tiercheck.staging import StagingBuffer, cuda_devices
 from tiercheck.tierset import TierSet, TierSlot
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class Checkpointer:
             self._lock = StoreLock(self.root, self.rank if self.world_size > 1 else None)
         try:
             specs = [_for_rank(spec, self.coordinator) for spec in self.config.tiers]
-            self.tierset = TierSet(specs, self.policy, read_only=read_only)
+            self.tierset = TierSet(specs, self.policy, read_only=read_only, owner=self.root)
         except BaseException:
             self._release_lock()
             raise
@@ -260,10 +260,14 @@ class Checkpointer:
         """Allocate the staging buffer for ``state`` now, so the first save pays nothing."""
         _, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
         layout = plan_layout(leaves, self.policy.chunk_size)
-        needs_cuda = any(lf.kind == "tensor" and lf.value.is_cuda for lf in leaves)
+        devices = cuda_devices(leaves)  # pinned under the state's own device
         self._staging.acquire()  # not while a save is using it
         try:
-            self._staging.ensure(layout.stream_bytes + (1 << 20), pinned=needs_cuda)
+            self._staging.ensure(
+                layout.stream_bytes + (1 << 20),
+                pinned=bool(devices),
+                device=devices[0] if devices else None,
+            )
         finally:
             self._staging.release()
 
@@ -593,6 +597,14 @@ class Checkpointer:
             saves=tuple(saves),
             background=tuple(background),
         )
+
+    def destroy(self) -> None:
+        """Close, then delete this store: its root, shm segments and LMDB environments
+        (see :func:`tiercheck.lifecycle.destroy_store`; remote tiers are kept)."""
+        from tiercheck.lifecycle import destroy_store
+
+        self.close()
+        destroy_store(self.root)
 
     def __enter__(self) -> Checkpointer:
         return self

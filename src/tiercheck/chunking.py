@@ -23,10 +23,22 @@ from dataclasses import dataclass
 from tiercheck.entries import Leaf
 from tiercheck.formats.manifest import ChunkRef, Entry
 
-__all__ = ["ALIGN", "DEFAULT_CHUNK_SIZE", "Layout", "chunks_of", "cut_windows", "plan_layout"]
+__all__ = [
+    "ALIGN",
+    "CHUNKS_PER_STATE",
+    "DEFAULT_CHUNK_SIZE",
+    "MIN_CHUNK_SIZE",
+    "Layout",
+    "choose_chunk_size",
+    "chunks_of",
+    "cut_windows",
+    "plan_layout",
+]
 
 ALIGN = 64
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
+MIN_CHUNK_SIZE = 64 * 1024
+CHUNKS_PER_STATE = 64
 
 
 def _round_up(n: int, to: int) -> int:
@@ -57,6 +69,28 @@ class Layout:
                 (e.key, e.offset, e.nbytes) for e in self.entries if e.kind in ("tensor", "ndarray")
             ),
         )
+
+
+def choose_chunk_size(leaves: Sequence[Leaf], max_chunk_size: int) -> int:
+    """The chunk size for a state of ``leaves``: ``max_chunk_size`` (the policy's
+    ``chunk_size``) unless the state is smaller than :data:`CHUNKS_PER_STATE` chunks of it.
+
+    Dedup works per chunk: a state of one 4 MiB chunk is rewritten whole when a single bias
+    changes. A smaller state is cut into about :data:`CHUNKS_PER_STATE` chunks instead, of a
+    power of two bytes, at least :data:`MIN_CHUNK_SIZE` (below that, per-chunk costs
+    dominate: every chunk is an object in every tier, an fsync on a file tier, a request on
+    an object store). The size only changes when the state doubles or halves, so the layout,
+    and with it the chunk boundaries diff versions rely on, stays put from one save to the
+    next.
+    """
+    total = sum(_round_up(leaf.nbytes, ALIGN) for leaf in leaves)
+    target = total // CHUNKS_PER_STATE
+    if target >= max_chunk_size:
+        return max_chunk_size
+    size = MIN_CHUNK_SIZE
+    while size < target:
+        size *= 2
+    return min(size, max_chunk_size)
 
 
 def plan_layout(leaves: Sequence[Leaf], chunk_size: int) -> Layout:

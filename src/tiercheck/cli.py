@@ -1,11 +1,11 @@
 """The ``tiercheck`` command line (also ``python -m tiercheck``).
 
-Commands: ``ls``, ``show``, ``diff``, ``verify``, ``gc``, ``export``, ``migrate``,
-``peer serve`` / ``peer status`` and ``plan``. Every command takes ``--json`` for scripts
-(stable keys, one JSON document on stdout). Long commands draw a progress bar on stderr when it is a
-terminal and stay quiet otherwise. Exit status: 0 ok, 1 problems found (or an operation
-failed), 2 usage errors (bad arguments, store root, version, tier or output path), each
-reported as one line on stderr.
+Commands: ``ls``, ``show``, ``diff``, ``verify``, ``gc`` (also ``gc --orphans``), ``rm``,
+``export``, ``migrate``, ``peer serve`` / ``peer status`` / ``peer token`` and ``plan``.
+Every command takes ``--json`` for scripts (stable keys, one JSON document on stdout). Long
+commands draw a progress bar on stderr when it is a terminal and stay quiet otherwise. Exit
+status: 0 ok, 1 problems found (or an operation failed), 2 usage errors (bad arguments,
+store root, version, tier or output path), each reported as one line on stderr.
 
 Commands that only read open the store read-only (no writer lock), so they work next to a
 running trainer; ``verify --repair``, ``gc`` (without ``--dry-run``) and ``migrate`` to one
@@ -166,17 +166,64 @@ def progress_bar(enabled: bool, description: str) -> Iterator[history.Progress |
 # --- opening stores and versions --------------------------------------------------------
 
 
+def dcp_ranks(root: str) -> list[Path]:
+    """The per-rank stores of a DCP root (``TierWriter(root)`` makes ``root/rank{r}``), or
+    ``[]`` when ``root`` is not one."""
+    from tiercheck.config import CONFIG_NAME
+
+    path = Path(root).expanduser()
+    if "://" in root or not path.is_dir() or (path / CONFIG_NAME).is_file():
+        return []
+    found = sorted(
+        (int(p.parent.name[4:]), p.parent)
+        for p in path.glob(f"rank*/{CONFIG_NAME}")
+        if p.parent.name[4:].isdigit()
+    )
+    return [p for _, p in found]
+
+
+def label(ckpt: Any) -> str:
+    """How a store is named on screen: its root, or the tier URL it was opened from."""
+    return str(getattr(ckpt, "cli_label", ckpt.root))
+
+
 def open_store(root: str, *, write: bool = False) -> Any:
-    """Open the store at ``root`` (read-only unless ``write``); UsageError if it is not one."""
+    """Open the store at ``root`` (read-only unless ``write``); UsageError if it is not one.
+
+    ``root`` may also be a tier URL (``file:///...``, ``s3://...``, ``lmdb:///...``, e.g. where
+    ``migrate --to URL`` copied versions): the tier alone is opened, read-only.
+    """
     from tiercheck.checkpointer import Checkpointer
     from tiercheck.cluster import LocalCoordinator
     from tiercheck.config import CONFIG_NAME
 
+    if "://" in root:
+        if write:
+            raise UsageError(f"{root}: a tier URL is opened read-only; this command writes")
+        try:
+            ckpt: Any = Checkpointer(
+                Path.cwd(), tiers=[root], read_only=True, coordinator=LocalCoordinator()
+            )
+        except (ConfigError, InvalidURL, FormatVersionError) as exc:
+            raise UsageError(f"{root}: {exc}") from None
+        down = [s for s in ckpt.tierset.slots if s.tier is None]
+        if down:
+            ckpt.close()
+            raise UsageError(f"{root}: cannot open the tier: {down[0].error}")
+        ckpt.cli_label = root
+        return ckpt
     path = Path(root).expanduser()
     if not path.exists():
         raise UsageError(f"{root}: no such store root")
     if not path.is_dir():
         raise UsageError(f"{root}: not a directory")
+    ranks = dcp_ranks(root)
+    if ranks:
+        raise UsageError(
+            f"{root}: a DCP root holding one store per rank ({ranks[0].name}..{ranks[-1].name});"
+            f" `ls`, `verify` and `export` take it as it is, other commands one rank's store, "
+            f"e.g. {ranks[0]}"
+        )
     if not (path / CONFIG_NAME).is_file():
         raise UsageError(f"{root}: not a tiercheck store (no {CONFIG_NAME})")
     try:
@@ -261,63 +308,83 @@ _STATE_STYLE = {
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tiercheck.guarantees import describe_survival
-
-    with contextlib.closing(open_store(args.root)) as ckpt:
-        versions = ckpt.history()
-        if args.limit is not None:
-            versions = versions[-args.limit :] if args.limit > 0 else []
+    ranks = dcp_ranks(args.root)
+    if ranks:  # a DCP root: every rank's store, rank 0's versions carry the DCP metadata
+        listed = []
+        for path in ranks:
+            with contextlib.closing(open_store(str(path))) as ckpt:
+                listed.append(_ls_one(ckpt, args))
         if args.json:
             emit_json(
-                {
-                    "root": str(ckpt.root),
-                    "tiers": _tiers_json(ckpt),
-                    "versions": [v.to_json() for v in versions],
-                }
+                {"root": str(Path(args.root).expanduser().resolve()), "dcp": True, "ranks": listed}
             )
-            return 0
-        from rich.table import Table
-
-        names = [s.name for s in ckpt.tierset.slots]
-        table = Table(title=f"{ckpt.root}", title_justify="left")
-        for col, justify in (
-            ("version", "right"),
-            ("step", "right"),
-            ("role", "left"),
-            ("time", "left"),
-            ("size", "right"),
-            ("stored", "right"),
-        ):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
-        for n in names:
-            table.add_column(n)
-        now = time.time()
-        for v in versions:
-            role = v.role if v.base is None else f"{v.role} of {v.base}"
-            mark = "" if v.restorable else " [red](not restorable)[/red]"
-            cells = [
-                f"[{_STATE_STYLE.get(v.tiers[n], '')}]{v.tiers[n]}[/]" if v.tiers[n] else ""
-                for n in names
-            ]
-            table.add_row(
-                f"{v.id}{mark}",
-                str(v.step),
-                role,
-                f"{absolute_time(v.time)} ({relative_time(v.time, now)})",
-                human_size(v.logical_bytes),
-                human_size(v.stored_bytes),
-                *cells,
-            )
-        console = _console()
-        console.print(table)
-        for s in ckpt.tierset.slots:  # what each column's copies survive
-            if s.tier is None:
-                console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
-            else:
-                console.print(f"{s.name}: survives {describe_survival(s.tier.capabilities)}")
-        if not versions:
-            console.print("no committed versions")
+        return 0
+    with contextlib.closing(open_store(args.root)) as ckpt:
+        data = _ls_one(ckpt, args)
+        if args.json:
+            emit_json(data)
     return 0
+
+
+def _ls_one(ckpt: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """List one store (as a table unless ``--json``); returns its JSON document."""
+    versions = ckpt.history()
+    if args.limit is not None:
+        versions = versions[-args.limit :] if args.limit > 0 else []
+    data = {
+        "root": label(ckpt),
+        "tiers": _tiers_json(ckpt),
+        "versions": [v.to_json() for v in versions],
+    }
+    if not args.json:
+        _ls_table(ckpt, versions)
+    return data
+
+
+def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
+    from rich.table import Table
+
+    names = [s.name for s in ckpt.tierset.slots]
+    table = Table(title=label(ckpt), title_justify="left")
+    for col, justify in (
+        ("version", "right"),
+        ("step", "right"),
+        ("role", "left"),
+        ("time", "left"),
+        ("size", "right"),
+        ("stored", "right"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for n in names:
+        table.add_column(n)
+    now = time.time()
+    for v in versions:
+        role = v.role if v.base is None else f"{v.role} of {v.base}"
+        mark = "" if v.restorable else " [red](not restorable)[/red]"
+        cells = [
+            f"[{_STATE_STYLE.get(v.tiers[n], '')}]{v.tiers[n]}[/]" if v.tiers[n] else ""
+            for n in names
+        ]
+        table.add_row(
+            f"{v.id}{mark}",
+            str(v.step),
+            role,
+            f"{absolute_time(v.time)} ({relative_time(v.time, now)})",
+            human_size(v.logical_bytes),
+            human_size(v.stored_bytes),
+            *cells,
+        )
+    console = _console()
+    console.print(table)
+    from tiercheck.guarantees import describe_survival
+
+    for s in ckpt.tierset.slots:  # what each column's copies survive
+        if s.tier is None:
+            console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
+        else:
+            console.print(f"{s.name}: survives {describe_survival(s.tier.capabilities)}")
+    if not versions:
+        console.print("no committed versions")
 
 
 def _show_data(v: history.Version) -> dict[str, Any]:
@@ -490,19 +557,37 @@ def _describe(e: history.EntryInfo) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    ranks = dcp_ranks(args.root)
+    if ranks:  # a DCP root: every rank's store
+        reports = [_verify_one(str(path), args) for path in ranks]
+        if args.json:
+            emit_json(
+                {
+                    "root": str(Path(args.root).expanduser().resolve()),
+                    "dcp": True,
+                    "ok": all(r.ok for r in reports),
+                    "ranks": [{"root": str(p), **r.to_json()} for p, r in zip(ranks, reports)],
+                }
+            )
+        return 0 if all(r.ok for r in reports) else 1
+    report = _verify_one(args.root, args)
+    if args.json:
+        emit_json(report.to_json())
+    return 0 if report.ok else 1
+
+
+def _verify_one(root: str, args: argparse.Namespace) -> history.VerifyReport:
     from tiercheck import history
 
-    with contextlib.closing(open_store(args.root, write=args.repair)) as ckpt:
+    with contextlib.closing(open_store(root, write=args.repair)) as ckpt:
         tiers = _tier_names(ckpt, args.tier)
         with progress_bar(not args.json, "verifying") as progress:
             report = history.verify(ckpt, tiers=tiers, repair=args.repair, progress=progress)
-        if args.json:
-            emit_json(report.to_json())
-        else:
+        if not args.json:
             from rich.table import Table
 
             console = _console()
-            t = Table(title="verify", title_justify="left")
+            t = Table(title=f"verify {label(ckpt)}", title_justify="left")
             for col in ("tier", "versions", "blobs", "bytes", "problems"):
                 t.add_column(col)
             for tv in report.tiers:
@@ -541,12 +626,93 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
             if not args.repair and len(left) > newer:
                 console.print("problems found; run again with --repair to fix them")
-        return 0 if report.ok else 1
+        return report
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from tiercheck.lifecycle import destroy_store
+
+    try:
+        report = destroy_store(args.root, dry_run=args.dry_run)
+    except StoreLocked as exc:
+        raise UsageError(str(exc)) from None
+    except (ConfigError, FileNotFoundError) as exc:
+        raise UsageError(f"{args.root}: {exc}") from None
+    if args.json:
+        emit_json(
+            {
+                "root": report.root,
+                "dry_run": report.dry_run,
+                "segments": list(report.segments),
+                "freed_bytes": report.freed,
+                "lmdb": list(report.lmdb),
+                "kept": list(report.kept),
+            }
+        )
+        return 0
+    verb = "would delete" if report.dry_run else "deleted"
+    print(f"{verb} {report.root}")
+    for seg in report.segments:
+        print(f"{verb} shm segment {seg}")
+    for env in report.lmdb:
+        print(f"{verb} LMDB environment {env}")
+    print(
+        f"{'would free' if report.dry_run else 'freed'} {human_size(report.freed)} of shared memory"
+    )
+    for tier in report.kept:
+        print(f"kept tier {tier}: delete its data yourself if you no longer need it")
+    return 0
+
+
+def cmd_gc_orphans(args: argparse.Namespace) -> int:
+    from tiercheck.backends import DEFAULT_SHM_ROOT
+    from tiercheck.lifecycle import find_orphans, remove_orphans
+
+    roots = args.shm_root or [DEFAULT_SHM_ROOT]
+    orphans = find_orphans(roots)
+    delete = bool(args.yes)
+    freed = remove_orphans(orphans) if delete else 0
+    rows: list[dict[str, Any]] = [
+        {
+            "path": o.segment.path,
+            "store": o.segment.store,
+            "pid": o.segment.pid,
+            "created": o.segment.created,
+            "bytes": o.segment.nbytes,
+            "reason": o.reason,
+        }
+        for o in orphans
+    ]
+    if args.json:
+        emit_json({"dry_run": not delete, "orphans": rows, "freed_bytes": freed})
+        return 0
+    if not rows:
+        print(f"no orphaned shm segments under {', '.join(roots)}")
+        return 0
+    total = sum(r["bytes"] or 0 for r in rows)
+    for r in rows:
+        print(f"{r['path']}  {human_size(r['bytes'] or 0)}  {r['reason']}")
+    if delete:
+        print(f"deleted {len(rows)} orphaned segment(s), freed {human_size(freed)}")
+    else:
+        print(
+            f"{len(rows)} orphaned segment(s), {human_size(total)} (dry run: pass --yes to "
+            "delete them)"
+        )
+    return 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from tiercheck import history
 
+    if args.orphans:
+        if args.root is not None:
+            raise UsageError("gc --orphans takes no ROOT: it scans this node's shared memory")
+        return cmd_gc_orphans(args)
+    if args.root is None:
+        raise UsageError("gc needs a store ROOT (or --orphans)")
+    if args.yes:
+        raise UsageError("--yes goes with --orphans")
     with contextlib.closing(open_store(args.root, write=not args.dry_run)) as ckpt:
         with progress_bar(not args.json, "collecting") as progress:
             if progress is not None:
@@ -629,6 +795,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = _check_output(args.out, args.force)
     fmt = "safetensors" if out.suffix.lower() == ".safetensors" else "torch"
+    if dcp_ranks(args.root):
+        return _export_dcp(args, out, fmt)
     with contextlib.closing(open_store(args.root)) as ckpt:
         v = pick_version(ckpt, args.version, args.rank)
         prefix = args.only or ""
@@ -668,43 +836,104 @@ def cmd_export(args: argparse.Namespace) -> int:
             if isinstance(value, np.ndarray):
                 value = torch.from_numpy(np.ascontiguousarray(value))
             obj[name(k)] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
-        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-        try:
-            if fmt == "safetensors":
-                from safetensors.torch import save_file
+        _write_export(obj, out, fmt, v.id, v.step, v.metadata, skipped, args.json)
+    return 0
 
-                meta = {
-                    "tiercheck.version": str(v.id),
-                    "tiercheck.step": str(v.step),
-                    "tiercheck.metadata": json.dumps(dict(v.metadata), default=_json_default),
-                }
-                save_file(obj, str(tmp), metadata=meta)
-            else:
-                torch.save(obj, tmp)
-            os.replace(tmp, out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        result: dict[str, Any] = {
-            "version": v.id,
-            "step": v.step,
-            "out": str(out),
-            "format": fmt,
-            "entries": len(obj),
-            "bytes": out.stat().st_size,
-            "skipped": skipped,
-        }
-        if args.json:
-            emit_json(result)
+
+def _write_export(
+    obj: dict[str, Any],
+    out: Path,
+    fmt: str,
+    version: int,
+    step: int,
+    metadata: Any,
+    skipped: list[str],
+    as_json: bool,
+) -> None:
+    """Write ``obj`` to ``out`` atomically (temp file, then rename) and report it."""
+    import torch
+
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            meta = {
+                "tiercheck.version": str(version),
+                "tiercheck.step": str(step),
+                "tiercheck.metadata": json.dumps(dict(metadata), default=_json_default),
+            }
+            save_file(obj, str(tmp), metadata=meta)
         else:
-            console = _console()
-            console.print(
-                f"exported {len(obj)} entries of version {v.id} (step {v.step}) to {out} "
-                f"({human_size(result['bytes'])})"
-            )
-            if skipped:
-                why = "not tensors" if fmt == "safetensors" else "stored with pickle"
-                console.print(f"skipped {len(skipped)} entries ({why}): " + ", ".join(skipped))
+            torch.save(obj, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    result: dict[str, Any] = {
+        "version": version,
+        "step": step,
+        "out": str(out),
+        "format": fmt,
+        "entries": len(obj),
+        "bytes": out.stat().st_size,
+        "skipped": skipped,
+    }
+    if as_json:
+        emit_json(result)
+        return
+    console = _console()
+    console.print(
+        f"exported {len(obj)} entries of version {version} (step {step}) to {out} "
+        f"({human_size(result['bytes'])})"
+    )
+    if skipped:
+        why = "not tensors" if fmt == "safetensors" else "stored with pickle"
+        console.print(f"skipped {len(skipped)} entries ({why}): " + ", ".join(skipped))
+
+
+def _export_dcp(args: argparse.Namespace, out: Path, fmt: str) -> int:
+    """Export a DCP root's checkpoint, assembled from every rank, with the plain keys given
+    to ``dcp.save`` (nested dicts joined by ``/``: ``model/layer.weight``)."""
+    import torch
+
+    from tiercheck import dcp, history
+
+    try:
+        kind, n = history.parse_version_spec(args.version)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    cid = {"latest": None, "id": f"version:{n}", "step": f"step:{n}"}[kind]
+    reader = dcp.TierReader(args.root, checkpoint_id=cid)
+    try:
+        sd = dcp.load_full_state_dict(reader)
+    except NoRestorableVersion as exc:
+        raise UsageError(f"{args.root}: {exc}") from None
+    info = reader.version
+    assert info is not None
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{key}/{k}" if key else str(k))
+        else:
+            flat[key] = node
+
+    walk(sd, "")
+    prefix = args.only or ""
+    keys = [k for k in flat if k.startswith(prefix)]
+    if not keys:
+        raise UsageError(f"the DCP checkpoint has no entry whose key starts with {prefix!r}")
+    skipped = [k for k in keys if fmt == "safetensors" and not isinstance(flat[k], torch.Tensor)]
+    obj = {
+        (k if args.keep_prefix or not prefix else k[len(prefix) :] or k): (
+            flat[k] if isinstance(flat[k], torch.Tensor) else _weights_only_safe(flat[k])
+        )
+        for k in keys
+        if k not in skipped
+    }
+    _write_export(obj, out, fmt, info.id, info.step, info.metadata, skipped, args.json)
     return 0
 
 
@@ -737,7 +966,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             if not report.configured:
                 console.print(
                     f"{report.url} is not a tier of this store: it now holds a self-contained "
-                    "copy; open it with Checkpointer(root, tiers=[url]) to restore from it"
+                    f"copy; browse it with `tiercheck ls {report.url}`, restore from it with "
+                    "Checkpointer(root, tiers=[url])"
                 )
     return 0
 
@@ -758,6 +988,8 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
             max_frame=args.max_frame,
             insecure_no_auth=args.insecure_no_auth,
             max_connections=args.max_connections,
+            idle_timeout=args.idle_timeout,
+            keepalive=args.keepalive,
             announce=lambda address: print(json.dumps({"listening": address}), flush=True),
         )
     except (ConfigError, ValueError, OSError) as exc:
@@ -786,6 +1018,26 @@ def cmd_peer_status(args: argparse.Namespace) -> int:
         shown = human_size(value) if "bytes" in k and isinstance(value, int) else str(value)
         t.add_row(k, shown)
     _console().print(t)
+    return 0
+
+
+def cmd_peer_token(args: argparse.Namespace) -> int:
+    from tiercheck.backends._peer_protocol import load_token_file, token_from_env
+    from tiercheck.peer_server import namespace_token
+
+    try:
+        admin = load_token_file(args.token_file) if args.token_file else token_from_env()
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"peer token: {exc}") from None
+    if admin is None:
+        raise UsageError(
+            "peer token needs the daemon's token: --token-file FILE or TIERCHECK_PEER_TOKEN"
+        )
+    token = namespace_token(admin, args.namespace).decode()
+    if args.json:
+        emit_json({"namespace": args.namespace, "token": token})
+    else:
+        print(token)
     return 0
 
 
@@ -1037,6 +1289,11 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="show tiercheck's log and tracebacks"
     )
     version_help = "a version id, 'latest' or 'step:N'"
+    root_help = (
+        "store root (the directory with tiercheck.toml), a DCP root (TierWriter's, with one "
+        "store per rank), or a tier URL such as one `migrate --to` wrote (read-only)"
+    )
+    url_help = "store root, or a tier URL (read-only)"
 
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -1052,7 +1309,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="List every committed version: step, role, time, sizes and, per tier, "
         "committed / migrating / missing / dropped / unreachable. Reads the logs only.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root (the directory with tiercheck.toml)")
+    p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--limit", type=_nonneg_int, metavar="N", help="only the newest N versions")
     p.set_defaults(func=cmd_ls)
 
@@ -1064,7 +1321,7 @@ def build_parser() -> argparse.ArgumentParser:
         "changed chunks against its base, per-tier stored bytes, and metadata. Reads the "
         "shard manifest only.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help=url_help)
     p.add_argument("version", metavar="VERSION", help=version_help)
     p.add_argument("--rank", type=_nonneg_int, metavar="N", help="shard of rank N (default 0)")
     p.set_defaults(func=cmd_show)
@@ -1077,7 +1334,7 @@ def build_parser() -> argparse.ArgumentParser:
         "change) and unchanged between versions A and B. Entries whose chunks are identical "
         "are decided without reading data.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help=url_help)
     p.add_argument("a", metavar="A", help=version_help)
     p.add_argument("b", metavar="B", help=version_help)
     p.add_argument("--rank", type=_nonneg_int, metavar="N", help="shard of rank N (default 0)")
@@ -1094,7 +1351,7 @@ def build_parser() -> argparse.ArgumentParser:
         "lock). A blob written by a newer major format is reported as newer-format (upgrade "
         "tiercheck to check it) and left as it is.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument(
         "--tier",
         action="append",
@@ -1107,14 +1364,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "gc",
         parents=[common],
-        help="delete blobs no kept version references",
+        help="delete blobs no kept version references, or orphaned shm segments",
         description="Mark and sweep every tier: blobs referenced by no version the tier keeps "
         "are deleted once past the grace period. Takes the writer lock unless --dry-run. A "
         "tier shared with a process that is writing to it is skipped (its write lease says "
-        "so).",
+        "so). With --orphans (and no ROOT): list the shm segments of this node whose store "
+        "is gone or no longer names them; --yes deletes them.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", nargs="?", help="store root")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument(
+        "--orphans",
+        action="store_true",
+        help="find shm segments of deleted stores on this node (a dry run unless --yes)",
+    )
+    p.add_argument(
+        "--yes", "--delete", dest="yes", action="store_true", help="with --orphans: delete them"
+    )
+    p.add_argument(
+        "--shm-root",
+        action="append",
+        metavar="DIR",
+        help="with --orphans: shm root to scan (repeatable; default /dev/shm/tiercheck)",
+    )
     p.add_argument(
         "--grace",
         type=_nonneg_float,
@@ -1125,6 +1397,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser(
+        "rm",
+        parents=[common],
+        help="delete a store with its shm segments and LMDB",
+        description="Delete the store at ROOT: the root directory, the shm segments it owns "
+        "(also those a deleted root left behind) and its LMDB environments. Refused while a "
+        "process holds the store open for writing. Remote tiers outside the root and peer "
+        "daemons are kept and listed.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser(
         "export",
         parents=[common],
         help="write a version to .safetensors or .pt",
@@ -1133,7 +1418,7 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.load(weights_only=True)). Keys are the flattened paths, e.g. "
         "model/layers.0.weight; with --only PREFIX only those entries, the prefix removed.",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("version", metavar="VERSION", help=version_help)
     p.add_argument("out", metavar="OUT", help="output file (.safetensors, .pt or .pth)")
     p.add_argument("--only", metavar="PREFIX", help="only entries under PREFIX, e.g. model/")
@@ -1148,7 +1433,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="copy a version (and its base) to a tier",
         description="Copy a version, every rank's shard and the base it needs, to --to: one "
         "of the store's tiers (name or URL; takes the writer lock) or any tier URL, which "
-        "then holds a self-contained copy.",
+        "then holds a self-contained copy (browse it with `tiercheck ls URL`).",
     )
     p.add_argument("root", metavar="ROOT", help="store root")
     p.add_argument("version", metavar="VERSION", help=version_help)
@@ -1181,6 +1466,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer_server.add_status_arguments(pq)
     pq.set_defaults(func=cmd_peer_status)
+    pt = peer.add_parser(
+        "token",
+        parents=[common],
+        help="print the token of one namespace",
+        description="Print the token that opens NAMESPACE only, derived from the daemon's "
+        "token (--token-file or TIERCHECK_PEER_TOKEN). Give each rank its own namespace's "
+        "token: it cannot read, overwrite or delete another namespace. Store it in a file "
+        "of mode 0600 and pass it as the tier's token_file option.",
+    )
+    pt.add_argument("namespace", metavar="NAMESPACE")
+    pt.add_argument(
+        "--token-file", metavar="FILE", help="the daemon's token file (else $TIERCHECK_PEER_TOKEN)"
+    )
+    pt.set_defaults(func=cmd_peer_token)
 
     p = sub.add_parser(
         "plan",

@@ -23,11 +23,30 @@ plain TOML so people can read and edit it::
     name = "remote"
     url = "file:///data/ckpt/remote"
     options = { survives = "process", shared = true }
+
+Secrets (peer tokens, object-store keys) are never written to the file: an option whose
+name says it is one (``token``, ``secret``, ``password``, ``key``, ``*_token``, ``*_key``,
+...) is left out with a warning, and the next open needs it from elsewhere. Write a
+*reference* instead, resolved each time the store is opened: ``{ env = "NAME" }`` (an
+environment variable) or ``{ file = "/path" }`` (a file's content, without surrounding
+whitespace; it should be mode 0600)::
+
+    [[tier]]
+    name = "remote"
+    url = "s3://bucket/ckpt"
+    [tier.options.storage_options]
+    key = { env = "AWS_ACCESS_KEY_ID" }
+    secret = { file = "/run/secrets/s3" }
+
+The file is TOML written by ``tomli-w`` and read by ``tomllib`` (``tomli`` on Python 3.10).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -35,19 +54,28 @@ from pathlib import Path
 from typing import Any
 
 import blake3
-import tomllib
+import tomli_w
 
 from tiercheck.errors import ConfigError
 from tiercheck.placement import Policy, TierPolicy
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 __all__ = [
     "CONFIG_NAME",
     "StoreConfig",
     "TierSpec",
     "default_config",
+    "is_secret_option",
     "load_config",
+    "resolve_references",
     "save_config",
 ]
+
+log = logging.getLogger("tiercheck")
 
 CONFIG_NAME = "tiercheck.toml"
 CONFIG_FORMAT = 1
@@ -165,20 +193,129 @@ def load_config(path: Path) -> StoreConfig:
     return StoreConfig(coerce_tiers(specs), Policy(**policy_data, tiers=tier_policies))
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
-    if isinstance(value, Mapping):
-        inner = ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None)
-        return "{ " + inner + " }" if inner else "{}"
+_SECRET_NAMES = frozenset(
+    {
+        "token",
+        "secret",
+        "password",
+        "passwd",
+        "key",
+        "credentials",
+        "connection_string",
+        "sas_token",
+        "account_key",
+        "client_secret",
+        "private_key",
+        "api_key",
+        "auth",
+    }
+)
+_SECRET_SUFFIXES = ("_token", "_secret", "_password", "_key", "_credentials")
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether an option called ``name`` holds a secret (and so is never written)."""
+    lower = name.lower()
+    return lower in _SECRET_NAMES or lower.endswith(_SECRET_SUFFIXES)
+
+
+def _reference(value: Any) -> tuple[str, str] | None:
+    """``("env", NAME)`` or ``("file", PATH)`` for a reference value, else None."""
+    if isinstance(value, Mapping) and len(value) == 1:
+        ((kind, target),) = value.items()
+        if kind in ("env", "file") and isinstance(target, str):
+            return kind, target
+    return None
+
+
+def _without_secrets(value: Any, where: str, dropped: list[str]) -> Any:
+    """``value`` with every secret option removed (references kept), recursively."""
+    if isinstance(value, Mapping) and _reference(value) is None:
+        out = {}
+        for k, v in value.items():
+            name = f"{where}.{k}" if where else str(k)
+            if v is None:
+                continue  # TOML has no null: an absent option means the default
+            if is_secret_option(str(k)) and _reference(v) is None:
+                dropped.append(name)
+                continue
+            out[str(k)] = _without_secrets(v, name, dropped)
+        return out
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ConfigError(f"cannot write {value!r} to TOML")
+        return [_without_secrets(v, where, dropped) for v in value]
+    return value
+
+
+def resolve_references(options: Mapping[str, Any], *, tier: str = "") -> dict[str, Any]:
+    """``options`` with every ``{env = NAME}`` / ``{file = PATH}`` replaced by its value.
+
+    ``ConfigError`` names the tier and the variable or file when one cannot be read.
+    """
+
+    def resolve(value: Any, where: str) -> Any:
+        ref = _reference(value)
+        if ref is not None:
+            kind, target = ref
+            if kind == "env":
+                found = os.environ.get(target)
+                if found is None:
+                    raise ConfigError(
+                        f"tier {tier!r} option {where}: environment variable {target} is not set"
+                    )
+                return found
+            try:
+                with open(target, "rb") as f:
+                    if os.fstat(f.fileno()).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                        log.warning(
+                            "secret file %s is readable by other users; chmod 600 it", target
+                        )
+                    return f.read().decode().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(
+                    f"tier {tier!r} option {where}: cannot read {target}: {exc}"
+                ) from None
+        if isinstance(value, Mapping):
+            return {k: resolve(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [resolve(v, where) for v in value]
+        return value
+
+    return {k: resolve(v, str(k)) for k, v in options.items()}
+
+
+def _document(config: StoreConfig) -> dict[str, Any]:
+    """The TOML document of ``config``, secrets left out (with a warning naming them)."""
+    policy = {
+        name: getattr(config.policy, name)
+        for name in sorted(_POLICY_KEYS)
+        if getattr(config.policy, name) is not None
+    }
+    tiers: list[dict[str, Any]] = []
+    for spec in config.tiers:
+        entry: dict[str, Any] = {"name": spec.name, "url": spec.url}
+        tp = config.policy.tiers.get(spec.name)
+        if tp is not None:
+            for name in sorted(_TIER_POLICY_KEYS):
+                value = getattr(tp, name)
+                if name.startswith("keep_"):
+                    entry[name] = "all" if value is None else value
+                elif value is not None:  # guarantee None: by mode, as when absent
+                    entry[name] = value
+        dropped: list[str] = []
+        options = _without_secrets(dict(spec.options), "", dropped)
+        if dropped:
+            log.warning(
+                "tier %s: not writing the secret option(s) %s to %s; the next open needs "
+                'them from the environment or a file, e.g. options = { %s = { env = "NAME" } }',
+                spec.name,
+                ", ".join(dropped),
+                CONFIG_NAME,
+                dropped[0],
+            )
+        if options:
+            entry["options"] = options
+        tiers.append(entry)
+    return {"format": CONFIG_FORMAT, "policy": policy, "tier": tiers}
 
 
 def _write_synced(fd: int, text: str) -> None:
@@ -195,29 +332,11 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
     ``exclusive``: only if ``path`` does not exist yet (a hard link, which fails on an
     existing name, instead of the rename); returns False, writing nothing, if it does.
     """
-    lines = ["# tiercheck store configuration", f"format = {CONFIG_FORMAT}", "", "[policy]"]
-    for name in sorted(_POLICY_KEYS):
-        value = getattr(config.policy, name)
-        if value is not None:  # TOML has no null: an absent key reads back as None
-            lines.append(f"{name} = {_toml_value(value)}")
-    for spec in config.tiers:
-        lines += [
-            "",
-            "[[tier]]",
-            f"name = {_toml_value(spec.name)}",
-            f"url = {_toml_value(spec.url)}",
-        ]
-        tp = config.policy.tiers.get(spec.name)
-        if tp is not None:
-            for name in sorted(_TIER_POLICY_KEYS):
-                value = getattr(tp, name)
-                if name.startswith("keep_"):
-                    lines.append(f"{name} = {_toml_value('all' if value is None else value)}")
-                elif value is not None:  # guarantee None: by mode, as when absent
-                    lines.append(f"{name} = {_toml_value(value)}")
-        if spec.options:
-            lines.append(f"options = {_toml_value(spec.options)}")
-    text = "\n".join(lines) + "\n"
+    try:
+        body = tomli_w.dumps(_document(config))
+    except TypeError as exc:  # a value TOML cannot hold
+        raise ConfigError(f"cannot write the store configuration to TOML: {exc}") from None
+    text = "# tiercheck store configuration (secrets are never written here)\n" + body
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
     _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), text)
     if not exclusive:

@@ -37,8 +37,17 @@ Reads fetch only the chunks holding the entries this rank needs (``Checkpointer.
 **Metadata without pickle.** DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata`
 is encoded field by field into plain msgpack (:func:`encode_metadata`) and decoded back the
 same way (:func:`decode_metadata`), which refuses anything it does not know. Loading never
-unpickles anything from the store on tiercheck's side. (Non-tensor values, DCP's
-``BytesIO`` items, are ``torch.save`` payloads that DCP's own load planner deserializes.)
+unpickles anything from the store on tiercheck's side.
+
+**Byte items without pickle.** Non-tensor values are DCP ``BytesIO`` items: ``torch.save``
+payloads, which DCP's default load planner deserializes with ``torch.load(weights_only=
+False)``, i.e. full pickle: whoever can write a tier could run code in the loading process.
+:class:`TierReader` therefore decodes each one first with ``torch.load(weights_only=True)``
+(PyTorch's restricted unpickler: tensors, numbers, strings, containers, and the globals
+registered with ``torch.serialization.add_safe_globals``), refuses a payload that needs
+anything else with :class:`~tiercheck.errors.UnsupportedValue`, and hands the planner a
+fresh ``torch.save`` of the decoded value. ``TierReader(..., allow_pickle=True)`` passes
+the stored bytes through as before: only for checkpoints you trust.
 
 **async_save.** The thread executor works with any writer. The process executor pickles the
 writer into a daemon process: give it a root path (a :class:`Checkpointer` cannot be sent),
@@ -110,8 +119,10 @@ __all__ = [
     "TierWriter",
     "decode_metadata",
     "encode_metadata",
+    "load_full_state_dict",
     "parse_checkpoint_id",
     "rank_root",
+    "rank_stores",
 ]
 
 METADATA_FORMAT = "tiercheck-dcp"
@@ -832,7 +843,8 @@ class TierReader(StorageReader):
     Each rank fetches only the chunks holding the items its plan needs, from whichever
     rank's store saved them (opened read-only), through the store's lazy
     :meth:`Checkpointer.version` reads. ``read_budget`` bounds the bytes of entries held at
-    once.
+    once. Byte items are decoded without pickle unless ``allow_pickle`` (see the module
+    docstring).
     """
 
     def __init__(
@@ -841,8 +853,10 @@ class TierReader(StorageReader):
         *,
         checkpoint_id: str | int | None = None,
         read_budget: int = 256 * 1024 * 1024,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__()
+        self.allow_pickle = allow_pickle
         self._root: Path | None = None
         self._given: Checkpointer | None = None
         if isinstance(target, Checkpointer):
@@ -992,15 +1006,15 @@ class TierReader(StorageReader):
         for e in batch:
             self._apply(e, values[e.key], by_key[e.key.removeprefix(f"{ITEMS}/")], planner)
 
-    @staticmethod
     def _apply(
-        entry: EntryInfo, value: Any, reqs: Sequence[ReadItem], planner: LoadPlanner
+        self, entry: EntryInfo, value: Any, reqs: Sequence[ReadItem], planner: LoadPlanner
     ) -> None:
         if reqs[0].type == LoadItemType.BYTE_IO:
             if entry.kind != "msgpack" or not isinstance(value, bytes):
                 raise _bad(f"item {entry.key!r} does not hold msgpack bytes")
+            payload = value if self.allow_pickle else _without_pickle(value, reqs[0])
             for req in reqs:
-                planner.load_bytes(req, io.BytesIO(value))
+                planner.load_bytes(req, io.BytesIO(payload))
             return
         if entry.kind != "tensor" or not isinstance(value, torch.Tensor):
             raise _bad(f"item {entry.key!r} is stored as {entry.kind!r}, not a tensor")
@@ -1020,3 +1034,76 @@ class TierReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return not isinstance(checkpoint_id, os.PathLike) and _valid_id(checkpoint_id)
+
+
+def _without_pickle(value: bytes, req: ReadItem) -> bytes:
+    """A ``torch.save`` payload the planner may ``torch.load`` with full pickle safely: the
+    stored payload decoded by the restricted unpickler, saved again. ``UnsupportedValue``
+    (nothing run) if it needs more than the restricted unpickler allows."""
+    import pickle
+
+    try:
+        obj = torch.load(io.BytesIO(value), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Unsupported global" in ln), type(exc).__name__)
+        raise UnsupportedValue(
+            f"DCP byte item needs pickle beyond torch's weights_only loader ({why}); refused. "
+            "Load with TierReader(..., allow_pickle=True) only if you trust whoever could "
+            "write this store, or register the type with torch.serialization.add_safe_globals",
+            key=req.dest_index.fqn,
+        ) from None
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+# --- a DCP root as a whole ----------------------------------------------------------------
+
+
+def rank_stores(root: str | os.PathLike[str]) -> list[Path]:
+    """The per-rank stores ``root/rank{r}`` of a DCP root, in rank order (empty if ``root``
+    is not one). Raises NoRestorableVersion if the ranks are not ``0..n-1``."""
+    base = Path(root).expanduser()
+    found: dict[int, Path] = {}
+    if base.is_dir():
+        for child in base.iterdir():
+            m = re.fullmatch(r"rank(\d+)", child.name)
+            if m and (child / "tiercheck.toml").is_file():
+                found[int(m.group(1))] = child
+    if found and sorted(found) != list(range(len(found))):
+        raise NoRestorableVersion(
+            f"{base} holds stores for ranks {sorted(found)}; a DCP root has rank0..rank(n-1)"
+        )
+    return [found[r] for r in sorted(found)]
+
+
+def load_full_state_dict(
+    source: str | os.PathLike[str] | TierReader, *, checkpoint_id: str | int | None = None
+) -> dict[str, Any]:
+    """The whole DCP checkpoint under ``source`` (a root, or a :class:`TierReader`, whose
+    ``version`` then tells which one was read) as one plain state dict, in this process.
+
+    Every tensor is assembled from the shards of every rank (as ``dcp.load`` with an empty
+    state would build it); keys are the ones given to ``dcp.save``, nested as they were, so
+    ``model.load_state_dict(sd["model"])`` works. Non-tensor values come back as DCP saved
+    them. Needs the memory of the whole state.
+    """
+    # what torch's own dcp_to_torch_save does: the public load() only fills keys the
+    # caller's dict already has, and an empty dict has none
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load
+
+    reader = (
+        source
+        if isinstance(source, TierReader)
+        else TierReader(source, checkpoint_id=checkpoint_id)
+    )
+    sd: dict[str, Any] = {}
+    dcp_load(
+        sd,
+        storage_reader=reader,
+        planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+        no_dist=True,
+    )
+    return sd

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiercheck
-from tiercheck.config import CONFIG_NAME, load_config
 from tiercheck.errors import NoRestorableVersion
+from tiercheck.lifecycle import destroy_store
 
 __all__ = [
     "GPT",
@@ -63,7 +63,6 @@ __all__ = [
 
 _TAG = "@tiercheck-demo "
 _SEED = 1234
-_SHM_ROOT = "/dev/shm/tiercheck"
 
 # --- the model ---------------------------------------------------------------------------
 
@@ -444,16 +443,6 @@ def _median(xs: Sequence[float]) -> float:
     return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
 
 
-def _shm_dirs(root: Path) -> list[Path]:
-    cfg = load_config(root / CONFIG_NAME)
-    out = []
-    for spec in cfg.tiers:
-        if spec.url.startswith("shm://"):
-            base = Path(str(spec.options.get("root", _SHM_ROOT)))
-            out.append(base / spec.url[len("shm://") :].rstrip("/"))
-    return out
-
-
 def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
     from rich.table import Table
 
@@ -648,7 +637,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     p.add_argument("--crash-at", type=int, default=None, help="kill after this step is committed")
     p.add_argument("--root", type=Path, default=None, help="store root (default: a fresh temp dir)")
-    p.add_argument("--keep", action="store_true", help="keep the store and its shm tier")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the store and its shm tier (else: deleted)"
+    )
     p.add_argument("--worker", choices=("reference", "train"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker == "reference":
@@ -674,8 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not args.keep:
             if (root / "tiercheck.toml").exists():
-                for d in _shm_dirs(root):
-                    shutil.rmtree(d, ignore_errors=True)
+                destroy_store(root)  # the store and its shm segment: tiercheck rm
             if made_root:
                 shutil.rmtree(root, ignore_errors=True)
         else:

@@ -20,7 +20,11 @@ __all__ = [
     "NoRestorableVersion",
     "NotFound",
     "NotSupported",
+    "OverBudget",
     "ReadOnlyTier",
+    "ReplayError",
+    "ReplayMismatch",
+    "ReplayRefused",
     "StateError",
     "StoreLocked",
     "TierError",
@@ -84,6 +88,32 @@ class ReadOnlyTier(NotSupported):
 
 class TierFull(TierError):
     """The tier has no space left (disk full, memory limit, map size limit)."""
+
+
+class OverBudget(TierFull):
+    """A write would take a memory tier past its byte budget (the tier option ``budget``)
+    or past the free space of the memory behind it (/dev/shm, the peer daemon's limit).
+
+    Nothing was written. ``needed`` is the bytes the write asked for, ``held`` the bytes
+    the tier holds, ``budget`` its budget (None when the free memory was the limit).
+    What to do: drop old versions from the tier (retention ``keep_bases``/``keep_diffs``),
+    raise its ``budget``, or free memory on the node.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        key: str = "",
+        needed: int = 0,
+        held: int = 0,
+        budget: int | None = None,
+    ) -> None:
+        super().__init__(message, url=url, key=key)
+        self.needed = needed
+        self.held = held
+        self.budget = budget
 
 
 class InvalidURL(TierError, ValueError):
@@ -190,3 +220,31 @@ class WaitTimeout(CheckpointError, TimeoutError):
 
 class NoRestorableVersion(TiercheckError, LookupError):
     """No version (or not the one asked for) can be restored from the surviving tiers."""
+
+
+# --- update-log replay ---------------------------------------------------------------
+
+
+class ReplayError(TiercheckError):
+    """A log version could not be replayed into the state it must reproduce."""
+
+
+class ReplayRefused(ReplayError):
+    """The optimizer differs from the one that wrote the log (class, implementation flags
+    such as foreach/fused/capturable, device type, torch version, parameters): replaying
+    would not be exact, so nothing was changed. ``differences`` lists what differs."""
+
+    def __init__(self, message: str, *, differences: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.differences = differences
+
+
+class ReplayMismatch(ReplayError):
+    """The replay ran but did not reproduce the saved state: the fingerprints of
+    ``tensors`` differ (a parameter edited outside ``optimizer.step()``, an EMA, a
+    different kernel). The optimizer's state is then not the saved one: restore a full
+    version into it."""
+
+    def __init__(self, message: str, *, tensors: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.tensors = tensors

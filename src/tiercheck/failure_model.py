@@ -37,16 +37,20 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from tiercheck.backends.base import FailureDomain
 from tiercheck.errors import ConfigError
 from tiercheck.tier_costs import write_text_atomic
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 __all__ = [
     "DEFAULT_FAILURE_MODEL",

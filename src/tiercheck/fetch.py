@@ -23,7 +23,14 @@ from tiercheck.errors import (
     TierError,
     TierUnavailable,
 )
-from tiercheck.formats.codecs import Codec, decode_blob, encode_blob
+from tiercheck.formats.codecs import (
+    BLOB_HEADER_SIZE,
+    Codec,
+    decode_blob,
+    encode_blob,
+    raw_payload,
+)
+from tiercheck.formats.ids import as_byte_view
 from tiercheck.formats.manifest import ShardManifest, unpack_manifest
 from tiercheck.tierset import TierSlot
 
@@ -91,6 +98,47 @@ class ChunkFetcher:
         except ValueError:  # larger than the scratch buffer
             return tier.get(chunk_id)
 
+    def _scratch(self, n: int) -> memoryview:
+        """This thread's reusable buffer, at least ``n`` bytes."""
+        scratch: bytearray | None = getattr(self._local, "buf", None)
+        if scratch is None or len(scratch) < n:
+            scratch = self._local.buf = bytearray(max(n, _SCRATCH))
+        return memoryview(scratch)
+
+    def _read_decode(
+        self, slot: TierSlot, chunk_id: str, out: memoryview | None
+    ) -> tuple[memoryview, int]:
+        """The verified raw bytes of ``chunk_id`` from ``slot`` (in ``out`` if given) and
+        the blob's stored size.
+
+        Where ``slot`` stores raw blobs, the blob is read as its header into a small buffer
+        and its payload straight into ``out`` (no intermediate copy) and verified there;
+        a blob that turns out to be encoded otherwise is decoded from what was read.
+        """
+        tier = slot.tier
+        assert tier is not None
+        if out is not None and (slot.policy is None or slot.policy.codec == "raw"):
+            dst = as_byte_view(out)
+            head: bytearray | None = getattr(self._local, "head", None)
+            if head is None:
+                head = self._local.head = bytearray(BLOB_HEADER_SIZE)
+            size = tier.get_parts(chunk_id, [memoryview(head), dst])
+            raw = raw_payload(head, dst, size, chunk_id)
+            if raw is not None:
+                return raw, size
+            if size <= BLOB_HEADER_SIZE + len(dst):  # all of it was read: reassemble
+                blob = self._scratch(size)[:size]
+                blob[:BLOB_HEADER_SIZE] = head
+                blob[BLOB_HEADER_SIZE:] = dst[: size - BLOB_HEADER_SIZE]
+            else:
+                blob = self._read(tier, chunk_id)
+        else:
+            blob = self._read(tier, chunk_id)
+        raw = decode_blob(blob, chunk_id, base_lookup=self._base, out=out)
+        if raw.obj is getattr(self._local, "buf", None):
+            raw = memoryview(bytes(raw))  # the scratch buffer is reused by the next read
+        return raw, len(blob)
+
     def _base(self, base_id: str) -> bytes:
         with self._lock:
             cached = self._bases.get(base_id)
@@ -131,10 +179,7 @@ class ChunkFetcher:
             if tier is None:
                 continue
             try:
-                blob = self._read(tier, chunk_id)
-                raw = decode_blob(blob, chunk_id, base_lookup=self._base, out=out)
-                if raw.obj is getattr(self._local, "buf", None):
-                    raw = memoryview(bytes(raw))  # the scratch buffer is reused by the next read
+                raw, stored = self._read_decode(slot, chunk_id, out)
             except FormatVersionError as exc:
                 # a newer writer's copy, or a damaged version byte: another tier may still
                 # hold a copy this reader can use; refuse only if none does
@@ -161,7 +206,7 @@ class ChunkFetcher:
                 continue
             with self._lock:
                 self.stats.reads[slot.name] += 1
-                self.stats.bytes_read[slot.name] += len(blob)
+                self.stats.bytes_read[slot.name] += stored
                 self.stats.chunks_from[slot.name] += 1
             if bad and self.repair:
                 self._repair(chunk_id, raw, bad)

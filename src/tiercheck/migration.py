@@ -6,6 +6,12 @@ then the manifest, then ``prepare`` and ``commit`` records, in that order, so th
 log never names a version whose blobs are not all there. A target that is unreachable
 (:class:`~tiercheck.errors.TierUnavailable`) keeps the job pending; it is retried later,
 and nothing already committed elsewhere is affected.
+
+Cost: each chunk is read once, straight into a per-thread buffer where the source holds it
+raw, and verified there (the one hash of the migration: a copy must not carry damage to a
+slower tier). A raw target gets header + that buffer in one vectored write; a compressed
+target gets the encoded blob, uploaded while the next chunk is encoded, up to
+``UPLOAD_WINDOW`` blobs in flight.
 """
 
 from __future__ import annotations
@@ -13,18 +19,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tiercheck.errors import NotFound, TierError
 from tiercheck.fetch import ChunkFetcher
-from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob, encode_blob_parts
+from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
+from tiercheck.formats.ids import Buffer
 from tiercheck.formats.manifest import CommitRecord, PrepareRecord, VersionInfo, unpack_manifest
 from tiercheck.manifest_log import append_record
 from tiercheck.pipeline import elem_size, held_bases
 from tiercheck.tierset import TierSlot
 
-__all__ = ["MigrationResult", "migrate_shard"]
+__all__ = ["UPLOAD_WINDOW", "MigrationResult", "migrate_shard"]
+
+UPLOAD_WINDOW = 16  # compressed blobs in flight to the target tier at once
 
 
 @dataclass
@@ -88,12 +97,12 @@ def migrate_shard(
         buf: bytearray | None = getattr(local, "buf", None)
         if buf is None or len(buf) < length:
             buf = local.buf = bytearray(max(length, manifest.chunk_size))
+        # verified as read (a copy must not carry damage to a slower tier); not hashed again
         raw, _ = fetcher.fetch(cid, memoryview(buf)[:length], order=sources)
+        parts: list[Buffer]
         if codec == "raw":  # header + this thread's buffer, written without joining
             parts = encode_blob_parts(raw, Codec.RAW)
-            tier.put_parts(cid, parts)
-            return sum(len(p) for p in parts)
-        if (
+        elif (
             base_chunks is not None
             and index < len(base_chunks)
             and base_chunks[index].id in local_bases
@@ -101,17 +110,42 @@ def migrate_shard(
             base_id = base_chunks[index].id
             base_raw, _ = fetcher.fetch(base_id, order=sources)
             elem = elem_size(manifest.entries, manifest.chunks[index].offset)
-            used, blob = delta_or_raw(raw, base_raw, base_id, elem, zstd_level)
-            if used is Codec.DELTA:
+            delta = delta_if_smaller(raw, base_raw, base_id, elem, zstd_level)
+            if delta is not None:
                 deltas[cid] = base_id
+                parts = delta
             else:
-                blob = encode_blob(raw, Codec.ZSTD, level=zstd_level)
+                parts = encode_blob_parts(raw, Codec.ZSTD, level=zstd_level)
         else:
-            blob = encode_blob(raw, Codec.ZSTD, level=zstd_level)
-        tier.put(cid, blob)
-        return len(blob)
+            parts = encode_blob_parts(raw, Codec.ZSTD, level=zstd_level)
+        if uploads is None:  # raw: the parts include this thread's buffer, reused next
+            tier.put_parts(cid, parts)
+        else:  # a compressed blob owns its bytes: upload it while the next one is encoded
+            window.acquire()
+            upload = uploads.submit(tier.put_parts, cid, parts)
+            upload.add_done_callback(lambda _: window.release())
+            with lock:
+                in_flight.append(upload)
+        return sum(len(p) for p in parts)
 
-    written = list(pool.map(copy, missing))
+    # A store reached over the network is latency bound: compressed blobs go to it up to
+    # UPLOAD_WINDOW at a time (memory stays bounded by the window), more than the CPU pool
+    # that encodes them has threads.
+    uploads = (
+        ThreadPoolExecutor(UPLOAD_WINDOW, thread_name_prefix="tiercheck-upload")
+        if codec != "raw" and missing
+        else None
+    )
+    window = threading.BoundedSemaphore(UPLOAD_WINDOW)
+    lock = threading.Lock()
+    in_flight: list[Future[bool]] = []
+    try:
+        written = list(pool.map(copy, missing))
+        for upload in in_flight:
+            upload.result()  # the first failed upload fails the migration
+    finally:
+        if uploads is not None:
+            uploads.shutdown(wait=True, cancel_futures=True)
     nbytes = sum(written)
     blobs = []
     if manifest_id not in present:

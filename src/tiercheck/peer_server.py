@@ -12,6 +12,17 @@ the buffer that then stores it, which an asyncio stream (it buffers and copies) 
 not. ``max_connections`` bounds the thread count. The store takes one lock for dict
 updates only; no bytes are copied under it.
 
+Resources: ``memory_limit`` bounds the payload bytes held across namespaces, and a client
+may give its namespace a smaller ``budget`` in its hello (the tier option of that name);
+a write past either is refused (``OverBudget``). A connection idle between requests for
+``idle_timeout`` seconds is closed, and TCP keepalive probes find a peer whose node died
+without closing its connections, so a crashed client's connection slot is freed.
+
+Authorisation: clients prove the daemon's token (the *admin* token: every namespace, and
+``stats`` of all) or a *namespace token*, ``namespace_token(admin, ns)`` (HMAC-SHA256 of the
+namespace under the admin token, hex): it opens that namespace only, so a rank given its
+own namespace's token cannot read, overwrite or delete another rank's.
+
 Robustness: a client that sends a wrong token, a frame over the limit (refused from its
 length, before the body is read), bytes that are not a msgpack map of the expected shape,
 or half a frame, loses its connection (with an error frame where it can still be read,
@@ -27,7 +38,6 @@ import hmac
 import json
 import logging
 import os
-import re
 import selectors
 import signal
 import socket
@@ -52,10 +62,12 @@ from tiercheck.backends._peer_protocol import (
     load_token_file,
     recv_exact,
     send_frame,
+    set_keepalive,
     token_from_env,
 )
 from tiercheck.backends.base import BLOB_ID_RE
 from tiercheck.errors import ConfigError
+from tiercheck.sizes import parse_size
 
 __all__ = [
     "PeerServer",
@@ -63,6 +75,7 @@ __all__ = [
     "main",
     "main_serve",
     "main_status",
+    "namespace_token",
     "parse_address",
     "parse_size",
     "peer_status",
@@ -71,33 +84,9 @@ __all__ = [
 
 log = logging.getLogger("tiercheck.peer_server")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _MAX_NAMESPACE = 255
 _MAX_LIST_PAGE = 100_000
 _MAX_IDS = 100_000
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a byte size: ``4096``, ``512MiB``, ``2GiB``, ``1G`` (binary), ``1GB`` (decimal).
-
-    A bare unit letter (``K``, ``M``, ``G``, ``T``) and the ``KiB`` forms are powers of 1024;
-    ``KB``, ``MB``, ``GB``, ``TB`` are powers of 1000.
-    """
-    if isinstance(text, int):
-        value = text
-    else:
-        m = _SIZE_RE.match(text)
-        if not m:
-            raise ValueError(f"invalid size {text!r}: expected e.g. 4096, 512MiB, 2GiB, 1G")
-        number, unit, suffix = m.group(1), m.group(2).upper(), m.group(3).lower()
-        if not unit and suffix not in ("", "b"):
-            raise ValueError(f"invalid size {text!r}: expected e.g. 4096, 512MiB, 2GiB, 1G")
-        exponent = "KMGT".index(unit) + 1 if unit else 0
-        base = 1000 if suffix == "b" and unit else 1024
-        value = int(float(number) * base**exponent)
-    if value < 0:
-        raise ValueError(f"invalid size {text!r}: negative")
-    return value
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -108,6 +97,19 @@ def parse_address(text: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port_text)
+
+
+def namespace_token(admin: bytes, namespace: str) -> bytes:
+    """The token that opens ``namespace`` only, derived from the daemon's (admin) token.
+
+    Give each rank the token of its own namespace (``tiercheck peer token NS``) instead of
+    the admin token, and no rank can touch another's data.
+    """
+    return (
+        hmac.new(admin, b"tiercheck-namespace\0" + namespace.encode(), "sha256")
+        .hexdigest()
+        .encode()
+    )
 
 
 def format_address(host: str, port: int) -> str:
@@ -130,11 +132,23 @@ class _Refused(Exception):
 
 
 @dataclass(frozen=True)
-class _Request:
+class _Session:
+    """What a connection's hello established."""
+
     ns: str
+    admin: bool  # proved the daemon's token (not a namespace token)
+
+
+@dataclass(frozen=True)
+class _Request:
+    session: _Session
     fields: dict[str, Any]
     data: memoryview | None
     body: bytearray  # the frame buffer, from the pool; ``data`` may point into it
+
+    @property
+    def ns(self) -> str:
+        return self.session.ns
 
 
 @dataclass(frozen=True)
@@ -211,6 +225,7 @@ class _Namespace:
     log: list[bytes] = field(default_factory=list)
     blob_bytes: int = 0
     log_bytes: int = 0
+    budget: int | None = None  # set by the hello of a client that gives one
 
 
 class _Store:
@@ -236,13 +251,40 @@ class _Store:
             space = self._spaces[ns] = _Namespace()
         return space
 
-    def _reserve(self, n: int, what: str) -> None:
+    def _reserve(self, n: int, what: str, space: _Namespace | None = None) -> None:
+        if n <= 0:
+            return
+        if space is not None and space.budget is not None:
+            held = space.blob_bytes + space.log_bytes
+            if held + n > space.budget:
+                raise _Refused(
+                    "TierFull",
+                    f"namespace budget exceeded: {what} needs {n} bytes, {held} of "
+                    f"{space.budget} bytes held; drop old versions or raise the tier's budget",
+                    over_budget=True,
+                    needed=n,
+                    held=held,
+                    budget=space.budget,
+                )
         if self.used + n > self.memory_limit:
             raise _Refused(
                 "TierFull",
                 f"peer memory full: {what} needs {n} bytes, {self.used} of "
                 f"{self.memory_limit} bytes in use; raise --memory-limit or delete old versions",
+                over_budget=True,
+                needed=n,
+                held=self.used,
+                budget=self.memory_limit,
             )
+
+    def set_budget(self, ns: str, budget: int | None) -> None:
+        with self._lock:
+            self._space(ns).budget = budget
+
+    def usage(self, ns: str) -> int:
+        with self._lock:
+            space = self._spaces.get(ns)
+            return space.blob_bytes if space else 0
 
     def put(
         self, ns: str, blob_id: str, data: memoryview, overwrite: bool, owner: bytearray | None
@@ -254,7 +296,7 @@ class _Store:
             if old is not None and not overwrite:
                 return False
             delta = data.nbytes - (old.data.nbytes if old is not None else 0)
-            self._reserve(delta, f"blob {blob_id}")
+            self._reserve(delta, f"blob {blob_id}", space)
             space.blobs[blob_id] = _Blob(data, owner)
             space.blob_bytes += delta
             self.used += delta
@@ -314,12 +356,26 @@ class _Store:
 
     def append(self, ns: str, record: bytes) -> int:
         with self._lock:
-            self._reserve(len(record), "log record")
             space = self._space(ns)
+            self._reserve(len(record), "log record", space)
             space.log.append(record)
             space.log_bytes += len(record)
             self.used += len(record)
             return len(space.log) - 1
+
+    def replace_log_prefix(self, ns: str, count: int, record: bytes) -> None:
+        """Replace the first ``count`` records of ``ns``'s log with ``record`` (atomic:
+        under the store lock)."""
+        with self._lock:
+            space = self._spaces.get(ns)
+            n = len(space.log) if space else 0
+            if space is None or not 1 <= count <= n:
+                raise _Refused("OutOfRange", f"count {count} is outside the log of {n} records")
+            freed = sum(len(r) for r in space.log[:count])
+            self._reserve(len(record) - freed, "log checkpoint", space)
+            space.log[:count] = [record]
+            space.log_bytes += len(record) - freed
+            self.used += len(record) - freed
 
     def read_log(self, ns: str, start: int, max_bytes: int) -> tuple[list[bytes], bool]:
         with self._lock:
@@ -335,7 +391,8 @@ class _Store:
             size += len(record) + 8
         return page, False
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, only: str | None = None) -> dict[str, Any]:
+        """Totals, and per namespace (only ``only``'s, when given)."""
         with self._lock:
             spaces = {
                 name: {
@@ -343,8 +400,10 @@ class _Store:
                     "bytes": s.blob_bytes,
                     "records": len(s.log),
                     "log_bytes": s.log_bytes,
+                    "budget": s.budget,
                 }
                 for name, s in sorted(self._spaces.items())
+                if only is None or name == only
             }
             used = self.used
         return {
@@ -355,6 +414,14 @@ class _Store:
             "recycled_buffer_bytes": self.pool.bytes,
             "namespaces": spaces,
         }
+
+
+class _Idle(Exception):
+    """A connection sent nothing for the idle timeout: it is closed."""
+
+
+DEFAULT_IDLE_TIMEOUT = 600.0
+DEFAULT_KEEPALIVE = 60.0
 
 
 # --- request arguments ---------------------------------------------------------------
@@ -393,8 +460,12 @@ class PeerServer:
 
     ``token`` is the shared secret clients prove with HMAC-SHA256 of a per-connection nonce;
     None turns authentication off (say so explicitly: :func:`serve` refuses it unless
-    ``insecure_no_auth``). ``memory_limit`` bounds the payload bytes held (blobs and log
-    records of all namespaces); ``max_frame`` bounds one frame.
+    ``insecure_no_auth``); a client may also prove ``namespace_token(token, ns)``, which
+    opens namespace ``ns`` only. ``memory_limit`` bounds the payload bytes held (blobs and
+    log records of all namespaces); ``max_frame`` bounds one frame. ``idle_timeout``
+    (seconds, None: never) closes a connection that sends no request for that long;
+    ``keepalive`` (seconds of silence before TCP keepalive probes, None: off) lets the
+    kernel notice a peer that vanished without closing its connection.
     """
 
     def __init__(
@@ -408,7 +479,13 @@ class PeerServer:
         handshake_timeout: float = 10.0,
         frame_timeout: float = 60.0,
         pool_limit: int | None = None,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+        keepalive: float | None = DEFAULT_KEEPALIVE,
     ) -> None:
+        if idle_timeout is not None and idle_timeout <= 0:
+            raise ConfigError(f"idle timeout must be positive, got {idle_timeout}")
+        if keepalive is not None and keepalive < 1:
+            raise ConfigError(f"keepalive must be at least 1 second, got {keepalive}")
         if memory_limit <= 0:
             raise ConfigError(f"memory limit must be positive, got {memory_limit}")
         if max_frame < HANDSHAKE_MAX_FRAME:
@@ -421,6 +498,10 @@ class PeerServer:
         self.max_connections = max_connections
         self._handshake_timeout = handshake_timeout
         self._frame_timeout = frame_timeout
+        self.idle_timeout = idle_timeout
+        self.keepalive = keepalive
+        #: Connections closed for being idle (for tests and ``stats``).
+        self.idle_closed = 0
         pool = _BufferPool(memory_limit // 8 if pool_limit is None else pool_limit)
         self._store = _Store(memory_limit, pool)
         self._stopping = threading.Event()
@@ -443,6 +524,9 @@ class PeerServer:
             "list": self._op_list,
             "append": self._op_append,
             "read_log": self._op_read_log,
+            "replace_log_prefix": self._op_replace_log_prefix,
+            "usage": self._op_usage,
+            "set_budget": self._op_set_budget,
             "stats": self._op_stats,
         }
 
@@ -513,8 +597,9 @@ class PeerServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def stats(self) -> dict[str, Any]:
-        """What the daemon holds and how much memory it uses (the ``stats`` reply)."""
+    def stats(self, only: str | None = None) -> dict[str, Any]:
+        """What the daemon holds and how much memory it uses (the ``stats`` reply);
+        ``only``: list that namespace alone (a namespace-token client's view)."""
         with self._lock:
             connections = len(self._conns)
         return {
@@ -524,8 +609,11 @@ class PeerServer:
             "auth": self._token is not None,
             "max_frame": self.max_frame,
             "connections": connections,
+            "max_connections": self.max_connections,
+            "idle_timeout": self.idle_timeout,
+            "idle_closed": self.idle_closed,
             "uptime_s": round(time.monotonic() - self._started_at, 3),
-            **self._store.stats(),
+            **self._store.stats(only),
         }
 
     # --- accepting ---
@@ -577,15 +665,17 @@ class PeerServer:
     def _serve_connection(self, conn_id: int, sock: socket.socket, name: str) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.keepalive is not None:
+                set_keepalive(sock, self.keepalive)
             sock.settimeout(self._handshake_timeout)
-            ns = self._handshake(sock, name)
+            session = self._handshake(sock, name)
             sock.settimeout(self._frame_timeout)
             while True:
                 frame = self._read_request(sock, self.max_frame, idle_ok=True)
                 if frame is None:
                     log.debug("%s: disconnected", name)
                     return
-                self._answer(sock, _Request(ns, *frame))
+                self._answer(sock, _Request(session, *frame))
         except _Refused as exc:
             log.error("%s: %s; closing the connection", name, exc)
             self._refuse(sock, exc)
@@ -600,6 +690,10 @@ class PeerServer:
         except ProtocolError as exc:
             log.error("%s: %s; closing the connection", name, exc)
             self._refuse(sock, _Refused("BadFrame", str(exc), close=True))
+        except _Idle:
+            with self._lock:
+                self.idle_closed += 1
+            log.info("%s: idle for %s s; closing the connection", name, self.idle_timeout)
         except TimeoutError:
             log.error("%s: timed out in the middle of a frame or handshake", name)
         except OSError as exc:
@@ -619,14 +713,25 @@ class PeerServer:
         between frames."""
         header = memoryview(bytearray(4))
         done = 0
+        idle_since = time.monotonic()
+        if idle_ok and self.idle_timeout is not None:
+            sock.settimeout(min(self._frame_timeout, self.idle_timeout))
         while done < 4:
             try:
                 n = sock.recv_into(header[done:])
             except TimeoutError:
-                # Idle between frames is fine; a stalled half frame or handshake is not.
+                # Idle between frames is fine for a while; a stalled half frame or
+                # handshake is not.
                 if idle_ok and done == 0 and not self._stopping.is_set():
+                    if (
+                        self.idle_timeout is not None
+                        and time.monotonic() - idle_since >= self.idle_timeout
+                    ):
+                        raise _Idle() from None
                     continue
                 raise
+            if idle_ok and done == 0 and n and self.idle_timeout is not None:
+                sock.settimeout(self._frame_timeout)
             if n == 0:
                 if done == 0:
                     return None
@@ -647,7 +752,24 @@ class PeerServer:
             raise
         return fields, data, body
 
-    def _handshake(self, sock: socket.socket, name: str) -> str:
+    def _authorise(self, mac: object, nonce: bytes, ns: str) -> bool:
+        """Whether ``mac`` proves the admin token (True) or ``ns``'s namespace token
+        (False); ``_Refused`` if it proves neither."""
+        assert self._token is not None
+        if isinstance(mac, bytes):
+            if hmac.compare_digest(mac, auth_mac(self._token, nonce)):
+                return True
+            ns_token = namespace_token(self._token, ns)
+            if hmac.compare_digest(mac, auth_mac(ns_token, nonce)):
+                return False
+        raise _Refused(
+            "AuthFailed",
+            "authentication failed: wrong or missing token (a namespace token opens its "
+            "own namespace only)",
+            close=True,
+        )
+
+    def _handshake(self, sock: socket.socket, name: str) -> _Session:
         nonce = os.urandom(NONCE_BYTES)
         send_frame(
             sock,
@@ -679,14 +801,12 @@ class PeerServer:
                 f"namespace must be 1 to {_MAX_NAMESPACE} printable characters, got {ns!r}",
                 close=True,
             )
-        if self._token is not None:
-            mac = hello.get("mac")
-            if not isinstance(mac, bytes) or not hmac.compare_digest(
-                mac, auth_mac(self._token, nonce)
-            ):
-                raise _Refused(
-                    "AuthFailed", "authentication failed: wrong or missing token", close=True
-                )
+        admin = True if self._token is None else self._authorise(hello.get("mac"), nonce, ns)
+        budget = hello.get("budget")
+        if budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise _Refused("BadRequest", "'budget' must be a non-negative integer", close=True)
+            self._store.set_budget(ns, budget)
         send_frame(
             sock,
             {
@@ -695,10 +815,11 @@ class PeerServer:
                 "namespace": ns,
                 "max_frame": self.max_frame,
                 "memory_limit": self._store.memory_limit,
+                "idle_timeout": self.idle_timeout,
             },
         )
-        log.debug("%s: hello, namespace %r", name, ns)
-        return ns
+        log.debug("%s: hello, namespace %r%s", name, ns, "" if admin else " (namespace token)")
+        return _Session(ns, admin)
 
     def _answer(self, sock: socket.socket, request: _Request) -> None:
         reply: _Reply | None = None
@@ -828,8 +949,26 @@ class PeerServer:
         records, more = self._store.read_log(req.ns, start, self.max_frame // 2)
         return _Reply({"records": records, "next": start + len(records), "more": more})
 
+    def _op_replace_log_prefix(self, req: _Request) -> _Reply:
+        record = bytes(_require_data(req.data, "replace_log_prefix"))
+        count = _int_arg(req.fields, "count", 0)
+        self._store.replace_log_prefix(req.ns, count, record)
+        return _Reply({})
+
+    def _op_set_budget(self, req: _Request) -> _Reply:
+        budget = req.fields.get("budget")
+        if budget is not None and (
+            not isinstance(budget, int) or isinstance(budget, bool) or budget < 0
+        ):
+            raise _Refused("BadRequest", "'budget' must be a non-negative integer or nil")
+        self._store.set_budget(req.ns, budget)
+        return _Reply({})
+
+    def _op_usage(self, req: _Request) -> _Reply:
+        return _Reply({"bytes": self._store.usage(req.ns)})
+
     def _op_stats(self, req: _Request) -> _Reply:
-        return _Reply({"stats": self.stats()})
+        return _Reply({"stats": self.stats(None if req.session.admin else req.ns)})
 
 
 # --- running it ----------------------------------------------------------------------
@@ -843,6 +982,8 @@ def serve(
     max_frame: int = DEFAULT_MAX_FRAME,
     insecure_no_auth: bool = False,
     max_connections: int = 256,
+    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
     announce: Callable[[str], None] | None = None,
     stop: threading.Event | None = None,
 ) -> None:
@@ -865,6 +1006,8 @@ def serve(
         token=token,
         max_frame=max_frame,
         max_connections=max_connections,
+        idle_timeout=idle_timeout,
+        keepalive=keepalive,
     )
     if token is None and server._host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("authentication is OFF on a non-loopback address %s", listen)
@@ -939,7 +1082,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest frame accepted (default 64MiB)",
     )
     parser.add_argument("--max-connections", type=int, default=256, metavar="N")
+    parser.add_argument(
+        "--idle-timeout",
+        type=_seconds_or_off,
+        default=DEFAULT_IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help="close a connection that sends nothing for this long; 0 never "
+        f"(default {DEFAULT_IDLE_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--keepalive",
+        type=_seconds_or_off,
+        default=DEFAULT_KEEPALIVE,
+        metavar="SECONDS",
+        help="TCP keepalive probes after this much silence, to drop connections of dead "
+        f"nodes; 0 off (default {DEFAULT_KEEPALIVE:g})",
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def _seconds_or_off(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value or None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -960,6 +1129,8 @@ def run_serve(args: argparse.Namespace) -> int:
             max_frame=args.max_frame,
             insecure_no_auth=args.insecure_no_auth,
             max_connections=args.max_connections,
+            idle_timeout=args.idle_timeout,
+            keepalive=args.keepalive,
             announce=lambda address: print(f"listening on {address}", flush=True),
         )
     except (ConfigError, ValueError, OSError) as exc:

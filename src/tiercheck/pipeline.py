@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +19,8 @@ from tiercheck.backends.base import Tier
 from tiercheck.chunking import Layout
 from tiercheck.entries import torch_dtype
 from tiercheck.errors import NotFound, TierError
-from tiercheck.formats.codecs import Codec, delta_or_raw, encode_blob, encode_blob_parts
-from tiercheck.formats.ids import chunk_id, chunk_ids
+from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
+from tiercheck.formats.ids import Buffer, chunk_id, chunk_ids
 from tiercheck.formats.manifest import (
     ChunkRef,
     CommitRecord,
@@ -49,6 +49,9 @@ log = logging.getLogger("tiercheck")
 BaseLookup = Callable[[str], bytes]
 
 BATCH_BYTES = 64 * 1024 * 1024  # bytes per transaction on tiers with atomic_batch
+
+# a chunk's blob as parts (header, payload) and the base it is a delta against
+_Encoded = tuple[str, list[Buffer], str | None]
 
 
 def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
@@ -158,11 +161,13 @@ def place_shard(
         if codec == "delta" and role == "diff" and base_chunks is not None and missing:
             local_bases = held_bases(tier, base_chunks)
 
-        def encode(index: int) -> tuple[str, bytes, str | None]:
+        def encode(index: int) -> _Encoded:
+            """The blob of chunk ``index`` as parts (header, payload), and its delta base.
+            A raw blob's payload is a view of the staged chunk: nothing is copied."""
             ref = manifest.chunks[index]
             raw = view[ref.offset : ref.offset + ref.length]
             if codec == "raw":
-                return ref.id, encode_blob(raw, Codec.RAW), None
+                return ref.id, encode_blob_parts(raw, Codec.RAW), None
             if (
                 codec == "delta"
                 and role == "diff"
@@ -178,40 +183,53 @@ def place_shard(
                     log.debug("no base for delta of %s: %s", ref.id, exc)
                 else:
                     elem = elem_size(layout.entries, ref.offset)
-                    used, blob = delta_or_raw(raw, base_raw, base_id, elem, zstd_level)
-                    if used is Codec.DELTA:
-                        return ref.id, blob, base_id
-            return ref.id, encode_blob(raw, Codec.ZSTD, level=zstd_level), None
+                    delta = delta_if_smaller(raw, base_raw, base_id, elem, zstd_level)
+                    if delta is not None:
+                        return ref.id, delta, base_id
+            return ref.id, encode_blob_parts(raw, Codec.ZSTD, level=zstd_level), None
 
-        def write(index: int) -> tuple[int, str | None, str]:
-            if codec == "raw":  # header + a view of the staged chunk: no joined copy
-                ref = manifest.chunks[index]
-                parts = encode_blob_parts(view[ref.offset : ref.offset + ref.length], Codec.RAW)
-                tier.put_parts(ref.id, parts)
-                return sum(len(p) for p in parts), None, ref.id
-            cid, blob, base_id = encode(index)
-            tier.put(cid, blob)
-            return len(blob), base_id, cid
+        def write(index: int) -> _Encoded:
+            cid, parts, base_id = encode(index)
+            tier.put_parts(cid, parts)  # one vectored write where the tier has it
+            return cid, parts, base_id
 
-        def note(nbytes: int, base_id: str | None, cid: str) -> None:
+        def note(cid: str, parts: Sequence[Buffer], base_id: str | None) -> None:
             result.chunks_written += 1
-            result.bytes_written += nbytes
+            result.bytes_written += sum(len(p) for p in parts)
             if base_id is not None:
                 result.deltas[cid] = base_id
 
         indices = [first[c] for c in missing]
         if tier.capabilities.atomic_batch:
-            # a transactional tier pays one durable commit per transaction, not per chunk:
-            # encode a window of chunks in parallel, write it as one transaction
+            # A transactional tier pays one durable commit per transaction, not per chunk:
+            # each window of chunks is one transaction. The next window is encoded on the
+            # pool while this one is written and synced (raw needs no encoding: its parts
+            # are a header and a view of the staged chunk).
             window = max(1, BATCH_BYTES // max(1, manifest.chunk_size))
-            for lo in range(0, len(indices), window):
-                encoded = list(pool.map(encode, indices[lo : lo + window]))
-                tier.put_many([(cid, blob) for cid, blob, _ in encoded])
-                for cid, blob, base_id in encoded:
-                    note(len(blob), base_id, cid)
+            batches = [indices[lo : lo + window] for lo in range(0, len(indices), window)]
+
+            def submit(batch: list[int]) -> list[Future[_Encoded]] | None:
+                # raw is encoded here (a header): queued on the pool, it would wait behind
+                # the other tiers' writes
+                return None if codec == "raw" else [pool.submit(encode, i) for i in batch]
+
+            ahead = submit(batches[0]) if batches else None
+            try:
+                for k, batch in enumerate(batches):
+                    encoded = (
+                        [encode(i) for i in batch] if ahead is None else [f.result() for f in ahead]
+                    )
+                    ahead = submit(batches[k + 1]) if k + 1 < len(batches) else None
+                    tier.put_many_parts([(cid, parts) for cid, parts, _ in encoded])
+                    for cid, parts, base_id in encoded:
+                        note(cid, parts, base_id)
+            finally:
+                for f in ahead or ():  # they read the staged view: done before we return
+                    if not f.cancel():
+                        f.exception()
         else:
-            for nbytes, base_id, cid in pool.map(write, indices):
-                note(nbytes, base_id, cid)
+            for cid, parts, base_id in pool.map(write, indices):
+                note(cid, parts, base_id)
         manifest_blob = b""
         if manifest_id not in present:
             manifest_blob = encode_blob(manifest_bytes, Codec.ZSTD, level=zstd_level)

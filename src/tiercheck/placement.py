@@ -11,6 +11,9 @@ from its declared capabilities (DESIGN.md section 3):
 | persistent node-local (LMDB, local file)    | base     | sync  | raw   | 2 newest bases          |
 | shared / survives the cluster (remote)      | base     | async | zstd  | every base              |
 
+A shared or cluster-surviving tier that declares ``compress=False`` (a file system mounted
+on this node: a local disk, NFS, Lustre) gets ``raw`` instead of ``zstd``.
+
 ``codec="delta"`` stores a diff version's changed chunks as deltas against the base's chunk
 where that pays (and zstd otherwise); base versions are always stored with zstd there.
 
@@ -161,7 +164,8 @@ class Policy:
 def default_tier_policy(caps: Capabilities, base_every: int = 10) -> TierPolicy:
     """DESIGN.md's default placement for a tier with capabilities ``caps``."""
     if caps.shared or caps.survives == FailureDomain.CLUSTER:
-        return TierPolicy(versions="base", mode="async", codec="zstd", keep_bases=None)
+        codec: CodecName = "zstd" if caps.compress else "raw"
+        return TierPolicy(versions="base", mode="async", codec=codec, keep_bases=None)
     if caps.survives == FailureDomain.NODE:
         return TierPolicy(versions="all", mode="sync", codec="delta", keep_bases=1)
     if caps.persistent:

@@ -184,7 +184,7 @@ def mark(
 
 
 def _may_hold_deltas(slot: TierSlot, tl: TierLog) -> bool:
-    return bool(tl.deltas) or (slot.policy is not None and slot.policy.codec == "delta")
+    return tl.may_hold_deltas or (slot.policy is not None and slot.policy.codec == "delta")
 
 
 def collect_garbage(

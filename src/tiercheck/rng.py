@@ -70,7 +70,11 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore the generators captured by :func:`rng_state` (or by an older tiercheck,
-    whose NumPy state was ``np.random.get_state()``'s tuple); bit-exact."""
+    whose NumPy state was ``np.random.get_state()``'s tuple); bit-exact.
+
+    CUDA states are restored per device index, as many as both the saving and this process
+    have (a generator's state lives on the host: no device is touched).
+    """
     if "python" in state:
         py = state["python"]
         random.setstate((py[0], tuple(py[1]), py[2]))
@@ -79,4 +83,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
+        # one state per GPU of the saving process; a node with fewer GPUs takes the first
+        # ones (setting a generator's state touches no device: no context is created)
+        states = list(state["cuda"])[: torch.cuda.device_count()]
+        for index, cuda_state in enumerate(states):
+            torch.cuda.set_rng_state(cuda_state, index)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercheck import guarantees
-from tiercheck.chunking import Layout, plan_layout
+from tiercheck.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.cluster import Coordinator, Vote
 from tiercheck.entries import Leaf, encode_scalar, flatten
 from tiercheck.errors import (
@@ -60,7 +60,7 @@ from tiercheck.manifest_log import LiveCatalog, append_record
 from tiercheck.migrating import MigrationService
 from tiercheck.pipeline import PlaceResult, build_manifest, commit_on, hash_stream, place_shard
 from tiercheck.placement import Policy
-from tiercheck.staging import StagingBuffer
+from tiercheck.staging import StagingBuffer, ready_events
 from tiercheck.tierset import TierSet, TierSlot
 
 __all__ = ["SaveService"]
@@ -82,6 +82,7 @@ class _Job:
     t_call: float
     failure: BaseException | None = None  # failed on the caller's thread; still takes part
     protected: list[str] = field(default_factory=list)
+    ready: dict[int, Any] = field(default_factory=dict)  # CUDA device -> torch.cuda.Event
 
 
 @dataclass
@@ -170,7 +171,7 @@ class SaveService:
             meta = dict(metadata or {})
             encode_scalar(meta, "<metadata>", allow_pickle=False)
             tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
-            layout = plan_layout(leaves, self.policy.chunk_size)
+            layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         except (TiercheckError, ValueError, TypeError) as exc:
             if self.world_size > 1:
                 # the other ranks' saves of this version wait for this one: take part,
@@ -217,6 +218,7 @@ class SaveService:
                 handle, step, version, role, base, leaves, layout, tree, meta, t_call, failure
             )
             self._inflight.append(job)
+        job.ready = ready_events(leaves)  # what the copies wait for on each GPU
         if layout is not None:
             handle._logical = layout.stream_bytes
         handle._time("blocked", time.perf_counter() - t_call)
@@ -374,10 +376,10 @@ class SaveService:
         """Stage, hash and describe this rank's shard (steps 1 and 2)."""
         handle, layout = job.handle, job.layout
         assert layout is not None
-        event = self.staging.stage(job.leaves, layout)
+        event = self.staging.stage(job.leaves, layout, ready=job.ready)
         if event is not None:
             event.synchronize()
-        job.leaves = []  # drop references to the caller's tensors
+        job.leaves, job.ready = [], {}  # drop references to the caller's tensors
         handle._time("staged", time.perf_counter() - job.t_call)
         handle._mark_staged()
         view = self.staging.view(layout.stream_bytes)

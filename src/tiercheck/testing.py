@@ -37,7 +37,7 @@ import pytest
 
 from tiercheck.backends.base import Buffer, Capabilities, FailureDomain, Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.errors import NotFound, ReadOnlyTier, TierError
+from tiercheck.errors import NotFound, NotSupported, ReadOnlyTier, TierError
 
 __all__ = ["TierConformance", "blob", "blob_id"]
 
@@ -198,6 +198,20 @@ class TierConformance:
         assert tier.put_many([*items[:5], blob(7, seed=1000)]) == 1
         assert tier.has(bid for bid, _ in items) == {bid for bid, _ in items}
 
+    def test_put_many_parts(self, tier: Tier) -> None:
+        items = [blob(3000 + i, seed=20 + i) for i in range(6)]
+        backing = [bytearray(data) for _, data in items]
+        parts = [
+            (bid, [memoryview(b)[:64], memoryview(b)[64:1000], memoryview(b)[1000:]])
+            for (bid, _), b in zip(items, backing)
+        ]
+        assert tier.put_many_parts(parts) == 6
+        for b in backing:
+            b[0] ^= 0xFF  # the tier kept no view of a caller's buffer
+        for bid, data in items:
+            assert bytes(tier.get(bid)) == data
+        assert tier.put_many_parts([(items[0][0], [b"other"]), *parts[1:2]]) == 0
+
     def test_put_parts(self, tier: Tier) -> None:
         bid, data = blob(70_000, seed=5)
         backing = bytearray(data)
@@ -211,6 +225,24 @@ class TierConformance:
         assert bytes(tier.get(bid)) == b"other"
         empty = _fake_id(9)
         assert tier.put_parts(empty, []) is True and bytes(tier.get(empty)) == b""
+
+    def test_get_parts(self, tier: Tier) -> None:
+        bid, data = blob(70_000, seed=6)
+        tier.put(bid, data)
+        head, body = bytearray(64), bytearray(len(data) - 64)
+        assert tier.get_parts(bid, [memoryview(head), memoryview(body)]) == len(data)
+        assert bytes(head) + bytes(body) == data
+        # parts larger than the blob: filled as far as it goes, the rest untouched
+        head, body = bytearray(64), bytearray(b"\xaa" * len(data))
+        assert tier.get_parts(bid, [memoryview(head), memoryview(body)]) == len(data)
+        assert bytes(head) + bytes(body[: len(data) - 64]) == data
+        assert body[len(data) - 64 :] == b"\xaa" * 64
+        # parts smaller than the blob: the prefix that fits; the size says the rest
+        small = bytearray(1000)
+        assert tier.get_parts(bid, [memoryview(small)]) == len(data)
+        assert bytes(small) == data[:1000]
+        with pytest.raises(NotFound):
+            tier.get_parts(_fake_id(77), [memoryview(bytearray(10))])
 
     def test_has_many(self, tier: Tier) -> None:
         present = [_fake_id(i) for i in range(0, 200, 2)]
@@ -344,6 +376,65 @@ class TierConformance:
         # Blobs already present are fine in a later append.
         tier.append(b"version 2", blobs=items[:2])
         assert tier.read_log() == [b"version 1", b"version 2"]
+
+    # --- log compaction ------------------------------------------------------------
+
+    def _compacts(self, tier: Tier) -> bool:
+        """Whether the tier compacts logs (``replace_log_prefix`` is not ``NotSupported``)."""
+        try:
+            tier.replace_log_prefix(1, b"probe")
+        except NotSupported:
+            return False
+        except ValueError:
+            return True  # the empty log has no record 1: it checked, so it compacts
+        raise AssertionError("replace_log_prefix(1, ...) of an empty log must raise ValueError")
+
+    def test_replace_log_prefix(self, tier: Tier) -> None:
+        if not self._compacts(tier):
+            pytest.skip(f"{type(tier).__name__} does not compact logs (NotSupported)")
+        records = [f"record {i}".encode() for i in range(10)]
+        for rec in records:
+            tier.append(rec)
+        tier.replace_log_prefix(6, b"checkpoint of 0-5")
+        assert tier.read_log() == [b"checkpoint of 0-5", *records[6:]]
+        tier.append(b"after")
+        assert tier.read_log() == [b"checkpoint of 0-5", *records[6:], b"after"]
+        # A checkpoint can replace an earlier checkpoint and what follows it.
+        tier.replace_log_prefix(3, b"second checkpoint")
+        assert tier.read_log() == [b"second checkpoint", *records[8:], b"after"]
+        tier.replace_log_prefix(4, b"all of it")
+        assert tier.read_log() == [b"all of it"]
+        for bad in (0, 2):
+            with pytest.raises(ValueError):
+                tier.replace_log_prefix(bad, b"x")
+        assert tier.read_log() == [b"all of it"]
+        if self.reopenable:
+            again = self._reopen(tier)
+            assert again.read_log() == [b"all of it"]
+            again.append(b"appended after reopen")
+            assert again.read_log() == [b"all of it", b"appended after reopen"]
+
+    def test_replace_log_prefix_read_only(self, tier: Tier) -> None:
+        if not self.supports_read_only or not self._compacts(tier):
+            pytest.skip(f"{type(tier).__name__}: no read-only mode or no compaction")
+        tier.append(b"rec")
+        ro = self._track(self.open_read_only(tier))
+        with pytest.raises(ReadOnlyTier):
+            ro.replace_log_prefix(1, b"nope")
+        assert tier.read_log() == [b"rec"]
+
+    def test_usage(self, tier: Tier) -> None:
+        before = tier.usage()
+        if before is None:
+            pytest.skip(f"{type(tier).__name__} does not count usage")
+        items = [blob(100_000 + i, seed=300 + i) for i in range(3)]
+        for bid, data in items:
+            tier.put(bid, data)
+        grown = tier.usage()
+        assert grown is not None and grown >= before + sum(len(d) for _, d in items) // 2
+        tier.delete([bid for bid, _ in items])
+        after = tier.usage()
+        assert after is not None and after < grown
 
     # --- lifecycle -----------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -281,7 +282,10 @@ def tier_rates(
 
 def load_hardware(path: str | os.PathLike[str]) -> Hardware:
     """Read :class:`Hardware` from a TOML file of its fields (any subset; the rest default)."""
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
 
     p = Path(path)
     try:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.config import TierSpec
+from tiercheck.config import StoreConfig, TierSpec, resolve_references
 from tiercheck.errors import ConfigError, InvalidURL, TierError
 from tiercheck.placement import Policy, TierPolicy
 
@@ -39,10 +40,26 @@ class TierSet:
     """Opens every tier of a store; a tier that fails to open is kept as unavailable,
     except that a malformed URL or unknown scheme is a configuration error and raises."""
 
-    def __init__(self, specs: Sequence[TierSpec], policy: Policy, *, read_only: bool = False):
+    def __init__(
+        self,
+        specs: Sequence[TierSpec],
+        policy: Policy,
+        *,
+        read_only: bool = False,
+        owner: str | os.PathLike[str] | None = None,
+    ):
+        """``owner``: the root of the store these tiers belong to; each writable tier is
+        told (``Tier.bind_store``) so that its node memory can be reclaimed once the store
+        is deleted, and orphans of deleted stores on this node are warned about."""
         self.slots: list[TierSlot] = []
         for spec in specs:
-            options = dict(spec.options)
+            try:
+                # secrets referenced as {env = NAME} / {file = PATH} are read now
+                options = resolve_references(spec.options, tier=spec.name)
+            except ConfigError as exc:
+                log.warning("tier %s (%s) is unavailable: %s", spec.name, spec.url, exc)
+                self.slots.append(TierSlot(spec, None, None, str(exc)))
+                continue
             if read_only:
                 options["read_only"] = True
             try:
@@ -55,6 +72,19 @@ class TierSet:
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
         self._ensure_a_sync_tier(policy, writing=not read_only)
+        if owner is not None and not read_only:
+            self._bind(os.fspath(owner), specs)
+
+    def _bind(self, owner: str, specs: Sequence[TierSpec]) -> None:
+        from tiercheck import lifecycle
+
+        for slot in self.open():
+            assert slot.tier is not None
+            try:
+                slot.tier.bind_store(owner)
+            except TierError as exc:  # ownership helps cleanup; it must not stop a save
+                log.warning("tier %s could not record its owner: %s", slot.name, exc)
+        lifecycle.warn_orphans(lifecycle.store_shm_roots(StoreConfig(tuple(specs), Policy())))
 
     def _ensure_a_sync_tier(self, policy: Policy, *, writing: bool) -> None:
         """A save commits at its synchronous tiers: if the defaults left none (a store of

@@ -206,3 +206,68 @@ def test_percent_encoded_path(tmp_path: Path) -> None:
     with _open(tmp_path / "with space") as tier:
         tier.append(b"r")
     assert (tmp_path / "with space" / "data.mdb").exists()
+
+
+WRITER = r"""
+import json, os, sys
+import blake3
+from tiercheck.backends.registry import open_tier
+
+tier = open_tier(sys.argv[1])
+data = os.urandom(256 * 1024)
+kept = blake3.blake3(data).hexdigest()
+tier.put(kept, data)
+tier.append(b"first")
+print(json.dumps({"id": kept}), flush=True)
+assert sys.stdin.readline().strip() == "go"
+tier.delete([kept])  # its pages are free to reuse, except for a reader's snapshot
+for i in range(40):
+    churn = os.urandom(256 * 1024)
+    bid = blake3.blake3(churn).hexdigest()
+    tier.put(bid, churn)
+    tier.append(b"churn %d" % i)
+    tier.delete([bid])
+print(json.dumps({"readers": tier._e().env.readers()}), flush=True)
+sys.stdin.readline()  # stay alive (and writing's done) until the parent has checked
+"""
+
+
+def test_read_only_reader_is_safe_beside_a_live_writer(tmp_path: Path) -> None:
+    """A read-only open registers in LMDB's reader table, so a live writer (another
+    process) never reuses the pages of the snapshot the reader holds."""
+    import json
+    import subprocess
+    import sys
+
+    import blake3
+
+    url = _url(tmp_path / "store")
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdin is not None and writer.stdout is not None
+    try:
+        kept = json.loads(writer.stdout.readline())["id"]
+        reader = _open(tmp_path / "store", read_only=True)
+        try:
+            env = reader._e()
+            with env.env.begin() as txn:  # one snapshot, held across the writer's commits
+                before = bytes(txn.get(bytes.fromhex(kept), db=env.blobs))
+                assert blake3.blake3(before).hexdigest() == kept
+                writer.stdin.write("go\n")
+                writer.stdin.flush()
+                readers = json.loads(writer.stdout.readline())["readers"]
+                assert f" {os.getpid()} " in f" {readers} ".replace("\n", " ")
+                after = txn.get(bytes.fromhex(kept), db=env.blobs)
+                assert after is not None and bytes(after) == before  # the snapshot held
+            assert reader.has([kept]) == set()  # a new read sees the delete
+            assert reader.read_log()[-1] == b"churn 39"
+        finally:
+            reader.close()
+    finally:
+        writer.stdin.close()
+        writer.wait(timeout=60)
+    assert writer.returncode == 0

@@ -38,6 +38,7 @@ from tiercheck.errors import (
     InvalidURL,
     NotFound,
     NotSupported,
+    OverBudget,
     TierError,
     TierFull,
     TierUnavailable,
@@ -87,6 +88,7 @@ def run_daemon(tmp_path: Path, *args: str, memory_limit: str = "512MiB") -> Iter
     tmp_path.mkdir(parents=True, exist_ok=True)
     token_file = tmp_path / "token"
     token_file.write_bytes(TOKEN + b"\n")
+    token_file.chmod(0o600)
     log_path = tmp_path / "daemon.log"
     env = {k: v for k, v in os.environ.items() if k != "TIERCHECK_PEER_TOKEN"}
     with open(log_path, "w") as log_file:
@@ -435,6 +437,7 @@ def test_namespaces_are_isolated(daemon: Daemon) -> None:
             "bytes": len(b"rank 1 copy, longer"),
             "records": 0,
             "log_bytes": 0,
+            "budget": None,
         }
         assert stats["namespaces"][one.namespace]["records"] == 1
     finally:
@@ -729,3 +732,194 @@ def test_pinned_buffer_is_not_recycled_until_sent() -> None:
     store.checkin(pinned)
     assert pool.bytes == len(body)
     assert pool.take((1 << 20) + 100) is body
+
+
+# --- dead clients, keepalive, namespace tokens, budgets ------------------------------
+
+SILENT_CLIENT = r"""
+import sys
+from tiercheck.backends._peer_protocol import PeerConnection
+
+host, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+conn = PeerConnection(host, port, namespace="dead", token=token, timeout=20, keepalive=None)
+print("connected", flush=True)
+sys.stdin.read()  # holds its connection open and silent, like a hung or cut-off node
+"""
+
+
+def _free_slot_within(daemon: Daemon, deadline: float) -> float:
+    """Poll (bounded) until a new client gets a connection; the seconds it took."""
+    import time
+
+    start = time.monotonic()
+    while True:
+        tier = daemon.tier()
+        try:
+            tier.ping()
+            return time.monotonic() - start
+        except TierUnavailable:
+            if time.monotonic() - start > deadline:
+                raise
+            time.sleep(0.05)
+        finally:
+            tier.close()
+
+
+def test_idle_timeout_frees_a_dead_clients_slot(tmp_path: Path) -> None:
+    """A client process that holds its connection open and silent (a hung or cut-off node:
+    no FIN ever comes) loses it after the idle timeout, and its slot serves another."""
+    idle_timeout = 1.0
+    with run_daemon(tmp_path, "--max-connections", "1", "--idle-timeout", str(idle_timeout)) as d:
+        client = subprocess.Popen(
+            [sys.executable, "-c", SILENT_CLIENT, LOOPBACK, str(d.port), TOKEN.decode()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert client.stdout is not None and client.stdout.readline() == "connected\n"
+            busy = d.tier()
+            with pytest.raises(TierUnavailable, match="busy"):
+                busy.ping()  # the one slot is taken by the silent client
+            busy.close()
+            took = _free_slot_within(d, deadline=idle_timeout + 15)
+        finally:
+            client.kill()
+            client.wait()
+            assert client.stdin is not None and client.stdout is not None
+            client.stdin.close()
+            client.stdout.close()
+        assert "idle for 1.0 s; closing the connection" in d.log()
+    print(f"slot freed {took:.2f} s after the busy answer (idle timeout {idle_timeout} s)")
+
+
+def test_sigkilled_client_frees_its_slot(tmp_path: Path) -> None:
+    with run_daemon(tmp_path, "--max-connections", "1") as d:
+        client = subprocess.Popen(
+            [sys.executable, "-c", SILENT_CLIENT, LOOPBACK, str(d.port), TOKEN.decode()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert client.stdout is not None and client.stdout.readline() == "connected\n"
+        client.send_signal(signal.SIGKILL)  # the kernel closes its socket
+        client.wait()
+        assert client.stdin is not None
+        client.stdin.close()
+        client.stdout.close()
+        _free_slot_within(d, deadline=15)
+
+
+def test_connections_use_tcp_keepalive(server: PeerServer) -> None:
+    tier = open_tier(f"peer://{server.address}/ka", token=TOKEN, keepalive=30)
+    assert isinstance(tier, PeerTier)
+    try:
+        tier.ping()
+        conn = tier._idle[0]
+        assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+        with server._lock:
+            served = [sock for sock, _ in server._conns.values()]
+        assert served and all(
+            s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1 for s in served
+        )
+    finally:
+        tier.close()
+
+
+def test_a_connection_the_daemon_closed_for_idling_is_not_reused() -> None:
+    import time
+
+    with PeerServer(f"{LOOPBACK}:0", memory_limit=1 << 20, token=TOKEN, idle_timeout=0.3) as s:
+        tier = open_tier(f"peer://{s.address}/idle", token=TOKEN, timeout=TIMEOUT)
+        try:
+            tier.append(b"one")
+            deadline = time.monotonic() + 15
+            while s.idle_closed < 1:  # bounded poll: the daemon closes the pooled connection
+                assert time.monotonic() < deadline, "the daemon never closed the idle connection"
+                time.sleep(0.05)
+            tier.append(b"two")  # a fresh connection, not an error
+            assert tier.read_log() == [b"one", b"two"]
+        finally:
+            tier.close()
+
+
+def test_namespace_tokens_open_their_own_namespace_only(tmp_path: Path) -> None:
+    from tiercheck.cli import main as cli_main
+
+    with run_daemon(tmp_path) as d:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tiercheck",
+                "peer",
+                "token",
+                "rank0",
+                "--token-file",
+                str(d.token_file),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert out and out.encode() != TOKEN
+        assert cli_main(["peer", "token", "rank0", "--token-file", str(d.token_file)]) == 0
+        own = d.tier("rank0", token=out)
+        admin = d.tier("rank1")
+        other = d.tier("rank1", token=out)
+        try:
+            bid, data = blob(1000, seed=3)
+            own.put(bid, data)
+            own.append(b"mine")
+            admin.put(bid, b"rank 1's")
+            with pytest.raises(TierError, match="AuthFailed"):
+                other.get(bid)  # rank 0's token cannot read rank 1's namespace
+            with pytest.raises(TierError, match="AuthFailed"):
+                other.delete([bid])
+            assert bytes(admin.get(bid)) == b"rank 1's"
+            assert sorted(own.stats()["namespaces"]) == ["rank0"]  # sees only its own
+            assert {"rank0", "rank1"} <= set(admin.stats()["namespaces"])
+        finally:
+            for t in (own, admin, other):
+                t.close()
+
+
+def test_namespace_budget_is_over_budget(server: PeerServer) -> None:
+    tier = open_tier(f"peer://{server.address}/budgeted", token=TOKEN, budget="1MiB")
+    try:
+        a, data_a = blob(700_000, seed=1)
+        assert tier.put(a, data_a)
+        assert tier.usage() == 700_000
+        with pytest.raises(OverBudget) as info:
+            tier.put(*blob(700_000, seed=2))
+        assert info.value.budget == 1 << 20 and info.value.held >= 700_000
+        assert tier.usage() == 700_000
+        assert tier.stats()["namespaces"]["budgeted"]["budget"] == 1 << 20
+    finally:
+        tier.close()
+
+
+def test_daemon_memory_limit_is_over_budget(tmp_path: Path) -> None:
+    with PeerServer(f"{LOOPBACK}:0", memory_limit=1 << 20, token=TOKEN) as s:
+        tier = open_tier(f"peer://{s.address}/full", token=TOKEN)
+        try:
+            tier.put(*blob(700_000, seed=1))
+            with pytest.raises(OverBudget, match="memory-limit"):
+                tier.put(*blob(700_000, seed=2))
+        finally:
+            tier.close()
+
+
+def test_set_budget_at_run_time(server: PeerServer) -> None:
+    tier = open_tier(f"peer://{server.address}/late-budget", token=TOKEN)
+    try:
+        tier.put(*blob(700_000, seed=1))
+        tier.set_budget("1MiB")
+        with pytest.raises(OverBudget):
+            tier.put(*blob(700_000, seed=2))
+        tier.set_budget(None)
+        assert tier.put(*blob(700_000, seed=2))
+    finally:
+        tier.close()

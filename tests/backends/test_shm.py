@@ -65,7 +65,7 @@ def test_layout(root: Path) -> None:
         bid, data = blob(100)
         tier.put(bid, data)
         tier.append(b"r")
-        assert sorted(os.listdir(root / "lay")) == ["blobs", "log", "pool", "tmp"]
+        assert sorted(os.listdir(root / "lay")) == ["blobs", "log", "owner.json", "pool", "tmp"]
         assert os.listdir(root / "lay" / "blobs") == [bid]
         assert (root / "lay" / "log").read_bytes() == frame_record(b"r")
 
@@ -223,3 +223,41 @@ def test_read_only_trim_and_writes(root: Path) -> None:
         with pytest.raises(ReadOnlyTier):
             ro.put(*blob(1))
         assert ro.read_log() == []
+
+
+def test_damaged_frame_in_the_middle_keeps_later_records(root: Path) -> None:
+    """Damage to one record (a flipped byte, not a torn write) hides that record only:
+    readers skip it, and a writable open keeps every valid record after it."""
+    records = [b"one", b"two" * 50, b"three", b"four"]
+    with _open(root) as tier:
+        for rec in records:
+            tier.append(rec)
+        log = Path(tier.path) / "log"
+    data = bytearray(log.read_bytes())
+    data[len(frame_record(records[0])) + 20] ^= 0xFF  # inside the payload of "two..."
+    log.write_bytes(bytes(data))
+    with _open(root, read_only=True) as ro:
+        assert ro.read_log() == [b"one", b"three", b"four"]
+    with _open(root) as tier:
+        assert log.read_bytes() == bytes(data)  # nothing cut
+        tier.append(b"five")
+        assert tier.read_log() == [b"one", b"three", b"four", b"five"]
+    # a damaged length field: the reader finds the next intact frame by its magic
+    data = bytearray(log.read_bytes())
+    data[len(frame_record(records[0])) + 2] ^= 0x7F
+    log.write_bytes(bytes(data))
+    with _open(root) as tier:
+        assert tier.read_log() == [b"one", b"three", b"four", b"five"]
+
+
+def test_compaction_replaces_the_log_file_under_an_open_appender(root: Path) -> None:
+    """A second instance appending to the store keeps appending to the live log after
+    another instance compacted it (it reopens the renamed file)."""
+    with _open(root) as first, _open(root) as second:
+        for i in range(5):
+            first.append(f"r{i}".encode())
+        second.append(b"from second")
+        first.replace_log_prefix(4, b"checkpoint")
+        second.append(b"after compaction")
+        assert first.read_log() == [b"checkpoint", b"r4", b"from second", b"after compaction"]
+        assert not (Path(first.path) / "log.compact").exists()

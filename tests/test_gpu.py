@@ -1,0 +1,200 @@
+"""CUDA: staging from the GPU, restore to the GPU, the CUDA generators, and a 2-process
+NCCL job. Marked ``gpu`` and skipped without CUDA (``-m gpu`` selects them on a GPU host).
+
+The staging tests race a save against GPU work still queued: a long kernel
+(``torch.cuda._sleep``) followed by a write of the tensor being saved. A staging copy that
+did not wait for the trainer's stream would read the tensor before the write lands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercheck
+from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+
+SPIN = 200_000_000  # GPU cycles of torch.cuda._sleep: ~0.1 s, far longer than the save call
+
+
+@pytest.fixture
+def shm_root() -> Iterator[str]:
+    root = f"/dev/shm/tiercheck-gputest-{uuid.uuid4().hex[:10]}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def store(tmp_path: Path, shm_root: str) -> Checkpointer:
+    tiers = [TierSpec("shm", "shm://gpu", {"root": shm_root}), f"lmdb://{tmp_path / 'lmdb'}"]
+    policy = Policy(base_every=1, gc_grace_seconds=0, tiers={"lmdb": TierPolicy(versions="all")})
+    return Checkpointer(tmp_path / "store", tiers=tiers, policy=policy)
+
+
+def test_staging_waits_for_work_queued_on_the_default_stream(tmp_path: Path, shm_root: str) -> None:
+    x = torch.zeros(1 << 20, device="cuda")
+    with store(tmp_path, shm_root) as ckpt:
+        ckpt.prepare({"x": x})
+        torch.cuda._sleep(SPIN)
+        x.fill_(7.0)  # lands only after the spin
+        ckpt.save(0, {"x": x}).wait()
+        back = {"x": torch.zeros(1 << 20)}
+        ckpt.restore(back, tiers=["lmdb"])
+    assert torch.equal(back["x"], torch.full((1 << 20,), 7.0))
+
+
+def test_staging_waits_for_work_queued_on_the_callers_own_stream(
+    tmp_path: Path, shm_root: str
+) -> None:
+    x = torch.zeros(1 << 20, device="cuda")
+    side = torch.cuda.Stream()
+    with store(tmp_path, shm_root) as ckpt:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SPIN)
+            x.fill_(3.0)
+            handle = ckpt.save(0, {"x": x})  # the copies must wait for `side`, not stream 0
+        handle.wait()
+        back = {"x": torch.zeros(1 << 20)}
+        ckpt.restore(back)
+    assert torch.equal(back["x"], torch.full((1 << 20,), 3.0))
+
+
+def test_mixed_cpu_and_gpu_state_restores_to_its_devices(tmp_path: Path, shm_root: str) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state: dict[str, Any] = {
+        "w": torch.randn(300_000, device="cuda", generator=g),
+        "h": torch.randn(64, 64, device="cuda", generator=g).half(),
+        "cpu": torch.arange(1000, dtype=torch.int64),
+        "step": 5,
+    }
+    with store(tmp_path, shm_root) as ckpt:
+        ckpt.save(5, state).wait()
+        back: dict[str, Any] = {
+            "w": torch.zeros_like(state["w"]),
+            "h": torch.zeros_like(state["h"]),
+            "cpu": torch.zeros(1000, dtype=torch.int64),
+            "step": 0,
+        }
+        ckpt.restore(back)
+    assert back["w"].is_cuda and back["h"].is_cuda and not back["cpu"].is_cuda
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["h"], state["h"])
+    assert torch.equal(back["cpu"], state["cpu"]) and back["step"] == 5
+
+
+def test_cuda_generators_round_trip_through_a_checkpoint(tmp_path: Path, shm_root: str) -> None:
+    torch.manual_seed(11)
+    torch.cuda.manual_seed_all(11)
+    torch.randn(10, device="cuda")  # advance the generator past its seed
+    with store(tmp_path, shm_root) as ckpt:
+        ckpt.save(0, {"rng": tiercheck.rng_state()}).wait()
+        expected = torch.randn(1000, device="cuda")
+        torch.cuda.manual_seed_all(999)  # something else ran in between
+        back: dict[str, Any] = {"rng": tiercheck.rng_state()}
+        ckpt.restore(back)
+    tiercheck.set_rng_state(back["rng"])
+    assert torch.equal(torch.randn(1000, device="cuda"), expected)
+
+
+_ONE_GPU_OF_TWO = textwrap.dedent(
+    """
+    import json, sys, torch, tiercheck
+    from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+    root, shm_root, set_device = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    if set_device:
+        torch.cuda.set_device(1)
+    x = torch.zeros(1 << 20, device="cuda:1")
+    tiers = [TierSpec("shm", "shm://gpu1", {"root": shm_root}), f"lmdb://{root}/lmdb"]
+    policy = Policy(base_every=1, gc_grace_seconds=0, tiers={"lmdb": TierPolicy(versions="all")})
+    with Checkpointer(root + "/store", tiers=tiers, policy=policy) as ckpt:
+        ckpt.prepare({"x": x})
+        with torch.cuda.device(1):  # the spin kernel runs on the current device
+            torch.cuda._sleep(200_000_000)
+            x.fill_(5.0)
+            handle = ckpt.save(0, {"x": x})
+        handle.wait()
+        back = {"x": torch.zeros(1 << 20, device="cuda:1")}
+        ckpt.restore(back)
+    print(json.dumps({
+        "exact": bool(torch.equal(back["x"], torch.full((1 << 20,), 5.0, device="cuda:1"))),
+        "context_on_0": bool(torch._C._cuda_hasPrimaryContext(0)),
+    }))
+    """
+)
+
+
+@two_gpus
+@pytest.mark.parametrize("set_device", [True, False])
+def test_a_process_on_the_second_gpu_creates_no_context_on_the_first(
+    tmp_path: Path, shm_root: str, set_device: bool
+) -> None:
+    if not hasattr(torch._C, "_cuda_hasPrimaryContext"):
+        pytest.skip("this torch build cannot tell whether a primary context exists")
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_GPU_OF_TWO, str(tmp_path), shm_root, str(int(set_device))],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"exact": True, "context_on_0": False}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@two_gpus
+def test_two_nccl_ranks_save_and_restore_on_their_own_gpus(tmp_path: Path, shm_root: str) -> None:
+    worker = Path(__file__).parent / "dist_scripts" / "gpu_worker.py"
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(worker),
+        "--root",
+        str(tmp_path),
+        "--shm-root",
+        shm_root,
+        "--out",
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["step"] == 3 and r["exact"] and r["on_device"], r
+        assert r["allreduce_after"] == 2.0, r
+        if r["context_on_other_gpu_before"] is False:
+            assert r["context_on_other_gpu"] is False, r
