@@ -18,8 +18,11 @@ version has been read and verified.
    per entry), and :func:`materialize` puts the values in place: dict and list members are
    replaced, stateful objects get ``load_state_dict``.
 
-A restore step that replays something after the version is loaded (issue 11, log
-versions) goes between 3 and 4: it works on the staged stream.
+A log version (issue 11) is read as its base version plus its own shard, both staged and
+verified before anything of the caller's changes; then the base is loaded, the log's steps
+are replayed into the guarded optimizer and verified (:mod:`tiercheck.log_versions`), and
+the log version's own leaves are loaded, ``{"r": NAME}`` nodes taking the replayed
+tensors. A replay that fails is undone by loading the staged base again.
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ class RestoreInfo:
     corrupt: tuple[tuple[str, str], ...]
     seconds: float
     state: Any = field(repr=False, default=None)
+    replayed_steps: int = 0
+    """Optimizer steps replayed (a log version: its base was loaded, then these)."""
+    fallback: str | None = None
+    """Why a newer version was not restored (a log version that could not be replayed or
+    verified, or log versions skipped for want of a guarded optimizer); None if none was."""
 
 
 def choose_version(
@@ -151,8 +159,9 @@ def _mismatch(entry: Entry, target: Any) -> str:
 _MISSING = object()
 
 
-def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding:
-    """Match the saved tree against ``state``; allocate destinations for every entry.
+def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int = 0) -> Binding:
+    """Match the saved tree against ``state``; allocate destinations for every entry from
+    index ``first`` on (a log version's gradients, before it, are read from the stream).
 
     A ``None`` in ``state`` is a placeholder: the saved value there (a tensor, a dict of
     them, anything) is restored as saved, unchecked, and put in its place.
@@ -168,6 +177,8 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
         if target is None:  # a placeholder: whatever was saved there is restored as it was
             target = _MISSING
         ((tag, sub),) = node.items()
+        if tag == "r":  # a log version's replayed tensor: the replay puts it in place
+            return
         if tag == "e":
             entry = entries[sub]
             if target is not _MISSING and _fits(entry, target):
@@ -238,6 +249,8 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
     walk(manifest.tree, state, "", True)
 
     for i, entry in enumerate(entries):
+        if i < first:
+            continue
         target = b.targets.get(i)
         if entry.kind == "tensor":
             dtype = torch_dtype(entry.dtype)
@@ -301,8 +314,10 @@ def load_stream(manifest: ShardManifest, binding: Binding, stream: memoryview) -
     for i, entry in enumerate(manifest.entries):
         if not entry.nbytes:
             continue
+        dst = binding.dests.get(i)
+        if dst is None:  # not bound (a log version's gradients)
+            continue
         src = stream[entry.offset : entry.offset + entry.nbytes]
-        dst = binding.dests[i]
         if entry.nbytes >= _BIG_COPY:
             torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
         else:
@@ -310,9 +325,15 @@ def load_stream(manifest: ShardManifest, binding: Binding, stream: memoryview) -
 
 
 def materialize(
-    manifest: ShardManifest, binding: Binding, state: Any, *, allow_pickle: bool = False
+    manifest: ShardManifest,
+    binding: Binding,
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    replayed: Mapping[str, Any] | None = None,
 ) -> Any:
-    """Put restored values into ``state`` (in place where possible) and return it."""
+    """Put restored values into ``state`` (in place where possible) and return it.
+    ``replayed`` holds the tensors of a log version's ``{"r": NAME}`` leaves."""
     import torch
 
     entries = manifest.entries
@@ -338,6 +359,10 @@ def materialize(
         ((tag, sub),) = node.items()
         if tag == "e":
             return value_of(sub, target)
+        if tag == "r":
+            if replayed is None or sub not in replayed:
+                raise StateError(f"the replay did not produce {sub!r}", key=key)
+            return replayed[sub]
         if tag == "o":
             sd = binding.stateful.get(id(node))
             restored = build(sub, sd if sd is not None else _MISSING, key)

@@ -20,8 +20,11 @@ in-flight saves and the base chunks diffs are encoded against; it borrows the st
 buffer (``StagingBuffer`` acquire/release) and the I/O pool. No lock is held while a tier
 is called, and each save's outcome travels in return values to its handle, nowhere else.
 
-A later version role (issue 11, log versions) is one more branch of :meth:`_plan` and of
-:meth:`_encode`; the steps after it do not depend on the role.
+Log versions (issue 11): while an optimizer is guarded with its update log
+(:mod:`tiercheck.log_versions`), every save is planned on the pipeline thread instead, in
+order, while the guard holds the trainer: :meth:`SaveService._decide` makes it a log
+version of the steps since the last full version or a full one (base or diff), and the
+steps after it do not depend on the role.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
 from tiercheck.handles import Failures, SaveHandle
 from tiercheck.leases import GCFence, TierLeases
+from tiercheck.log_versions import LogProposal, LogSource, build, with_fingerprints
 from tiercheck.maintenance import Maintenance
 from tiercheck.manifest_log import LiveCatalog, append_record
 from tiercheck.migrating import MigrationService
@@ -83,6 +87,11 @@ class _Job:
     failure: BaseException | None = None  # failed on the caller's thread; still takes part
     protected: list[str] = field(default_factory=list)
     ready: dict[int, Any] = field(default_factory=dict)  # CUDA device -> torch.cuda.Event
+    deferred: bool = False  # planned on the pipeline thread (an update log is attached)
+    forced: Role | None = None  # the role save() was asked for
+    logical: int = 0  # bytes of the state (a log version's stream is smaller)
+    proposal: LogProposal | None = None  # a log version's steps
+    replay: Any = None  # a log version's ReplayLog, fingerprints filled in at staging
 
 
 @dataclass
@@ -150,6 +159,8 @@ class SaveService:
         # used on the pipeline thread only
         self._base_chunks: dict[int, tuple[ChunkRef, ...]] = {}  # the last committed base's
         self._rebased: dict[int, int] = {}  # failed base -> the diff that became the base
+        self.logs: LogSource | None = None  # the guarded optimizer's update log
+        self._committed_full: set[int] = set()  # full versions committed by this process
 
     # --- the caller's thread -------------------------------------------------------------
 
@@ -208,7 +219,11 @@ class SaveService:
         with self._lock:
             version = self.coordinator.next_version_id(self._next_id - 1)
             self._next_id = version + 1
-            role, base = self._plan(layout, role)
+            forced, deferred = role, self.logs is not None
+            if deferred:
+                role, base = "base", None  # provisional: _decide plans it, in order
+            else:
+                role, base = self._plan(layout, role)
             # a save that failed on the caller's thread has raised there: nobody waits on
             # its handle, so its failure is not kept for close() to report
             handle = SaveHandle(
@@ -217,6 +232,8 @@ class SaveService:
             job = _Job(
                 handle, step, version, role, base, leaves, layout, tree, meta, t_call, failure
             )
+            job.deferred, job.forced = deferred, forced
+            job.logical = layout.stream_bytes if layout is not None else 0
             self._inflight.append(job)
         job.ready = ready_events(leaves)  # what the copies wait for on each GPU
         if layout is not None:
@@ -247,6 +264,54 @@ class SaveService:
             self._plan_since += 1
         return role, base
 
+    def _decide(self, job: _Job) -> None:
+        """Plan a deferred job (pipeline thread, in order, the trainer held by the guard):
+        a log version when the update log allows it and is the cheaper choice
+        (:func:`tiercheck.log_versions.choose`), else a full version, which resets the
+        log. Every rank makes the same choice (one small all-gather)."""
+        logs = self.logs
+        proposal: LogProposal | None = None
+        ok = False
+        if (
+            logs is not None
+            and job.failure is None
+            and job.layout is not None
+            and job.forced is None
+            and self._takes_diffs
+        ):
+            proposal = logs.propose(
+                job.leaves, self.policy.max_replay_seconds, self._committed_full
+            )
+            ok = proposal.reason is None
+            if not ok:
+                log.debug("version %d is a full version: %s", job.version, proposal.reason)
+        if self.world_size > 1:
+            ok = self.coordinator.all_true(ok)
+        with self._lock:
+            if ok:
+                assert logs is not None and logs.base is not None
+                job.role, job.base = "log", logs.base
+            else:
+                forced = job.forced
+                if forced is None and logs is not None and logs.dense:
+                    forced = "base"  # a dense diff stores every chunk: a base restores faster
+                job.role, job.base = self._plan(job.layout, forced)
+        job.handle.role, job.handle.base = job.role, job.base
+        if ok:
+            assert proposal is not None and proposal.logged is not None and job.layout is not None
+            assert proposal.replayed is not None
+            lv = build(
+                job.tree, job.leaves, proposal.logged, proposal.replayed, job.layout.chunk_size
+            )
+            job.tree, job.leaves, job.layout = lv.tree, lv.leaves, lv.layout
+            job.proposal, job.replay = proposal, lv.replay
+            return
+        if logs is not None:
+            if proposal is not None:
+                logs.release(proposal)
+            if job.layout is not None and job.failure is None:
+                logs.full(job.version, job.layout.stream_bytes)
+
     def note_version_ids(self, max_id: int) -> None:
         """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""
         with self._lock:
@@ -262,7 +327,11 @@ class SaveService:
     def pinned(self) -> set[int]:
         """Bases that in-flight diffs follow: retention must not drop them yet."""
         with self._lock:
-            return {j.base for j in self._inflight if j.base is not None}
+            out = {j.base for j in self._inflight if j.base is not None}
+        logs = self.logs
+        if logs is not None and logs.base is not None:
+            out.add(logs.base)  # the next log version's base
+        return out
 
     def flush(self) -> None:
         """Block until every save submitted so far has finished."""
@@ -297,6 +366,11 @@ class SaveService:
         leased: list[TierSlot] = []
         try:
             shard, failure = None, job.failure
+            if job.deferred:
+                try:
+                    self._decide(job)
+                except Exception as exc:
+                    failure = failure or exc
             if failure is None:
                 try:
                     shard = self._encode(job)
@@ -376,9 +450,18 @@ class SaveService:
         """Stage, hash and describe this rank's shard (steps 1 and 2)."""
         handle, layout = job.handle, job.layout
         assert layout is not None
-        event = self.staging.stage(job.leaves, layout, ready=job.ready)
-        if event is not None:
-            event.synchronize()
+        proposal = job.proposal
+        try:
+            if proposal is not None:
+                assert self.logs is not None
+                # the state now, before the guard lets the trainer step again
+                job.replay = with_fingerprints(job.replay, self.logs)
+            event = self.staging.stage(job.leaves, layout, ready=job.ready)
+            if event is not None:
+                event.synchronize()
+        finally:
+            if proposal is not None and self.logs is not None:
+                self.logs.release(proposal)  # the gradients are staged: the ring may reuse them
         job.leaves, job.ready = [], {}  # drop references to the caller's tensors
         handle._time("staged", time.perf_counter() - job.t_call)
         handle._mark_staged()
@@ -392,6 +475,7 @@ class SaveService:
             layout=layout,
             chunks=chunks,
             tree=job.tree,
+            log=job.replay,
         )
         base_chunks = self._resolve_base(job) if job.role == "diff" else None
         return _Shard(view, chunks, manifest, mbytes, mid, base_chunks)
@@ -480,7 +564,7 @@ class SaveService:
             world_size=self.world_size,
             shards=decision.shards,
             time=time.time(),
-            logical_bytes=job.layout.stream_bytes,
+            logical_bytes=job.logical or job.layout.stream_bytes,
             metadata=job.metadata,
         )
         committed: list[TierSlot] = []
@@ -559,6 +643,10 @@ class SaveService:
         except BaseException:
             self.migrations.release(reservation)
             raise
+        if info.role in ("base", "diff"):
+            self._committed_full.add(info.id)
+        elif info.role == "log" and job.proposal is not None and self.logs is not None:
+            self.logs.stored(job.proposal)
         if info.role == "base":
             # a diff decided against an older base has run by now (saves run in order)
             self._base_chunks = {info.id: shard.chunks}
