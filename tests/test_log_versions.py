@@ -184,3 +184,43 @@ def test_choice_of_role() -> None:
     )
     slow = {**common, "replay_seconds": 31.0}
     assert "max_replay_seconds" in str(choose(new_bytes=1, log_bytes=1, changed_bytes=1200, **slow))
+
+
+def test_cli_shows_the_replay_chain_and_export_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tiercheck.cli import main
+
+    t = Trainer()
+    root = tmp_path / "s"
+    ckpt = tiercheck.Checkpointer(
+        root,
+        tiers=[("file", f"file://{tmp_path / 'f'}")],
+        policy=tiercheck.Policy(tiers={"file": tiercheck.TierPolicy(versions="all")}),
+    )
+    try:
+        ckpt.guard(t.opt)
+        for step in (1, 2, 3):
+            t.step()
+            ckpt.save(step, t.state()).wait()
+    finally:
+        ckpt.close()
+    capsys.readouterr()
+    assert main(["ls", str(root), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["versions"]
+    assert [(r["role"], r["base"]) for r in rows] == [("base", None), ("log", 0), ("log", 0)]
+    assert all(r["restorable"] for r in rows)
+    assert main(["show", str(root), "2"]) == 0
+    out = capsys.readouterr().out
+    assert "log of version 0" in out and "replay    version 0, then 2 optimizer step" in out
+    assert main(["show", str(root), "2", "--json"]) == 0
+    replay = json.loads(capsys.readouterr().out)["replay"]
+    head = len(list(t.model.parameters())) - 2  # head.weight: the last parameter but one
+    assert replay["steps"] == 2
+    assert replay["replayed_leaves"]["model/head.weight"] == f"param/{head}"
+    assert replay["replayed_leaves"][f"optim/state/{head}/exp_avg"] == f"state/{head}/exp_avg"
+    out_file = tmp_path / "w.safetensors"
+    assert main(["export", str(root), "2", str(out_file)]) == 1
+    err = capsys.readouterr().err
+    assert "ReplayRequired" in err and "Export version 0" in err and not out_file.exists()
+    assert main(["export", str(root), "0", str(out_file)]) == 0

@@ -31,6 +31,7 @@ from tiercheck.errors import (
     FormatVersionError,
     InvalidURL,
     NoRestorableVersion,
+    ReplayRequired,
     StoreLocked,
     TiercheckError,
 )
@@ -387,6 +388,27 @@ def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
         console.print("no committed versions")
 
 
+def _replayed_leaves(tree: Any) -> dict[str, str]:
+    """``{key: replayed tensor name}`` of a log version's ``{"r": NAME}`` tree nodes."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, key: str) -> None:
+        ((tag, sub),) = node.items()
+        if tag == "r":
+            out[key] = sub
+        elif tag == "o":
+            walk(sub, key)
+        elif tag == "d":
+            for k, child in sub:
+                walk(child, f"{key}/{k}" if key else str(k))
+        elif tag in ("l", "t"):
+            for i, child in enumerate(sub):
+                walk(child, f"{key}/{i}" if key else str(i))
+
+    walk(tree, "")
+    return out
+
+
 def _show_data(v: history.Version) -> dict[str, Any]:
     m = v.manifest
     ids = [c.id for c in m.chunks]
@@ -395,7 +417,20 @@ def _show_data(v: history.Version) -> dict[str, Any]:
         lengths.setdefault(c.id, c.length)
     unique_bytes = sum(lengths.values())
     base_info: dict[str, Any] | None = None
-    if v.base is not None:
+    replay_info: dict[str, Any] | None = None
+    if m.log is not None:
+        steps = m.log.steps
+        replay_info = {
+            "base": v.base,
+            "steps": len(steps),
+            "skipped": sum(1 for s in steps if s.skipped),
+            "optimizer": m.log.optimizer,
+            "torch": m.log.torch,
+            "device": m.log.device,
+            "replayed_leaves": _replayed_leaves(m.tree),
+            "fingerprints": len(m.log.fingerprints),
+        }
+    if v.base is not None and m.log is None:
         try:
             base = v.base_version
             assert base is not None
@@ -439,6 +474,7 @@ def _show_data(v: history.Version) -> dict[str, Any]:
             "dedup_ratio": m.stream_bytes / unique_bytes if unique_bytes else None,
         },
         "base_delta": base_info,
+        "replay": replay_info,
         "tier_detail": tiers,
         "entries": [e.to_json() for e in v.entries.values()],
     }
@@ -454,8 +490,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         from rich.table import Table
 
         console = _console()
-        role = v.role if v.base is None else f"diff of version {v.base}"
+        role = v.role if v.base is None else f"{v.role} of version {v.base}"
         console.print(f"[bold]version {v.id}[/bold]  step {v.step}  {role}")
+        rp = data["replay"]
+        if rp is not None:
+            console.print(
+                f"replay    version {rp['base']}, then {rp['steps']} optimizer step(s) "
+                f"({rp['skipped']} skipped by the GradScaler) of {rp['optimizer']} "
+                f"(torch {rp['torch']}, {rp['device']}); {len(rp['replayed_leaves'])} "
+                f"leaves replayed, {rp['fingerprints']} fingerprints verified"
+            )
         console.print(f"time      {absolute_time(v.time)} ({relative_time(v.time)})")
         console.print(
             f"size      {human_size(v.logical_bytes)} logical, "
@@ -799,6 +843,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_dcp(args, out, fmt)
     with contextlib.closing(open_store(args.root)) as ckpt:
         v = pick_version(ckpt, args.version, args.rank)
+        if v.role == "log":
+            raise ReplayRequired(
+                f"version {v.id} (step {v.step}) is a log version: its parameters and "
+                f"optimizer state are those of version {v.base} after replaying its logged "
+                "optimizer steps, which needs the training script's optimizer. Export "
+                f"version {v.base} instead, or restore version {v.id} in the training "
+                "script (ckpt.guard(optimizer); ckpt.restore(state)) and save it as a "
+                "full version (ckpt.save(step, state, role='base'))",
+                version=v.id,
+                base=v.base,
+            )
         prefix = args.only or ""
         keys = [k for k in v.entries if k.startswith(prefix)]
         if not keys:
