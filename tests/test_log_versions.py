@@ -224,3 +224,35 @@ def test_cli_shows_the_replay_chain_and_export_refuses(
     err = capsys.readouterr().err
     assert "ReplayRequired" in err and "Export version 0" in err and not out_file.exists()
     assert main(["export", str(root), "0", str(out_file)]) == 0
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_each_log_their_shard_and_restore_bit_identically(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(HERE / "dist_scripts" / "log_worker.py"),
+        "--root",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert out["roles"] == ["base", "log", "log"], out
+        assert out["role"] == "log" and out["step"] == 3 and out["replayed"] == 2, out
+        assert out["fallback"] is None and out["identical"], out
