@@ -599,8 +599,8 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
         "the raw shm tier; with the optimizer guarded, the versions between bases are log "
         "versions instead (the gradients of the steps since the base, replayed at restore); "
         "dedup pays for frozen weights and replicas (see docs/benchmarks.md). "
-        f"Base versions also go to LMDB and are migrated zstd-compressed to the remote tier "
-        f"in the background: {migrated}.[/dim]"
+        f"Base versions also go to LMDB and are migrated to the remote tier in the "
+        f"background (stored raw: the default remote is a local directory): {migrated}.[/dim]"
     )
     assert t_kill is not None
     startup = restored["restore_started"] - t_kill
