@@ -256,3 +256,28 @@ def test_two_ranks_each_log_their_shard_and_restore_bit_identically(tmp_path: Pa
         assert out["roles"] == ["base", "log", "log"], out
         assert out["role"] == "log" and out["step"] == 3 and out["replayed"] == 2, out
         assert out["fallback"] is None and out["identical"], out
+
+
+def test_a_lost_gradient_chunk_falls_back_before_touching_the_state(tmp_path: Path) -> None:
+    t = Trainer()
+    ckpt = _store(tmp_path)
+    try:
+        ckpt.guard(t.opt)
+        t.step()
+        first = ckpt.save(1, t.state()).result()
+        t.step()
+        second = ckpt.save(2, t.state())
+        second.wait()
+        assert second.role == "log"
+        base_ids = {c.id for c in ckpt.version(first.version).manifest.chunks}
+        grad = ckpt.version(second.version).manifest.chunks[0].id  # step 0's gradients
+        assert grad not in base_ids
+        tier = ckpt.tierset.get("shm").tier
+        assert tier is not None and tier.delete([grad]) == 1
+        fresh = Trainer(seed=5)
+        ckpt.guard(fresh.opt)
+        info = ckpt.restore(fresh.state())
+        assert info.version == first.version and info.replayed_steps == 0
+        assert info.fallback is not None and f"version {second.version}" in info.fallback
+    finally:
+        ckpt.destroy()
