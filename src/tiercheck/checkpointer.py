@@ -348,8 +348,10 @@ class Checkpointer:
         The state is flattened and validated here (bad input raises a typed error before
         anything is written); copying and everything after it happen in the background.
         Do not mutate the state before ``handle.wait_staged()`` (or use :meth:`guard`).
-        ``role`` forces a base or diff version. The save's outcome, failure included, is
-        delivered on the returned handle only (``docs/concepts.md``, "Guarantees").
+        ``role`` forces a base or diff version; left to the store, a save may also be a
+        log version when the optimizer is guarded (:meth:`guard`). The save's outcome,
+        failure included, is delivered on the returned handle only (``docs/concepts.md``,
+        "Guarantees").
         """
         return self._writer().submit(step, state, metadata=metadata, role=role)
 
