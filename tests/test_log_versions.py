@@ -281,3 +281,20 @@ def test_a_lost_gradient_chunk_falls_back_before_touching_the_state(tmp_path: Pa
         assert info.fallback is not None and f"version {second.version}" in info.fallback
     finally:
         ckpt.destroy()
+
+
+def test_a_state_without_the_optimizer_is_never_a_log_version(tmp_path: Path) -> None:
+    """The replay needs the optimizer's state in the base: without it, saves stay full."""
+    t = Trainer()
+    ckpt = _store(tmp_path)
+    try:
+        ckpt.guard(t.opt)
+        roles = []
+        for step in (1, 2):
+            t.step()
+            h = ckpt.save(step, {"model": t.model})
+            assert h.role is None or h.role in ("base", "diff")  # known once planned
+            roles.append(h.result().role)
+        assert roles == ["base", "diff"]
+    finally:
+        ckpt.destroy()

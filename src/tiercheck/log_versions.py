@@ -167,8 +167,23 @@ class LogSource:
         status = self.ulog.status
         if status is not None:
             return LogProposal(status)
+        import torch
+
+        tensors = replayed_tensors(self.optimizer, self.mirrors)
+        replayed = replayed_leaves(leaves, tensors)
+        found = set(replayed.values())
+        missing = [
+            name
+            for name, t in tensors.items()
+            if isinstance(t, torch.Tensor) and t.numel() > 0 and name not in found
+        ]
+        if missing:
+            # a replay reproduces only what the base holds: without these it could not
+            return LogProposal(
+                f"the state saved does not hold every tensor of the guarded optimizer "
+                f"(e.g. {missing[0]}: its parameters and state)"
+            )
         logged = self.ulog.take(fingerprint=False)
-        replayed = replayed_leaves(leaves, replayed_tensors(self.optimizer, self.mirrors))
         with_grad = {i for s in logged.steps for i, g in enumerate(s.grads) if g is not None}
         replayed_bytes = changed = 0
         for leaf in leaves:

@@ -227,7 +227,11 @@ class SaveService:
             # a save that failed on the caller's thread has raised there: nobody waits on
             # its handle, so its failure is not kept for close() to report
             handle = SaveHandle(
-                step, version, role, base, failures=None if failure else self.failures
+                step,
+                version,
+                None if deferred else role,  # known once _decide has run
+                base,
+                failures=None if failure else self.failures,
             )
             job = _Job(
                 handle, step, version, role, base, leaves, layout, tree, meta, t_call, failure
@@ -300,9 +304,15 @@ class SaveService:
         if ok:
             assert proposal is not None and proposal.logged is not None and job.layout is not None
             assert proposal.replayed is not None
-            lv = build(
-                job.tree, job.leaves, proposal.logged, proposal.replayed, job.layout.chunk_size
-            )
+            try:
+                lv = build(
+                    job.tree, job.leaves, proposal.logged, proposal.replayed, job.layout.chunk_size
+                )
+            except BaseException:
+                assert logs is not None
+                logs.release(proposal)
+                logs.invalidate("a log version could not be laid out")
+                raise
             job.tree, job.leaves, job.layout = lv.tree, lv.leaves, lv.layout
             job.proposal, job.replay = proposal, lv.replay
             return
