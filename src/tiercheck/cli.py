@@ -31,7 +31,6 @@ from tiercheck.errors import (
     FormatVersionError,
     InvalidURL,
     NoRestorableVersion,
-    ReplayRequired,
     StoreLocked,
     TiercheckError,
 )
@@ -388,27 +387,6 @@ def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
         console.print("no committed versions")
 
 
-def _replayed_leaves(tree: Any) -> dict[str, str]:
-    """``{key: replayed tensor name}`` of a log version's ``{"r": NAME}`` tree nodes."""
-    out: dict[str, str] = {}
-
-    def walk(node: Any, key: str) -> None:
-        ((tag, sub),) = node.items()
-        if tag == "r":
-            out[key] = sub
-        elif tag == "o":
-            walk(sub, key)
-        elif tag == "d":
-            for k, child in sub:
-                walk(child, f"{key}/{k}" if key else str(k))
-        elif tag in ("l", "t"):
-            for i, child in enumerate(sub):
-                walk(child, f"{key}/{i}" if key else str(i))
-
-    walk(tree, "")
-    return out
-
-
 def _show_data(v: history.Version) -> dict[str, Any]:
     m = v.manifest
     ids = [c.id for c in m.chunks]
@@ -419,6 +397,8 @@ def _show_data(v: history.Version) -> dict[str, Any]:
     base_info: dict[str, Any] | None = None
     replay_info: dict[str, Any] | None = None
     if m.log is not None:
+        from tiercheck.log_versions import replayed_keys
+
         steps = m.log.steps
         replay_info = {
             "base": v.base,
@@ -427,7 +407,7 @@ def _show_data(v: history.Version) -> dict[str, Any]:
             "optimizer": m.log.optimizer,
             "torch": m.log.torch,
             "device": m.log.device,
-            "replayed_leaves": _replayed_leaves(m.tree),
+            "replayed_leaves": replayed_keys(m.tree),
             "fingerprints": len(m.log.fingerprints),
         }
     if v.base is not None and m.log is None:
@@ -844,16 +824,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     with contextlib.closing(open_store(args.root)) as ckpt:
         v = pick_version(ckpt, args.version, args.rank)
         if v.role == "log":
-            raise ReplayRequired(
-                f"version {v.id} (step {v.step}) is a log version: its parameters and "
-                f"optimizer state are those of version {v.base} after replaying its logged "
-                "optimizer steps, which needs the training script's optimizer. Export "
-                f"version {v.base} instead, or restore version {v.id} in the training "
-                "script (ckpt.guard(optimizer); ckpt.restore(state)) and save it as a "
-                "full version (ckpt.save(step, state, role='base'))",
-                version=v.id,
-                base=v.base,
-            )
+            return _export_log_version(args, out, fmt, v)
         prefix = args.only or ""
         keys = [k for k in v.entries if k.startswith(prefix)]
         if not keys:
@@ -892,6 +863,42 @@ def cmd_export(args: argparse.Namespace) -> int:
                 value = torch.from_numpy(np.ascontiguousarray(value))
             obj[name(k)] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
         _write_export(obj, out, fmt, v.id, v.step, v.metadata, skipped, args.json)
+    return 0
+
+
+def _export_log_version(args: argparse.Namespace, out: Path, fmt: str, v: history.Version) -> int:
+    """Export a log version: its base's tensors with the logged steps replayed (built from
+    the log alone, without the training script; ``ReplayRequired`` where it cannot be)."""
+    import numpy as np
+    import torch
+
+    from tiercheck.log_versions import replay_offline
+
+    with progress_bar(not args.json, "replaying") as progress:
+        if progress is not None:
+            progress(0, 1)
+        values = replay_offline(v)
+        if progress is not None:
+            progress(1, 1)
+    prefix = args.only or ""
+    keys = [k for k in values if k.startswith(prefix)]
+    if not keys:
+        raise UsageError(f"version {v.id} has no entry whose key starts with {prefix!r}")
+    skipped = [
+        k
+        for k in keys
+        if fmt == "safetensors" and not isinstance(values[k], (torch.Tensor, np.ndarray))
+    ]
+    obj: dict[str, Any] = {}
+    for k in keys:
+        if k in skipped:
+            continue
+        value = values[k]
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        name = k if args.keep_prefix or not prefix else k[len(prefix) :] or k
+        obj[name] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
+    _write_export(obj, out, fmt, v.id, v.step, v.metadata, skipped, args.json)
     return 0
 
 

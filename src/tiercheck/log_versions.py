@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tiercheck.chunking import Layout, plan_layout
 from tiercheck.entries import Leaf, torch_dtype
@@ -45,6 +45,8 @@ from tiercheck.update_log import (
 if TYPE_CHECKING:
     import torch
 
+    from tiercheck.history import Version
+
 __all__ = [
     "DENSE_FRACTION",
     "LogProposal",
@@ -53,7 +55,9 @@ __all__ = [
     "build",
     "choose",
     "gradients_of",
+    "replay_offline",
     "replay_version",
+    "replayed_keys",
     "with_fingerprints",
 ]
 
@@ -327,3 +331,125 @@ def replay_version(
             scaler=source.scaler,
         )
     return report, replayed_tensors(source.optimizer, source.mirrors)
+
+
+def replayed_keys(tree: Any) -> dict[str, str]:
+    """``{state key: replayed tensor name}`` of a log version's ``{"r": NAME}`` nodes."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, key: str) -> None:
+        ((tag, sub),) = node.items()
+        if tag == "r":
+            out[key] = sub
+        elif tag == "o":
+            walk(sub, key)
+        elif tag == "d":
+            for k, child in sub:
+                walk(child, f"{key}/{k}" if key else str(k))
+        elif tag in ("l", "t"):
+            for i, child in enumerate(sub):
+                walk(child, f"{key}/{i}" if key else str(i))
+
+    walk(tree, "")
+    return out
+
+
+def replay_offline(version: Version) -> dict[str, Any]:
+    """Every entry of log version ``version`` as its state held it, without the training
+    script: a ``torch.optim`` optimizer of the class the log names is built over copies
+    of the base version's parameters and optimizer state (its group options from the
+    log), the logged steps are replayed and verified against the fingerprints.
+
+    Returns ``{key: value}`` for every tensor and scalar entry of the state (the replayed
+    tensors, then the log version's own entries; pickled entries are left out). Raises
+    :class:`~tiercheck.errors.ReplayRequired` where that cannot be done here (an
+    optimizer outside ``torch.optim``, another torch version or device type, a base
+    laid out differently) and :class:`~tiercheck.errors.ReplayMismatch` if the replay
+    does not verify.
+    """
+    import importlib
+
+    import torch
+
+    from tiercheck.errors import ReplayRefused, ReplayRequired
+    from tiercheck.replay import apply_options
+
+    m = version.manifest
+    rlog = m.log
+    base = version.base_version
+    if rlog is None or base is None:
+        raise ReplayRequired(
+            f"version {version.id} is not a log version", version=version.id, base=version.base
+        )
+
+    def refuse(why: str) -> ReplayRequired:
+        return ReplayRequired(
+            f"version {version.id} is a log version that cannot be replayed without the "
+            f"training script: {why}. Export its base, version {base.id}, or restore version "
+            f"{version.id} in the training script (ckpt.guard(optimizer); "
+            "ckpt.restore(state)) and save it as a full version (role='base')",
+            version=version.id,
+            base=base.id,
+        )
+
+    module, _, cls_name = rlog.optimizer.rpartition(".")
+    if module != "torch.optim" and not module.startswith("torch.optim."):
+        raise refuse(f"its optimizer {rlog.optimizer} is not one of torch.optim")
+    cls = getattr(importlib.import_module(module), cls_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+        raise refuse(f"{rlog.optimizer} is not an optimizer of this torch")
+    r_keys = replayed_keys(m.tree)
+    key_of = {name: key for key, name in r_keys.items()}
+    wanted = [key_of.get(f"param/{i}") for i in range(len(rlog.params))]
+    state_keys = [k for n, k in key_of.items() if n.startswith("state/")]
+    if None in wanted or not all(k in base.entries for k in [*wanted, *state_keys]):
+        raise refuse(f"version {base.id} does not hold the replayed tensors under the same keys")
+    prefix = state_keys[0].rsplit("/state/", 1)[0] if state_keys else None
+    state_entries = [
+        k for k in base.entries if prefix is not None and k.startswith(f"{prefix}/state/")
+    ]
+    base_values = base.read([*(k for k in wanted if k is not None), *state_entries])
+    params = [
+        torch.nn.Parameter(base_values[k].clone(), requires_grad=True)
+        for k in wanted
+        if k is not None
+    ]
+    first = next((s.options for s in rlog.steps if s.options is not None), rlog.options)
+    groups: list[dict[str, Any]] = [{"params": []} for _ in rlog.flags]
+    for p, spec in zip(params, rlog.params):
+        groups[spec.group]["params"].append(p)
+    try:
+        opt: torch.optim.Optimizer = cast(Any, cls)(groups)
+    except (TypeError, ValueError) as exc:
+        raise refuse(f"{rlog.optimizer} could not be built here ({exc})") from exc
+    apply_options(opt, first)
+    for key in state_entries:
+        index, _, name = key[len(f"{prefix}/state/") :].partition("/")
+        if not index.isdigit() or int(index) >= len(params) or "/" in name:
+            continue
+        value = base_values[key]
+        opt.state[params[int(index)]][name] = (
+            value.clone() if isinstance(value, torch.Tensor) else value
+        )
+    mirrors = []
+    for j, (i, _) in enumerate(rlog.mirrors):
+        mkey = key_of.get(f"mirror/{j}")
+        if mkey is None or mkey not in base.entries:
+            raise refuse(f"version {base.id} does not hold mirror {j}")
+        mirrors.append((params[i], base.read([mkey])[mkey].clone()))
+    grad_keys = {i: m.entries[i].key for s in rlog.steps for i in s.grads if i is not None}
+    grads = version.read(sorted(set(grad_keys.values())))
+    try:
+        replay(opt, rlog, lambda i: grads[grad_keys[i]], mirrors=mirrors)
+    except ReplayRefused as exc:
+        raise refuse(str(exc)) from exc
+    replayed = replayed_tensors(opt, mirrors)
+    out: dict[str, Any] = {}
+    for key, name in r_keys.items():
+        value = replayed[name]
+        out[key] = value.detach() if isinstance(value, torch.Tensor) else value
+    own = [
+        k for k, e in version.entries.items() if not k.startswith("/log/") and e.kind != "pickle"
+    ]
+    out.update(version.read(own))
+    return out
