@@ -1478,7 +1478,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a version's entries to OUT: .safetensors (tensors only; version, "
         "step and metadata in the header) or .pt/.pth (a flat dict that loads with "
         "torch.load(weights_only=True)). Keys are the flattened paths, e.g. "
-        "model/layers.0.weight; with --only PREFIX only those entries, the prefix removed.",
+        "model/layers.0.weight; with --only PREFIX only those entries, the prefix removed. "
+        "A log version is replayed first: its base's tensors, with the logged optimizer "
+        "steps (a torch.optim optimizer, under the run's torch version and device type).",
     )
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("version", metavar="VERSION", help=version_help)
