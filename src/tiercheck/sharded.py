@@ -1,0 +1,307 @@
+"""Distributed tensors (DTensor, FSDP2): saved as local pieces, restored onto any mesh.
+
+Save: a DTensor leaf is stored as this rank's local shard, an ordinary ``tensor`` entry,
+plus a :class:`~tiercheck.formats.manifest.ShardPlacement` saying which box of the global
+tensor it holds (SPEC.md section 13). Replicated pieces on several ranks are the same
+chunks, stored once in a shared tier.
+
+Restore: a target whose box is the saved one (same mesh, same placements) is loaded in
+place like any tensor. Any other target, a DTensor on another mesh or placement, or a
+plain tensor (which gets the whole global tensor), is a :class:`Piece`: its box is
+assembled from the boxes the version's ranks saved, read through their shard manifests
+(every rank's manifest id is in the version's ``VersionInfo``), as DCP resharding does.
+:func:`gather` fetches and verifies every chunk a restore needs before anything is
+written, so the restore stays all or nothing; :meth:`Gathered.apply` then copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tiercheck.entries import torch_dtype
+from tiercheck.errors import CheckpointError, StateError, UnsupportedValue
+from tiercheck.fetch import ChunkFetcher
+from tiercheck.formats.manifest import Entry, ShardManifest, ShardPlacement, VersionInfo
+from tiercheck.tierset import TierSlot
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "Gathered",
+    "Piece",
+    "box_of",
+    "gather",
+    "is_dtensor",
+    "local_piece",
+    "piece_for",
+]
+
+
+def is_dtensor(obj: object) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (without importing it needlessly)."""
+    cls = type(obj)
+    if cls.__name__ != "DTensor":
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return False
+    return isinstance(obj, DTensor)
+
+
+def _placement_names(t: Any, key: str, error: type[StateError]) -> tuple[str, ...]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    names = []
+    for p in t.placements:
+        if type(p) is Shard:  # not _StridedShard (FSDP2 + TP): its piece is not one box
+            names.append(f"S({p.dim})")
+        elif isinstance(p, Replicate):
+            names.append("R")
+        else:
+            raise error(
+                f"DTensor placement {p} ({type(p).__name__}) is not supported (only Shard and "
+                "Replicate); "
+                "redistribute the tensor first",
+                key=key,
+            )
+    return tuple(names)
+
+
+def box_of(t: Any, key: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The local tensor of DTensor ``t`` and the offsets of its box in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _placement_names(t, key, StateError)
+    if t.device_mesh.get_coordinate() is None:
+        raise StateError("this rank is not in the DTensor's mesh", key=key)
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t._local_tensor
+    if tuple(local.shape) != tuple(shape):
+        raise StateError(
+            f"the DTensor's local tensor has shape {tuple(local.shape)}, its placements "
+            f"give {tuple(shape)}",
+            key=key,
+        )
+    return local, tuple(int(o) for o in offsets)
+
+
+def local_piece(t: Any, key: str) -> tuple[torch.Tensor, ShardPlacement]:
+    """What a save stores for DTensor ``t``: its local tensor and its placement."""
+    names = _placement_names(t, key, UnsupportedValue)
+    try:
+        local, offsets = box_of(t, key)
+    except StateError as exc:
+        raise UnsupportedValue(str(exc.args[0]) if exc.args else str(exc), key=key) from None
+    placement = ShardPlacement(
+        global_shape=tuple(int(d) for d in t.shape),
+        global_stride=tuple(int(s) for s in t.stride()),
+        mesh_shape=tuple(int(d) for d in t.device_mesh.shape),
+        placements=names,
+        offsets=offsets,
+    )
+    return local, placement
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of a saved distributed tensor to fill: ``dest`` holds the global elements
+    from ``offsets`` on (``dest.shape`` of them per dimension)."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    dest: Any  # torch.Tensor: a DTensor's local tensor, or a whole plain tensor
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """Copy the overlap (``lo``..``hi``, global coordinates) of one saved box."""
+
+    piece: Piece
+    entry: Entry
+    box: tuple[int, ...]  # the saved box's offsets
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    rank: int  # whose manifest holds it
+
+    def span(self) -> tuple[int, int]:
+        """The stream bytes from the overlap's first element to its last, in the piece."""
+        import torch
+
+        size = torch.empty((), dtype=torch_dtype(self.entry.dtype)).element_size()
+        strides = _contiguous_strides(self.entry.shape)
+        first = sum((lo - b) * s for lo, b, s in zip(self.lo, self.box, strides))
+        last = sum((hi - 1 - b) * s for hi, b, s in zip(self.hi, self.box, strides))
+        return self.entry.offset + first * size, self.entry.offset + (last + 1) * size
+
+
+@dataclass
+class Gathered:
+    """Every saved box a restore needs, fetched and verified; :meth:`apply` copies them."""
+
+    copies: list[_Copy] = field(default_factory=list)
+    manifests: dict[int, ShardManifest] = field(default_factory=dict)
+    chunks: dict[tuple[int, int], bytearray] = field(default_factory=dict)  # (rank, i) -> raw
+    own: tuple[int, memoryview] | None = None  # (rank, its staged stream)
+    bytes_read: int = 0
+
+    def _bytes(self, rank: int, lo: int, hi: int) -> memoryview:
+        if self.own is not None and self.own[0] == rank:
+            return self.own[1][lo:hi]
+        m = self.manifests[rank]
+        out = bytearray(hi - lo)
+        for ci, ref in enumerate(m.chunks):
+            a, z = max(lo, ref.offset), min(hi, ref.offset + ref.length)
+            if a < z:
+                raw = self.chunks[(rank, ci)]
+                out[a - lo : z - lo] = raw[a - ref.offset : z - ref.offset]
+        return memoryview(out)
+
+    def apply(self) -> None:
+        """Copy every overlap into its piece (after :func:`gather` succeeded)."""
+        import torch
+
+        with torch.no_grad():
+            for c in self.copies:
+                dtype = torch_dtype(c.entry.dtype)
+                start, end = c.span()
+                raw = self._bytes(c.rank, start, end)
+                flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+                shape = [hi - lo for lo, hi in zip(c.lo, c.hi)]
+                strides = _contiguous_strides(c.entry.shape)
+                src = flat.as_strided(shape, strides) if shape else flat.reshape(())
+                dst = c.piece.dest
+                for d, (lo, hi) in enumerate(zip(c.lo, c.hi)):
+                    dst = dst.narrow(d, lo - c.piece.offsets[d], hi - lo)
+                dst.copy_(src)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(shape[d + 1], 1)
+    return strides
+
+
+def _chunks_between(m: ShardManifest, lo: int, hi: int) -> list[int]:
+    return [i for i, c in enumerate(m.chunks) if c.offset < hi and c.offset + c.length > lo]
+
+
+def gather(
+    pieces: Sequence[Piece],
+    info: VersionInfo,
+    fetcher: ChunkFetcher,
+    order: Sequence[TierSlot],
+    pool: Executor,
+    *,
+    expect: Sequence[str] = (),
+    own: tuple[int, ShardManifest, memoryview] | None = None,
+) -> Gathered:
+    """Find, fetch and verify the saved boxes that cover ``pieces``; write nothing.
+
+    Reads the shard manifest of every rank of ``info`` (``own``: this rank's, already
+    staged, whose bytes are not fetched again). A replicated box saved by several ranks is
+    read once. Raises :class:`StateError` when a piece does not fit what was saved, and
+    :class:`CheckpointError` when the saved boxes do not cover it.
+    """
+    g = Gathered()
+    if not pieces:
+        return g
+    if own is not None:
+        g.manifests[own[0]] = own[1]
+        g.own = (own[0], own[2])
+    for r, mid in enumerate(info.shards):
+        if r not in g.manifests:
+            g.manifests[r] = fetcher.manifest(mid, order=order)
+    # key -> [(rank, entry, placement)], each distinct box once
+    saved: dict[str, list[tuple[int, Entry, ShardPlacement]]] = {}
+    wanted = {p.key for p in pieces}
+    ranks = sorted(g.manifests, key=lambda r: (g.own is None or r != g.own[0], r))
+    for r in ranks:  # this rank's own boxes first: they need no fetch
+        m = g.manifests[r]
+        for i, placement in m.sharded.items():
+            e = m.entries[i]
+            if e.key not in wanted:
+                continue
+            boxes = saved.setdefault(e.key, [])
+            if all(p.offsets != placement.offsets or x.shape != e.shape for _, x, p in boxes):
+                boxes.append((r, e, placement))
+    need: set[tuple[int, int]] = set()
+    for piece in pieces:
+        found = saved.get(piece.key)
+        if not found:
+            raise CheckpointError(
+                f"{piece.key}: version {info.id} holds no sharded tensor under this key"
+            )
+        covered = 0
+        for r, e, placement in found:
+            if placement.global_shape != piece.global_shape or e.dtype != piece.dtype:
+                raise StateError(
+                    f"saved {e.dtype} {placement.global_shape} (global) does not match the "
+                    f"state's {piece.dtype} {piece.global_shape}",
+                    key=piece.key,
+                )
+            lo = tuple(max(a, b) for a, b in zip(piece.offsets, placement.offsets))
+            hi = tuple(
+                min(a + n, b + k)
+                for a, n, b, k in zip(piece.offsets, piece.dest.shape, placement.offsets, e.shape)
+            )
+            if any(a >= z for a, z in zip(lo, hi)):
+                continue
+            g.copies.append(_Copy(piece, e, placement.offsets, lo, hi, r))
+            covered += math.prod(z - a for a, z in zip(lo, hi))
+            if g.own is not None and r == g.own[0]:
+                continue
+            need.update(
+                (r, ci) for ci in _chunks_between(g.manifests[r], e.offset, e.offset + e.nbytes)
+            )
+        if covered != math.prod(piece.dest.shape):
+            raise CheckpointError(
+                f"{piece.key}: the pieces version {info.id} saved cover {covered} of the "
+                f"{math.prod(piece.dest.shape)} elements this rank needs"
+            )
+
+    def one(item: tuple[int, int]) -> None:
+        r, ci = item
+        ref = g.manifests[r].chunks[ci]
+        buf = bytearray(ref.length)
+        fetcher.fetch(ref.id, memoryview(buf), order=order, expect=expect)
+        g.chunks[item] = buf
+
+    list(pool.map(one, sorted(need)))
+    g.bytes_read = sum(len(b) for b in g.chunks.values())
+    return g
+
+
+def piece_for(key: str, entry: Entry, placement: ShardPlacement, target: Any) -> Piece | None:
+    """The piece to assemble for ``target``, or None where the saved box is the target's
+    own (loaded in place like any tensor entry). Raises :class:`StateError` if ``target``
+    cannot hold the saved tensor."""
+    import torch
+
+    dtype = str(target.dtype).removeprefix("torch.")
+    if dtype != entry.dtype or tuple(target.shape) != placement.global_shape:
+        raise StateError(
+            f"saved tensor {entry.dtype} {placement.global_shape} (global) does not match "
+            f"the state's {dtype} {tuple(target.shape)}",
+            key=key,
+        )
+    if is_dtensor(target):
+        local, offsets = box_of(target, key)
+        if (
+            offsets == placement.offsets
+            and tuple(local.shape) == entry.shape
+            and local.device.type == "cpu"
+            and local.is_contiguous()
+        ):
+            return None
+        return Piece(key, entry.dtype, placement.global_shape, local, offsets)
+    assert isinstance(target, torch.Tensor)
+    return Piece(key, entry.dtype, placement.global_shape, target, (0,) * len(entry.shape))
