@@ -378,9 +378,12 @@ class Checkpointer:
         then are the caller's tensors written (where dtype and shape match) and modules and
         optimizers given ``load_state_dict``. If no version can be read, ``state`` is left
         as it was. A ``None`` value is a placeholder for what was saved under its key
-        (``info.state[key]``). Each chunk comes from the fastest tier that holds an intact
-        copy; damaged copies are repaired when ``repair``. ``tiers`` restricts the tiers
-        read. Raises :class:`NoRestorableVersion` or :class:`StateError`.
+        (``info.state[key]``). A DTensor (FSDP2) target is filled in place from its saved
+        piece; on another mesh or world size it is assembled from the pieces every rank
+        saved, and a plain tensor target gets the whole tensor. Each chunk comes from the
+        fastest tier that holds an intact copy; damaged copies are repaired when ``repair``.
+        ``tiers`` restricts the tiers read. Raises :class:`NoRestorableVersion` or
+        :class:`StateError`.
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")

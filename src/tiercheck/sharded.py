@@ -17,6 +17,7 @@ written, so the restore stays all or nothing; :meth:`Gathered.apply` then copies
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -43,15 +44,10 @@ __all__ = [
 
 
 def is_dtensor(obj: object) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (without importing it needlessly)."""
-    cls = type(obj)
-    if cls.__name__ != "DTensor":
-        return False
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return False
-    return isinstance(obj, DTensor)
+    """True for a ``torch.distributed.tensor.DTensor`` (without importing it needlessly:
+    no DTensor exists before its module has been imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
 
 
 def _placement_names(t: Any, key: str, error: type[StateError]) -> tuple[str, ...]:
