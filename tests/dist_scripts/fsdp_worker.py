@@ -30,8 +30,11 @@ from tiercheck import Checkpointer, TierSpec
 
 
 def build(shard: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(1234 + dist.get_rank())  # a different init on every rank and run
-    model = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 6))
+    # every build on a rank starts from the same init: a restore that did nothing would
+    # leave it, and it differs from the trained state that was saved
+    torch.manual_seed(1234 + dist.get_rank())
+    # 21 and 5 rows: uneven pieces over 2 ranks (11 + 10, 3 + 2)
+    model = nn.Sequential(nn.Linear(12, 21), nn.ReLU(), nn.Linear(21, 5))
     if shard:
         for layer in (model[0], model[2]):
             fully_shard(layer)
@@ -41,7 +44,7 @@ def build(shard: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
     g = torch.Generator().manual_seed(i)
-    x, y = torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
+    x, y = torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
