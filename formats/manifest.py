@@ -14,7 +14,7 @@ a full version (:class:`ReplayLog`, carried by the shard manifest's optional ``l
 replayed and verified at restore. SPEC.md section 12 defines it. It also adds sharded
 tensors: an entry that is one rank's piece of a distributed tensor (DTensor), placed in the
 global tensor by a :class:`ShardPlacement` (the manifest's optional ``sharded`` key, SPEC.md
-section 13).
+section 14).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ class ShardManifest:
     ``entries``. ``stream_bytes`` is the length of the byte stream the chunks cover.
     ``log`` is set in the shard of a log version only (schema 1.1). ``sharded`` maps the
     index of each entry that is a piece of a distributed tensor to its placement; the tree
-    names such an entry ``{"s": i}``, never ``{"e": i}`` (SPEC.md section 13).
+    names such an entry ``{"s": i}``, never ``{"e": i}`` (SPEC.md section 14).
     """
 
     version: int

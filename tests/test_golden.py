@@ -345,7 +345,7 @@ def test_a_1_0_reader_skips_log_versions_and_keeps_the_rest() -> None:
     assert not hasattr(manifest, "log") and len(manifest.entries) == 5
 
 
-# --- schema 1.1: sharded tensors (SPEC.md section 13) ----------------------------------
+# --- schema 1.1: sharded tensors (SPEC.md section 14) ----------------------------------
 
 
 def test_golden_sharded_manifest() -> None:
@@ -377,7 +377,7 @@ def test_a_sharded_placement_that_does_not_fit_is_corruption(bad: list[Any]) -> 
 
 
 def test_a_reader_without_section_13_cannot_mistake_a_piece_for_the_tensor() -> None:
-    """SPEC.md section 13.3 with the released 1.0 reader: the manifest decodes (the key is
+    """SPEC.md section 14.3 with the released 1.0 reader: the manifest decodes (the key is
     ignored), each entry has its piece's shape, and the tree names the pieces with a node
     the old reader's restore refuses."""
     old = _load_reader_1_0()

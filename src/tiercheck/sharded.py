@@ -2,7 +2,7 @@
 
 Save: a DTensor leaf is stored as this rank's local shard, an ordinary ``tensor`` entry,
 plus a :class:`~tiercheck.formats.manifest.ShardPlacement` saying which box of the global
-tensor it holds (SPEC.md section 13). Replicated pieces on several ranks are the same
+tensor it holds (SPEC.md section 14). Replicated pieces on several ranks are the same
 chunks, stored once in a shared tier.
 
 Restore: a target whose box is the saved one (same mesh, same placements) is loaded in

@@ -106,7 +106,7 @@ def fixed_sharded_stream(base: bytes) -> bytes:
 
 def fixed_sharded_manifest(base: bytes) -> ShardManifest:
     """Rank 1 of two: rows 16..31 of a (32, 32) tensor sharded on dim 0, a replicated (4,)
-    tensor, and a plain leaf (SPEC.md section 13)."""
+    tensor, and a plain leaf (SPEC.md section 14)."""
     stream = fixed_sharded_stream(base)
     return ShardManifest(
         version=9,
