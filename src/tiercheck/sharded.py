@@ -16,6 +16,7 @@ written, so the restore stays all or nothing; :meth:`Gathered.apply` then copies
 
 from __future__ import annotations
 
+import bisect
 import math
 import sys
 from collections.abc import Sequence
@@ -169,9 +170,7 @@ class _Copy:
 
     def span(self) -> tuple[int, int]:
         """The stream bytes from the overlap's first element to its last, in the piece."""
-        import torch
-
-        size = torch.empty((), dtype=torch_dtype(self.entry.dtype)).element_size()
+        size = torch_dtype(self.entry.dtype).itemsize
         strides = _contiguous_strides(self.entry.shape)
         first = sum((lo - b) * s for lo, b, s in zip(self.lo, self.box, strides))
         last = sum((hi - 1 - b) * s for hi, b, s in zip(self.hi, self.box, strides))
@@ -186,18 +185,22 @@ class Gathered:
     manifests: dict[int, ShardManifest] = field(default_factory=dict)
     chunks: dict[tuple[int, int], bytearray] = field(default_factory=dict)  # (rank, i) -> raw
     own: tuple[int, memoryview] | None = None  # (rank, its staged stream)
+    starts: dict[int, list[int]] = field(default_factory=dict)  # rank -> its chunks' offsets
     bytes_read: int = 0
 
     def _bytes(self, rank: int, lo: int, hi: int) -> memoryview:
         if self.own is not None and self.own[0] == rank:
             return self.own[1][lo:hi]
         m = self.manifests[rank]
+        first, last = _chunks_between(self.starts[rank], lo, hi)
+        if first == last:  # within one chunk: no copy
+            ref = m.chunks[first]
+            return memoryview(self.chunks[(rank, first)])[lo - ref.offset : hi - ref.offset]
         out = bytearray(hi - lo)
-        for ci, ref in enumerate(m.chunks):
+        for ci in range(first, last + 1):
+            ref = m.chunks[ci]
             a, z = max(lo, ref.offset), min(hi, ref.offset + ref.length)
-            if a < z:
-                raw = self.chunks[(rank, ci)]
-                out[a - lo : z - lo] = raw[a - ref.offset : z - ref.offset]
+            out[a - lo : z - lo] = self.chunks[(rank, ci)][a - ref.offset : z - ref.offset]
         return memoryview(out)
 
     def apply(self) -> None:
@@ -226,8 +229,10 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides
 
 
-def _chunks_between(m: ShardManifest, lo: int, hi: int) -> list[int]:
-    return [i for i, c in enumerate(m.chunks) if c.offset < hi and c.offset + c.length > lo]
+def _chunks_between(starts: Sequence[int], lo: int, hi: int) -> tuple[int, int]:
+    """The first and last index of the chunks starting at ``starts`` (in stream order,
+    tiling the stream) that hold stream bytes ``[lo, hi)``, ``lo < hi``."""
+    return bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi) - 1
 
 
 def gather(
@@ -256,6 +261,7 @@ def gather(
     for r, mid in enumerate(info.shards):
         if r not in g.manifests:
             g.manifests[r] = fetcher.manifest(mid, order=order)
+        g.starts[r] = [c.offset for c in g.manifests[r].chunks]
     # key -> [(rank, entry, placement)], each distinct box once
     saved: dict[str, list[tuple[int, Entry, ShardPlacement]]] = {}
     wanted = {p.key for p in pieces}
@@ -291,13 +297,12 @@ def gather(
             )
             if any(a >= z for a, z in zip(lo, hi)):
                 continue
-            g.copies.append(_Copy(piece, e, placement.offsets, lo, hi, r))
+            copy = _Copy(piece, e, placement.offsets, lo, hi, r)
+            g.copies.append(copy)
             covered += math.prod(z - a for a, z in zip(lo, hi))
-            if g.own is not None and r == g.own[0]:
-                continue
-            need.update(
-                (r, ci) for ci in _chunks_between(g.manifests[r], e.offset, e.offset + e.nbytes)
-            )
+            if g.own is None or r != g.own[0]:  # only the chunks under the overlap
+                first, last = _chunks_between(g.starts[r], *copy.span())
+                need.update((r, ci) for ci in range(first, last + 1))
         if covered != math.prod(piece.dest.shape):
             raise CheckpointError(
                 f"{piece.key}: the pieces version {info.id} saved cover {covered} of the "

@@ -33,10 +33,13 @@ def build(shard: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     # every build on a rank starts from the same init: a restore that did nothing would
     # leave it, and it differs from the trained state that was saved
     torch.manual_seed(1234 + dist.get_rank())
-    # 21 and 5 rows: uneven pieces over 2 ranks (11 + 10, 3 + 2)
-    model = nn.Sequential(nn.Linear(12, 21), nn.ReLU(), nn.Linear(21, 5))
+    # odd row counts: uneven pieces over 2 ranks (11 + 10, 351 + 350, 3 + 2); ~110 KiB of
+    # state per rank, so each rank's stream is 2 chunks and some pieces straddle chunks
+    model = nn.Sequential(
+        nn.Linear(12, 21), nn.ReLU(), nn.Linear(21, 701), nn.ReLU(), nn.Linear(701, 5)
+    )
     if shard:
-        for layer in (model[0], model[2]):
+        for layer in (model[0], model[2], model[4]):
             fully_shard(layer)
         fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
