@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from tiercheck import Checkpointer
-from tiercheck.errors import StateError, UnsupportedValue
+from tiercheck.errors import NoRestorableVersion, StateError, UnsupportedValue
 
 WORKER = Path(__file__).parent / "dist_scripts" / "fsdp_worker.py"
 pytestmark = pytest.mark.timeout(240)
@@ -92,6 +92,14 @@ def test_fsdp2_state_restores_bit_identically_on_any_world_size(
         ckpt.restore({"model": plain, "optim": popt})
         w.check(w.snapshot(plain, popt), want, "restore 2 -> 1 into a plain model")
         assert torch.equal(ckpt.version(0)["model/0.weight"], want["p/0.weight"])
+        # all or nothing: without rank 1's shard nothing is restored, nothing is written
+        rank1 = ckpt.version(0).info.shards[1]
+        (tmp_path / "two" / "files" / "blobs" / rank1[:2] / rank1).unlink()
+        fresh, fopt = w.build(shard=False)
+        before = w.snapshot(fresh, fopt)
+        with pytest.raises(NoRestorableVersion):
+            ckpt.restore({"model": fresh, "optim": fopt}, repair=False)
+        w.check(w.snapshot(fresh, fopt), before, "a failed restore")
 
 
 def test_a_dtensor_is_saved_as_its_local_piece_with_its_placement(
