@@ -75,6 +75,7 @@ from tiercheck.restore import (
 )
 from tiercheck.retention import GCReport
 from tiercheck.saving import SaveService
+from tiercheck.sharded import Gathered, gather
 from tiercheck.staging import StagingBuffer, cuda_devices
 from tiercheck.tierset import TierSet, TierSlot
 
@@ -425,9 +426,12 @@ class Checkpointer:
         then are the caller's tensors written (where dtype and shape match) and modules and
         optimizers given ``load_state_dict``. If no version can be read, ``state`` is left
         as it was. A ``None`` value is a placeholder for what was saved under its key
-        (``info.state[key]``). Each chunk comes from the fastest tier that holds an intact
-        copy; damaged copies are repaired when ``repair``. ``tiers`` restricts the tiers
-        read. Raises :class:`NoRestorableVersion` or :class:`StateError`.
+        (``info.state[key]``). A DTensor (FSDP2) target is filled in place from its saved
+        piece; on another mesh or world size it is assembled from the pieces every rank
+        saved, and a plain tensor target gets the whole tensor. Each chunk comes from the
+        fastest tier that holds an intact copy; damaged copies are repaired when ``repair``.
+        ``tiers`` restricts the tiers read. Raises :class:`NoRestorableVersion` or
+        :class:`StateError`.
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
@@ -525,8 +529,9 @@ class Checkpointer:
         repair: bool,
     ) -> _Staged:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
-        of ``state`` is written. A log version: its base into the staging buffer, its own
-        shard into a buffer of its own."""
+        of ``state`` is written. Pieces of distributed tensors this rank's new layout needs
+        from other ranks' shards are read and verified too (:mod:`tiercheck.sharded`). A log
+        version: its base into the staging buffer, its own shard into a buffer of its own."""
         if info.role == "log":
             assert info.base is not None
             base = self._read_version(catalog, catalog.versions[info.base], state, strict, repair)
@@ -544,10 +549,6 @@ class Checkpointer:
         *,
         staging: bool,
     ) -> _Staged:
-        if self.rank >= len(info.shards):
-            raise NoRestorableVersion(
-                f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
-            )
         holders = catalog.holders(info.id)
         allowed = set(catalog.logs)
         order = sorted(
@@ -558,7 +559,14 @@ class Checkpointer:
         fetcher = ChunkFetcher(
             order, repair=repair and not self.read_only, zstd_level=self.policy.zstd_level
         )
-        manifest = fetcher.manifest(info.shards[self.rank], order=order)
+        # a rank the version had no shard for (it was saved by fewer ranks) takes rank 0's
+        # tree and plain leaves, and assembles its distributed tensors from every rank
+        shard_rank = self.rank if self.rank < len(info.shards) else 0
+        manifest = fetcher.manifest(info.shards[shard_rank], order=order)
+        if shard_rank != self.rank and not manifest.sharded:
+            raise NoRestorableVersion(
+                f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
+            )
         target = state if state is not None else {}
         if manifest.log is not None and info.role != "log":
             raise StateError(f"version {info.id} is a {info.role} but its shard holds a log")
@@ -570,11 +578,21 @@ class Checkpointer:
         else:  # a log version's shard, beside its base in the staging buffer
             stream = memoryview(bytearray(manifest.stream_bytes))
         fetch_stream(manifest, stream, fetcher, order, self._pool, expect=holders)
-        return _Staged(info, manifest, binding, stream, fetcher, order)
+        pieces = gather(
+            binding.pieces,
+            info,
+            fetcher,
+            order,
+            self._pool,
+            expect=holders,
+            own=(shard_rank, manifest, stream),
+        )
+        return _Staged(info, manifest, binding, stream, fetcher, order, pieces)
 
     def _load(self, staged: _Staged, state: dict[str, Any] | None, t0: float) -> RestoreInfo:
         target = state if state is not None else {}
         load_stream(staged.manifest, staged.binding, staged.stream)
+        staged.pieces.apply()
         restored = materialize(
             staged.manifest, staged.binding, target, allow_pickle=self.allow_pickle
         )
@@ -628,6 +646,7 @@ class Checkpointer:
         assert base is not None and state is not None
         target = state
         load_stream(base.manifest, base.binding, base.stream)
+        base.pieces.apply()
         materialize(base.manifest, base.binding, target, allow_pickle=self.allow_pickle)
         error: Exception | None = None
         try:
@@ -638,6 +657,7 @@ class Checkpointer:
             why = str(error) if error is not None else "another rank could not replay it"
             source.invalidate("the state was restored")
             load_stream(base.manifest, base.binding, base.stream)
+            base.pieces.apply()
             materialize(base.manifest, base.binding, target, allow_pickle=self.allow_pickle)
             note = (
                 f"log version {staged.info.id} could not be replayed exactly ({why}); "
@@ -648,6 +668,7 @@ class Checkpointer:
             return dataclasses.replace(info, fallback=note)
         source.invalidate("the state was restored")
         load_stream(staged.manifest, staged.binding, staged.stream)
+        staged.pieces.apply()
         restored = materialize(
             staged.manifest,
             staged.binding,
@@ -797,6 +818,7 @@ class _Staged:
     stream: memoryview
     fetcher: ChunkFetcher
     order: list[TierSlot]
+    pieces: Gathered
     log: _Staged | None = None  # a log version's base, staged (then this is its own shard)
 
 

@@ -285,6 +285,8 @@ def build(
         if tag == "e":
             name = names.get(sub)
             return {"r": name} if name is not None else {"e": index[id(leaves[sub])]}
+        if tag == "s":  # never replayed (saves of distributed tensors are full versions)
+            return {"s": index[id(leaves[sub])]}
         if tag == "o":
             return {"o": walk(sub)}
         if tag == "d":

@@ -84,6 +84,7 @@ def build_manifest(
         chunks=chunks,
         tree=tree,
         log=log,
+        sharded=layout.sharded,
     )
     data = pack_manifest(manifest)
     return manifest, data, chunk_id(data)
