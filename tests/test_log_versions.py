@@ -187,7 +187,7 @@ def test_choice_of_role() -> None:
     assert "max_replay_seconds" in str(choose(new_bytes=1, log_bytes=1, changed_bytes=1200, **slow))
 
 
-def test_cli_shows_the_replay_chain_and_export_refuses(
+def test_cli_shows_the_replay_chain_and_export_replays(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from tiercheck.cli import main
