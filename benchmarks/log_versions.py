@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lib import store
+from bench_lib import disk_dir, store
 from update_log import make_setup
 
 import tiercheck
@@ -130,6 +130,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    disk_dir().mkdir(parents=True, exist_ok=True)  # bench_lib.store() makes its root there
     token = uuid.uuid4().hex
     os.environ["TIERCHECK_PEER_TOKEN"] = token
     daemon, port = start_daemon(token)
