@@ -9,7 +9,9 @@ thread then runs each save in order:
 2. **hash** the staged stream and build the shard manifest;
 3. **exchange** chunk ids with the other ranks (:mod:`tiercheck.cluster`; a local failure
    is sent instead, so every rank aborts the version at once);
-4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`);
+4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`), after
+   making room in each tier with a memory budget, or skipping the tier for this version
+   when it cannot fit (:mod:`tiercheck.budgets`);
 5. **vote** once one tier holds it, then record the decision in each tier as it finishes;
 6. **confirm** across ranks (commits in shared tiers, guarantees for every rank);
 7. judge the store's guarantees (:mod:`tiercheck.guarantees`), deliver the outcome on the
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercheck import guarantees
+from tiercheck.budgets import Budgets, budget_of, bytes_needed, version_bytes
 from tiercheck.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.cluster import Coordinator, Vote
 from tiercheck.entries import Leaf, encode_scalar, flatten
@@ -49,11 +52,12 @@ from tiercheck.errors import (
     CheckpointError,
     CommitAborted,
     DurabilityError,
+    OverBudget,
     TiercheckError,
 )
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
-from tiercheck.handles import Failures, SaveHandle
+from tiercheck.handles import Failures, SaveHandle, TierState
 from tiercheck.leases import GCFence, TierLeases
 from tiercheck.maintenance import Maintenance
 from tiercheck.manifest_log import LiveCatalog, append_record
@@ -83,6 +87,7 @@ class _Job:
     failure: BaseException | None = None  # failed on the caller's thread; still takes part
     protected: list[str] = field(default_factory=list)
     ready: dict[int, Any] = field(default_factory=dict)  # CUDA device -> torch.cuda.Event
+    skipped: dict[str, str] = field(default_factory=dict)  # tier -> why (its memory budget)
 
 
 @dataclass
@@ -138,6 +143,7 @@ class SaveService:
         )
         self._outstanding = threading.Semaphore(2)  # the save running and the one queued
         self._hash_threads = policy.hash_threads or None
+        self.budgets = Budgets(tierset)
         # the planner and the in-flight list: changed under _lock, which guards no I/O
         self._lock = threading.Lock()
         self._inflight: list[_Job] = []
@@ -247,6 +253,21 @@ class SaveService:
             self._plan_since += 1
         return role, base
 
+    def note_state(self, tree: Any, leaves: list[Leaf]) -> None:
+        """The state to be saved is known (``Checkpointer.prepare``): set the default memory
+        budgets for its size now rather than at the first save."""
+        layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
+        placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
+        _, mbytes, _ = build_manifest(
+            version=self._next_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            layout=layout,
+            chunks=placeholder,
+            tree=tree,
+        )
+        self.budgets.size_known(version_bytes(layout.stream_bytes, len(placeholder), len(mbytes)))
+
     def note_version_ids(self, max_id: int) -> None:
         """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""
         with self._lock:
@@ -328,6 +349,7 @@ class SaveService:
                 except TiercheckError as exc:
                     handle._set_tier(slot.name, "failed", f"{type(exc).__name__}: {exc}")
                     sync.remove(slot)
+            sync = self._fit_budgets(job, shard, sync)
             fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
 
             def base_lookup(cid: str) -> bytes:
@@ -429,6 +451,64 @@ class SaveService:
                 sync.append(slot)
         return sync
 
+    def _fit_budgets(self, job: _Job, shard: _Shard, sync: list[TierSlot]) -> list[TierSlot]:
+        """The synchronous tiers that take ``job`` within their memory budgets.
+
+        Sets the default budgets for this version's size, then makes room in each tier with
+        a budget the version would overflow (:meth:`Maintenance.make_room`). A tier it still
+        does not fit is skipped for this version: its state is ``"skipped"`` with the
+        reason, and a warning names the tier, the sizes and the fix. If that leaves the
+        version no synchronous tier, the fastest other synchronous tier without a budget
+        takes it, whatever versions it usually takes (a diff goes to LMDB, which keeps
+        bases): the version is committed somewhere rather than not at all.
+        """
+        assert job.layout is not None
+        handle = job.handle
+        size = version_bytes(job.layout.stream_bytes, len(shard.chunks), len(shard.manifest_bytes))
+        self.budgets.size_known(size)
+        kept: list[TierSlot] = []
+        for slot in sync:
+            assert slot.tier is not None
+            if budget_of(slot.tier) is None:
+                kept.append(slot)
+                continue
+            try:
+                need = bytes_needed(
+                    slot.tier, shard.chunks, shard.manifest_id, len(shard.manifest_bytes)
+                )
+                short = self.maintenance.make_room(slot, need)
+            except TiercheckError as exc:  # counting failed: the tier still refuses past it
+                log.warning("could not make room in tier %s: %s", slot.name, exc)
+                short = None
+            if short is None:
+                kept.append(slot)
+                continue
+            why = short.message(job.version, job.step)
+            log.warning("%s", why)
+            handle._set_tier(slot.name, "skipped", why)
+            job.skipped[slot.name] = why
+        if kept or not job.skipped:
+            return kept
+        for slot in self.tierset.by_speed():
+            tp, tier = slot.policy, slot.tier
+            if (
+                tier is None
+                or tp is None
+                or tp.mode != "sync"
+                or slot.name in job.skipped
+                or tier.capabilities.shared
+                or budget_of(tier) is not None
+            ):
+                continue
+            log.warning(
+                "version %d (step %d) goes to tier %s instead: no tier that takes it has room",
+                job.version,
+                job.step,
+                slot.name,
+            )
+            return [slot]
+        return kept
+
     def _vote_and_commit(
         self,
         job: _Job,
@@ -454,6 +534,7 @@ class SaveService:
             manifest=shard.manifest_id,
             tiers=tuple(r.tier for r in ok),
             reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
+            or "; ".join(job.skipped.values())
             or ("no synchronous tier wants this version" if not futures else ""),
         )
         t_vote = time.perf_counter()
@@ -650,4 +731,6 @@ def _note_placed(handle: SaveHandle, r: PlaceResult) -> None:
     handle._written(r.tier, r.bytes_written, r.chunks_written)
     handle._time(f"prepared:{r.tier}", r.seconds)
     if not r.ok:
-        handle._set_tier(r.tier, "failed", r.error)
+        # past the tier's memory budget: the tier is skipped for this version, not failed
+        state: TierState = "skipped" if isinstance(r.exception, OverBudget) else "failed"
+        handle._set_tier(r.tier, state, r.error)
