@@ -103,7 +103,7 @@ def test_default_budget_rule(tmp_path: Path) -> None:
         assert 2 << 20 <= shm.budget <= min((3 << 20) + 64 * 1024, free // 2 + 4096)
         assert mine.budget == 3 << 20
         ckpt.save(1, {"w": torch.zeros(1 << 19)}).wait()  # the state doubled
-        assert 4 << 20 <= shm.budget and mine.budget == 3 << 20
+        assert shm.budget >= 4 << 20 and mine.budget == 3 << 20
     finally:
         ckpt.destroy()
 

@@ -13,8 +13,8 @@ tier's state, and what ``wait_migrated()`` raises), never elsewhere. A version i
 (retention keeps it, and its base, in the tiers it is read from) until its migrations
 settle. An exception that is not a tiercheck error fails that migration, is logged, and is
 reported by ``close()``; the thread goes on. A target that refuses the version for its
-memory budget (:class:`~tiercheck.errors.OverBudget`) is *skipped* for it, not retried. ``stop`` drains or abandons the queue and
-returns what was left unfinished.
+memory budget (:class:`~tiercheck.errors.OverBudget`) is *skipped* for it, not retried.
+``stop`` drains or abandons the queue and returns what was left unfinished.
 
 In a multi-rank job each rank migrates its own shard; to a tier the ranks share, each
 writes only the chunks it owns, and rank 0 records the commit once every rank's

@@ -615,8 +615,12 @@ class SaveService:
         targets = self.migrations.targets(info)
         reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
         try:
+            skipped = [n for n, st in handle.result_now().tiers.items() if st == "skipped"]
             confirmation = self.coordinator.confirm(
-                job.version, [s.name for s in committed], [s.name for s in shared_ready]
+                job.version,
+                [s.name for s in committed],
+                [s.name for s in shared_ready],
+                skipped,
             )
             for slot in shared_ready:
                 if slot.name not in confirmation.shared_tiers:
@@ -635,7 +639,12 @@ class SaveService:
                     f"{handle.result_now().errors}"
                 )
             error = self._judge(
-                job, info, confirmation.ok, confirmation.committed, confirmation.reason
+                job,
+                info,
+                confirmation.ok,
+                confirmation.committed,
+                confirmation.reason,
+                confirmation.skipped,
             )
         except BaseException:
             self.migrations.release(reservation)
@@ -655,6 +664,7 @@ class SaveService:
         confirmed: bool,
         per_rank: Sequence[Sequence[str]],
         reason: str,
+        skipped: Sequence[Sequence[str]] = (),
     ) -> DurabilityError | None:
         """What ``wait()`` raises for this committed version: the guarantees, judged for
         every rank alike (each rank has the same tiers by name)."""
@@ -694,7 +704,10 @@ class SaveService:
                 role=info.role,
                 slots=self.tierset.slots,
                 policy=self.policy,
-                states={n: "committed" for n in names},
+                states={
+                    **{n: "skipped" for n in (skipped[r] if r < len(skipped) else ())},
+                    **{n: "committed" for n in names},
+                },
                 errors={s.name: f"failed on rank {r}" for s in self.tierset.slots},
                 rank=r,
             )
