@@ -20,6 +20,7 @@ from tiercheck.config import TierSpec
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.manifest_log import COMPACT_SLACK, read_tier_log
 from tiercheck.peer_server import PeerServer
+from tiercheck.placement import Policy, TierPolicy
 
 TOKEN = b"test-token-0123456789"
 
@@ -166,5 +167,29 @@ def test_over_budget_in_flight_is_skipped(tmp_path: Path) -> None:
             out = {"w": torch.empty(1 << 18)}
             ckpt.restore(out)
             assert torch.equal(out["w"], state["w"])
+        finally:
+            ckpt.destroy()
+
+
+def test_over_budget_in_a_migration_is_skipped_not_retried(tmp_path: Path) -> None:
+    """A required asynchronous peer tier that refuses the version for its daemon's memory
+    limit: the migration is skipped at once (no retry), and wait_migrated() does not raise."""
+    name = f"tc-budget-{uuid.uuid4().hex[:12]}"
+    policy = Policy(tiers={"peer": TierPolicy(mode="async", guarantee="required")})
+    with PeerServer("127.0.0.1:0", memory_limit=256 << 10, token=TOKEN) as server:
+        tiers = [
+            TierSpec("shm", f"shm://{name}"),
+            TierSpec(
+                "peer",
+                f"peer://127.0.0.1:{server.port}/{name}",
+                {"token": TOKEN.decode(), "budget": "1GiB", "timeout": 20.0},
+            ),
+        ]
+        ckpt = Checkpointer(tmp_path / "store", tiers=tiers, policy=policy)
+        try:
+            res = ckpt.save(1, {"w": torch.randn(1 << 18)}).wait_migrated(timeout=60)
+            assert res.tiers == {"shm": "committed", "peer": "skipped"}
+            assert "OverBudget" in res.errors["peer"]
+            assert ckpt.pending_migrations() == []
         finally:
             ckpt.destroy()
