@@ -45,8 +45,10 @@ from tiercheck.sizes import format_size
 from tiercheck.tierset import TierSet
 
 __all__ = [
+    "SLACK",
     "Budgets",
     "Shortfall",
+    "budget_of",
     "bytes_needed",
     "default_budget",
     "free_memory",
