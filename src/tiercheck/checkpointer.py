@@ -263,8 +263,11 @@ class Checkpointer:
     # --- saving ---------------------------------------------------------------------------
 
     def prepare(self, state: Mapping[str, Any]) -> None:
-        """Allocate the staging buffer for ``state`` now, so the first save pays nothing."""
-        _, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+        """Allocate the staging buffer for ``state`` now, so the first save pays nothing;
+        the default memory budgets (:mod:`tiercheck.budgets`) are set for its size too."""
+        tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+        if self._saves is not None:
+            self._saves.note_state(tree, leaves)
         layout = plan_layout(leaves, self.policy.chunk_size)
         devices = cuda_devices(leaves)  # pinned under the state's own device
         self._staging.acquire()  # not while a save is using it

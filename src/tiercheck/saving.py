@@ -9,7 +9,9 @@ thread then runs each save in order:
 2. **hash** the staged stream and build the shard manifest;
 3. **exchange** chunk ids with the other ranks (:mod:`tiercheck.cluster`; a local failure
    is sent instead, so every rank aborts the version at once);
-4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`);
+4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`), after
+   making room in each tier with a memory budget, or skipping the tier for this version
+   when it cannot fit (:mod:`tiercheck.budgets`);
 5. **vote** once one tier holds it, then record the decision in each tier as it finishes;
 6. **confirm** across ranks (commits in shared tiers, guarantees for every rank);
 7. judge the store's guarantees (:mod:`tiercheck.guarantees`), deliver the outcome on the
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercheck import guarantees
+from tiercheck.budgets import Budgets, budget_of, bytes_needed, version_bytes
 from tiercheck.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.cluster import Coordinator, Vote
 from tiercheck.entries import Leaf, encode_scalar, flatten
@@ -52,11 +55,12 @@ from tiercheck.errors import (
     CheckpointError,
     CommitAborted,
     DurabilityError,
+    OverBudget,
     TiercheckError,
 )
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
-from tiercheck.handles import Failures, SaveHandle
+from tiercheck.handles import Failures, SaveHandle, TierState
 from tiercheck.leases import GCFence, TierLeases
 from tiercheck.log_versions import LogProposal, LogSource, build, with_fingerprints
 from tiercheck.maintenance import Maintenance
@@ -92,6 +96,7 @@ class _Job:
     logical: int = 0  # bytes of the state (a log version's stream is smaller)
     proposal: LogProposal | None = None  # a log version's steps
     replay: Any = None  # a log version's ReplayLog, fingerprints filled in at staging
+    skipped: dict[str, str] = field(default_factory=dict)  # tier -> why (its memory budget)
 
 
 @dataclass
@@ -147,6 +152,7 @@ class SaveService:
         )
         self._outstanding = threading.Semaphore(2)  # the save running and the one queued
         self._hash_threads = policy.hash_threads or None
+        self.budgets = Budgets(tierset)
         # the planner and the in-flight list: changed under _lock, which guards no I/O
         self._lock = threading.Lock()
         self._inflight: list[_Job] = []
@@ -323,6 +329,21 @@ class SaveService:
             if job.layout is not None and job.failure is None:
                 logs.full(job.version, job.layout.stream_bytes)
 
+    def note_state(self, tree: Any, leaves: list[Leaf]) -> None:
+        """The state to be saved is known (``Checkpointer.prepare``): set the default memory
+        budgets for its size now rather than at the first save."""
+        layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
+        placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
+        _, mbytes, _ = build_manifest(
+            version=self._next_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            layout=layout,
+            chunks=placeholder,
+            tree=tree,
+        )
+        self.budgets.size_known(version_bytes(layout.stream_bytes, len(placeholder), len(mbytes)))
+
     def note_version_ids(self, max_id: int) -> None:
         """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""
         with self._lock:
@@ -413,6 +434,7 @@ class SaveService:
                 except TiercheckError as exc:
                     handle._set_tier(slot.name, "failed", f"{type(exc).__name__}: {exc}")
                     sync.remove(slot)
+            sync = self._fit_budgets(job, shard, sync)
             fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
 
             def base_lookup(cid: str) -> bytes:
@@ -524,6 +546,64 @@ class SaveService:
                 sync.append(slot)
         return sync
 
+    def _fit_budgets(self, job: _Job, shard: _Shard, sync: list[TierSlot]) -> list[TierSlot]:
+        """The synchronous tiers that take ``job`` within their memory budgets.
+
+        Sets the default budgets for this version's size, then makes room in each tier with
+        a budget the version would overflow (:meth:`Maintenance.make_room`). A tier it still
+        does not fit is skipped for this version: its state is ``"skipped"`` with the
+        reason, and a warning names the tier, the sizes and the fix. If that leaves the
+        version no synchronous tier, the fastest other synchronous tier without a budget
+        takes it, whatever versions it usually takes (a diff goes to LMDB, which keeps
+        bases): the version is committed somewhere rather than not at all.
+        """
+        assert job.layout is not None
+        handle = job.handle
+        size = version_bytes(job.layout.stream_bytes, len(shard.chunks), len(shard.manifest_bytes))
+        self.budgets.size_known(size)
+        kept: list[TierSlot] = []
+        for slot in sync:
+            assert slot.tier is not None
+            if budget_of(slot.tier) is None:
+                kept.append(slot)
+                continue
+            try:
+                need = bytes_needed(
+                    slot.tier, shard.chunks, shard.manifest_id, len(shard.manifest_bytes)
+                )
+                short = self.maintenance.make_room(slot, need)
+            except TiercheckError as exc:  # counting failed: the tier still refuses past it
+                log.warning("could not make room in tier %s: %s", slot.name, exc)
+                short = None
+            if short is None:
+                kept.append(slot)
+                continue
+            why = short.message(job.version, job.step)
+            log.warning("%s", why)
+            handle._set_tier(slot.name, "skipped", why)
+            job.skipped[slot.name] = why
+        if kept or not job.skipped:
+            return kept
+        for slot in self.tierset.by_speed():
+            tp, tier = slot.policy, slot.tier
+            if (
+                tier is None
+                or tp is None
+                or tp.mode != "sync"
+                or slot.name in job.skipped
+                or tier.capabilities.shared
+                or budget_of(tier) is not None
+            ):
+                continue
+            log.warning(
+                "version %d (step %d) goes to tier %s instead: no tier that takes it has room",
+                job.version,
+                job.step,
+                slot.name,
+            )
+            return [slot]
+        return kept
+
     def _vote_and_commit(
         self,
         job: _Job,
@@ -549,6 +629,7 @@ class SaveService:
             manifest=shard.manifest_id,
             tiers=tuple(r.tier for r in ok),
             reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
+            or "; ".join(job.skipped.values())
             or ("no synchronous tier wants this version" if not futures else ""),
         )
         t_vote = time.perf_counter()
@@ -629,8 +710,12 @@ class SaveService:
         targets = self.migrations.targets(info)
         reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
         try:
+            skipped = [n for n, st in handle.result_now().tiers.items() if st == "skipped"]
             confirmation = self.coordinator.confirm(
-                job.version, [s.name for s in committed], [s.name for s in shared_ready]
+                job.version,
+                [s.name for s in committed],
+                [s.name for s in shared_ready],
+                skipped,
             )
             for slot in shared_ready:
                 if slot.name not in confirmation.shared_tiers:
@@ -649,7 +734,12 @@ class SaveService:
                     f"{handle.result_now().errors}"
                 )
             error = self._judge(
-                job, info, confirmation.ok, confirmation.committed, confirmation.reason
+                job,
+                info,
+                confirmation.ok,
+                confirmation.committed,
+                confirmation.reason,
+                confirmation.skipped,
             )
         except BaseException:
             self.migrations.release(reservation)
@@ -673,6 +763,7 @@ class SaveService:
         confirmed: bool,
         per_rank: Sequence[Sequence[str]],
         reason: str,
+        skipped: Sequence[Sequence[str]] = (),
     ) -> DurabilityError | None:
         """What ``wait()`` raises for this committed version: the guarantees, judged for
         every rank alike (each rank has the same tiers by name)."""
@@ -712,7 +803,10 @@ class SaveService:
                 role=info.role,
                 slots=self.tierset.slots,
                 policy=self.policy,
-                states={n: "committed" for n in names},
+                states={
+                    **{n: "skipped" for n in (skipped[r] if r < len(skipped) else ())},
+                    **{n: "committed" for n in names},
+                },
                 errors={s.name: f"failed on rank {r}" for s in self.tierset.slots},
                 rank=r,
             )
@@ -749,4 +843,6 @@ def _note_placed(handle: SaveHandle, r: PlaceResult) -> None:
     handle._written(r.tier, r.bytes_written, r.chunks_written)
     handle._time(f"prepared:{r.tier}", r.seconds)
     if not r.ok:
-        handle._set_tier(r.tier, "failed", r.error)
+        # past the tier's memory budget: the tier is skipped for this version, not failed
+        state: TierState = "skipped" if isinstance(r.exception, OverBudget) else "failed"
+        handle._set_tier(r.tier, state, r.error)
