@@ -20,7 +20,8 @@ R = 3  # the step restored: a diff (base_every=3), or a log version of 2 steps
 def _tiers(tmp_path: Path, s3: tuple[str, dict[str, Any]] | None) -> list[TierSpec]:
     name = f"test-{uuid.uuid4().hex[:12]}"
     specs = [
-        TierSpec("shm", f"shm://{name}", {"root": str(tmp_path / "shmroot")}),
+        # a budget above the default (two versions): shm must keep step R to restore it
+        TierSpec("shm", f"shm://{name}", {"root": str(tmp_path / "shmroot"), "budget": "64MiB"}),
         TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
         TierSpec("file", f"file://{tmp_path / 'remote'}", {"survives": "cluster", "shared": True}),
     ]
