@@ -212,3 +212,31 @@ def test_a_failing_tier_drops_out_while_the_others_commit(tmp_path: Path) -> Non
         assert bit_mismatch(ckpt.restore(None).state, state_of(0)) is None
     finally:
         ckpt.close(abandon=True)
+
+
+def test_which_tiers_take_blobs_while_hashing(tmp_path: Path) -> None:
+    ckpt = Checkpointer(
+        tmp_path / "s",
+        tiers=[
+            TierSpec("mem", f"memory://{uuid.uuid4().hex}"),
+            TierSpec("capped", f"memory://{uuid.uuid4().hex}", {"budget": "64MiB"}),
+            TierSpec("delta", f"memory://{uuid.uuid4().hex}"),
+            TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
+            TierSpec("later", f"file://{tmp_path / 'remote'}"),
+        ],
+        policy=Policy(
+            tiers={
+                "mem": EVERY,
+                "capped": EVERY,  # room is made for the whole shard first
+                "delta": replace(EVERY, codec="delta"),  # a diff needs its base
+                "lmdb": replace(EVERY, versions="base"),
+                "later": replace(EVERY, mode="async"),
+            }
+        ),
+    )
+    try:
+        slots = ckpt.tierset.slots
+        assert [s.name for s in pipeline.streamable(slots, "base")] == ["mem", "delta", "lmdb"]
+        assert [s.name for s in pipeline.streamable(slots, "diff")] == ["mem"]
+    finally:
+        ckpt.close(abandon=True)

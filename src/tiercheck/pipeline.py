@@ -77,13 +77,16 @@ def streamable(slots: Sequence[TierSlot], role: Role) -> list[TierSlot]:
     """The synchronous tiers that take a version of ``role`` and can take its blobs while
     the stream is being hashed: a tier of this rank alone (a shared tier learns which
     chunks are this rank's from the exchange of chunk ids) whose blobs need nothing but
-    the chunk's bytes (not a delta against a base)."""
+    the chunk's bytes (not a delta against a base) and with no memory budget (room is made
+    in such a tier before it is written, for the whole shard, from every chunk's id)."""
     out = []
     for slot in slots:
         tp, tier = slot.policy, slot.tier
         if tier is None or tp is None or tp.mode != "sync" or not tp.wants(role):
             continue
         if tier.capabilities.shared or (tp.codec == "delta" and role == "diff"):
+            continue
+        if isinstance(getattr(tier, "budget", None), int):
             continue
         out.append(slot)
     return out
