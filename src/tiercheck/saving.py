@@ -6,7 +6,8 @@ role (a base still being written already counts), and queues the save. One pipel
 thread then runs each save in order:
 
 1. **stage** the state into the staging buffer (the caller may change it afterwards);
-2. **hash** the staged stream and build the shard manifest;
+2. **hash** the staged stream and build the shard manifest; each window hashed goes at once
+   to this rank's own synchronous tiers (:class:`ShardStream`: step 4 begins here);
 3. **exchange** chunk ids with the other ranks (:mod:`tiercheck.cluster`; a local failure
    is sent instead, so every rank aborts the version at once);
 4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`);
