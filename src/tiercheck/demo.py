@@ -595,8 +595,8 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
     console.print(
         "[dim]Dense training changes every chunk, so a diff version costs a full copy in the "
         "raw shm tier; dedup pays for frozen weights and replicas (see docs/benchmarks.md). "
-        f"Base versions also go to LMDB and are migrated zstd-compressed to the remote tier "
-        f"in the background: {migrated}.[/dim]"
+        f"Base versions also go to LMDB and are migrated to the remote tier in the "
+        f"background (stored raw: the default remote is a local directory): {migrated}.[/dim]"
     )
     assert t_kill is not None
     startup = restored["restore_started"] - t_kill
