@@ -11,7 +11,10 @@ on the wire.
 
 Schema 1.1 adds the ``log`` role: a version stored as the optimizer inputs of the steps since
 a full version (:class:`ReplayLog`, carried by the shard manifest's optional ``log`` key),
-replayed and verified at restore. SPEC.md section 12 defines it.
+replayed and verified at restore. SPEC.md section 12 defines it. It also adds sharded
+tensors: an entry that is one rank's piece of a distributed tensor (DTensor), placed in the
+global tensor by a :class:`ShardPlacement` (the manifest's optional ``sharded`` key, SPEC.md
+section 14).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "PrepareRecord",
     "ReplayLog",
     "ShardManifest",
+    "ShardPlacement",
     "SmallTensor",
     "VersionInfo",
     "pack_manifest",
@@ -181,13 +185,33 @@ class ReplayLog:
 
 
 @dataclass(frozen=True)
+class ShardPlacement:
+    """Where a ``tensor`` entry lies in the distributed tensor it is one rank's piece of.
+
+    The entry holds the elements of the box ``[offsets[d], offsets[d] + entry.shape[d])``
+    of the global tensor of shape ``global_shape`` (row-major, as any tensor entry).
+    ``global_stride``, ``mesh_shape`` and ``placements`` (``"S(d)"``: sharded along dim
+    ``d`` over that mesh dimension; ``"R"``: replicated) record how the writer's mesh laid
+    it out; a reader assembles other layouts from the boxes alone.
+    """
+
+    global_shape: tuple[int, ...]
+    global_stride: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ShardManifest:
     """One rank's part of a version.
 
     ``tree`` is the container skeleton of the state (msgpack-able, see SPEC.md): dicts,
     lists, tuples and objects with ``state_dict``, whose leaves are indices into
     ``entries``. ``stream_bytes`` is the length of the byte stream the chunks cover.
-    ``log`` is set in the shard of a log version only (schema 1.1).
+    ``log`` is set in the shard of a log version only (schema 1.1). ``sharded`` maps the
+    index of each entry that is a piece of a distributed tensor to its placement; the tree
+    names such an entry ``{"s": i}``, never ``{"e": i}`` (SPEC.md section 14).
     """
 
     version: int
@@ -200,6 +224,7 @@ class ShardManifest:
     tree: Any
     extra: Mapping[str, Any] = field(default_factory=dict)
     log: ReplayLog | None = None
+    sharded: Mapping[int, ShardPlacement] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -395,6 +420,18 @@ def pack_manifest(m: ShardManifest) -> bytes:
     }
     if m.log is not None:
         obj["log"] = _replay_log_to_obj(m.log)
+    if m.sharded:
+        obj["sharded"] = [
+            [
+                i,
+                list(p.global_shape),
+                list(p.global_stride),
+                list(p.mesh_shape),
+                list(p.placements),
+                list(p.offsets),
+            ]
+            for i, p in sorted(m.sharded.items())
+        ]
     return _pack(obj)
 
 
@@ -435,6 +472,7 @@ def unpack_manifest(data: bytes | memoryview) -> ShardManifest:
         raise BlobCorrupt(f"malformed {what}: extra must be a map")
     raw_log = obj.get("log")
     replay_log = None if raw_log is None else _replay_log_from_obj(raw_log, entries, what)
+    sharded = _sharded_from_obj(obj.get("sharded", []), entries, what)
     return ShardManifest(
         version=_field(obj, "version", int, what),
         rank=_field(obj, "rank", int, what),
@@ -446,7 +484,43 @@ def unpack_manifest(data: bytes | memoryview) -> ShardManifest:
         tree=obj.get("tree"),
         extra=extra,
         log=replay_log,
+        sharded=sharded,
     )
+
+
+def _sharded_from_obj(raw: Any, entries: list[Entry], what: str) -> dict[int, ShardPlacement]:
+    if not isinstance(raw, list):
+        raise BlobCorrupt(f"malformed {what}: sharded must be an array")
+    out: dict[int, ShardPlacement] = {}
+    for item in raw:
+        if (
+            not isinstance(item, list)
+            or len(item) != 6
+            or not _is_int(item[0])
+            or not 0 <= item[0] < len(entries)
+            or item[0] in out
+            or not all(_is_shape(x) for x in (item[1], item[2], item[3], item[5]))
+            or not isinstance(item[4], list)
+            or not all(isinstance(p, str) for p in item[4])
+        ):
+            raise BlobCorrupt(f"malformed {what}: bad sharded entry {item!r:.80}")
+        i, shape, stride, mesh, placements, offsets = item
+        entry = entries[i]
+        if (
+            entry.kind != "tensor"
+            or len(stride) != len(shape)
+            or len(offsets) != len(shape)
+            or len(entry.shape) != len(shape)
+            or len(placements) != len(mesh)
+            or any(o + n > g for o, n, g in zip(offsets, entry.shape, shape))
+        ):
+            raise BlobCorrupt(
+                f"malformed {what}: the placement of entry {i} does not fit its entry"
+            )
+        out[i] = ShardPlacement(
+            tuple(shape), tuple(stride), tuple(mesh), tuple(placements), tuple(offsets)
+        )
+    return out
 
 
 # --- the replay log of a log version (schema 1.1) -----------------------------------

@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import blake3
+import msgpack
 import pytest
 import zstandard
 
@@ -342,3 +343,45 @@ def test_a_1_0_reader_skips_log_versions_and_keeps_the_rest() -> None:
     assert sorted(committed) == [7] and committed[7].role == "diff"
     manifest = old.unpack_manifest(_read("log_version_manifest.msgpack"))
     assert not hasattr(manifest, "log") and len(manifest.entries) == 5
+
+
+# --- schema 1.1: sharded tensors (SPEC.md section 14) ----------------------------------
+
+
+def test_golden_sharded_manifest() -> None:
+    base = _inputs()["base"]
+    data = _read(INDEX["sharded"]["manifest"]["file"])
+    assert chunk_id(data) == INDEX["sharded"]["manifest"]["id"]
+    fixed = MAKER.fixed_sharded_manifest(base)
+    assert unpack_manifest(data) == fixed
+    assert pack_manifest(fixed) == data
+    stream = _read(INDEX["sharded"]["stream"])
+    assert stream == MAKER.fixed_sharded_stream(base) and len(stream) == fixed.stream_bytes
+    assert [chunk_id(stream)] == [c.id for c in fixed.chunks]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [2, [1], [1], [2], ["R"], [0]],  # a msgpack entry
+        [0, [32, 32], [32, 1], [2], ["S(0)"], [17, 0]],  # the box leaves the tensor
+        [0, [32, 32], [32, 1], [2], ["S(0)", "R"], [16, 0]],  # a placement per mesh dim
+        [5, [4], [1], [2], ["R"], [0]],  # no such entry
+    ],
+)
+def test_a_sharded_placement_that_does_not_fit_is_corruption(bad: list[Any]) -> None:
+    obj = msgpack.unpackb(_read(INDEX["sharded"]["manifest"]["file"]), raw=False)
+    obj["sharded"] = [bad]
+    with pytest.raises(BlobCorrupt, match=r"sharded|placement"):
+        unpack_manifest(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_a_reader_without_section_13_cannot_mistake_a_piece_for_the_tensor() -> None:
+    """SPEC.md section 14.3 with the released 1.0 reader: the manifest decodes (the key is
+    ignored), each entry has its piece's shape, and the tree names the pieces with a node
+    the old reader's restore refuses."""
+    old = _load_reader_1_0()
+    manifest = old.unpack_manifest(_read(INDEX["sharded"]["manifest"]["file"]))
+    assert manifest.entries[0].shape == (16, 32)
+    model = dict(manifest.tree["d"])["model"]["o"]["d"]
+    assert [node for _, node in model] == [{"s": 0}, {"s": 1}]

@@ -70,6 +70,7 @@ from tiercheck.restore import (
 )
 from tiercheck.retention import GCReport
 from tiercheck.saving import SaveService
+from tiercheck.sharded import Gathered, gather
 from tiercheck.staging import StagingBuffer, cuda_devices
 from tiercheck.tierset import TierSet, TierSlot
 
@@ -377,9 +378,12 @@ class Checkpointer:
         then are the caller's tensors written (where dtype and shape match) and modules and
         optimizers given ``load_state_dict``. If no version can be read, ``state`` is left
         as it was. A ``None`` value is a placeholder for what was saved under its key
-        (``info.state[key]``). Each chunk comes from the fastest tier that holds an intact
-        copy; damaged copies are repaired when ``repair``. ``tiers`` restricts the tiers
-        read. Raises :class:`NoRestorableVersion` or :class:`StateError`.
+        (``info.state[key]``). A DTensor (FSDP2) target is filled in place from its saved
+        piece; on another mesh or world size it is assembled from the pieces every rank
+        saved, and a plain tensor target gets the whole tensor. Each chunk comes from the
+        fastest tier that holds an intact copy; damaged copies are repaired when ``repair``.
+        ``tiers`` restricts the tiers read. Raises :class:`NoRestorableVersion` or
+        :class:`StateError`.
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
@@ -447,11 +451,8 @@ class Checkpointer:
         repair: bool,
     ) -> _Staged:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
-        of ``state`` is written."""
-        if self.rank >= len(info.shards):
-            raise NoRestorableVersion(
-                f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
-            )
+        of ``state`` is written. Pieces of distributed tensors this rank's new layout needs
+        from other ranks' shards are read and verified too (:mod:`tiercheck.sharded`)."""
         holders = catalog.holders(info.id)
         allowed = set(catalog.logs)
         order = sorted(
@@ -462,17 +463,34 @@ class Checkpointer:
         fetcher = ChunkFetcher(
             order, repair=repair and not self.read_only, zstd_level=self.policy.zstd_level
         )
-        manifest = fetcher.manifest(info.shards[self.rank], order=order)
+        # a rank the version had no shard for (it was saved by fewer ranks) takes rank 0's
+        # tree and plain leaves, and assembles its distributed tensors from every rank
+        shard_rank = self.rank if self.rank < len(info.shards) else 0
+        manifest = fetcher.manifest(info.shards[shard_rank], order=order)
+        if shard_rank != self.rank and not manifest.sharded:
+            raise NoRestorableVersion(
+                f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
+            )
         target = state if state is not None else {}
         binding = bind(manifest, target, strict=strict and state is not None)
         self._staging.ensure(manifest.stream_bytes)
         stream = self._staging.view(manifest.stream_bytes)
         fetch_stream(manifest, stream, fetcher, order, self._pool, expect=holders)
-        return _Staged(info, manifest, binding, stream, fetcher, order)
+        pieces = gather(
+            binding.pieces,
+            info,
+            fetcher,
+            order,
+            self._pool,
+            expect=holders,
+            own=(shard_rank, manifest, stream),
+        )
+        return _Staged(info, manifest, binding, stream, fetcher, order, pieces)
 
     def _load(self, staged: _Staged, state: dict[str, Any] | None, t0: float) -> RestoreInfo:
         target = state if state is not None else {}
         load_stream(staged.manifest, staged.binding, staged.stream)
+        staged.pieces.apply()
         restored = materialize(
             staged.manifest, staged.binding, target, allow_pickle=self.allow_pickle
         )
@@ -631,6 +649,7 @@ class _Staged:
     stream: memoryview
     fetcher: ChunkFetcher
     order: list[TierSlot]
+    pieces: Gathered
 
 
 def _default_coordinator() -> Coordinator:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from tiercheck.entries import Leaf
-from tiercheck.formats.manifest import ChunkRef, Entry
+from tiercheck.formats.manifest import ChunkRef, Entry, ShardPlacement
 
 __all__ = [
     "ALIGN",
@@ -54,6 +54,8 @@ class Layout:
     chunk_size: int
     windows: tuple[tuple[int, int], ...]
     """``(offset, length)`` of every chunk window, in stream order."""
+    sharded: Mapping[int, ShardPlacement] = field(default_factory=dict)
+    """Entry index -> placement, for the entries that are pieces of a DTensor."""
 
     def signature(self) -> tuple[int, tuple[tuple[str, int, int], ...]]:
         """What must match for chunk ``i`` of two versions to cover the same tensor bytes.
@@ -113,7 +115,8 @@ def plan_layout(leaves: Sequence[Leaf], chunk_size: int) -> Layout:
         Entry(leaf.key, leaf.kind, leaf.dtype, leaf.shape, offsets[i], leaf.nbytes)
         for i, leaf in enumerate(leaves)
     )
-    return Layout(entries, pos, chunk_size, cut_windows(cuts, pos, chunk_size))
+    sharded = {i: leaf.placement for i, leaf in enumerate(leaves) if leaf.placement is not None}
+    return Layout(entries, pos, chunk_size, cut_windows(cuts, pos, chunk_size), sharded)
 
 
 def cut_windows(cuts: set[int], stream_bytes: int, chunk_size: int) -> tuple[tuple[int, int], ...]:

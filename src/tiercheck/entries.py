@@ -17,6 +17,9 @@ Rules (SPEC.md section "State trees"):
   :class:`~tiercheck.errors.UnsupportedValue` naming its key, unless the caller opted in to
   pickle.
 - Sparse, meta, quantized and nested tensors are refused.
+- A DTensor (FSDP2's parameters and optimizer state) is stored as this rank's local
+  tensor with its placement in the global tensor (:mod:`tiercheck.sharded`); its tree node
+  is ``{"s": i}``. Only ``Shard`` and ``Replicate`` placements are supported.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import msgpack
 import numpy as np
 
 from tiercheck.errors import StateError, UnsupportedValue
-from tiercheck.formats.manifest import EntryKind
+from tiercheck.formats.manifest import EntryKind, ShardPlacement
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +61,7 @@ class Leaf:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    placement: ShardPlacement | None = None  # set for the local piece of a DTensor
 
 
 def is_stateful(obj: object) -> bool:
@@ -171,10 +175,10 @@ def _check_tensor(t: torch.Tensor, key: str) -> None:
     if getattr(t, "is_nested", False):
         raise UnsupportedValue("nested tensors are not supported", key=key)
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
-        # tensor subclasses (DTensor, FakeTensor, ...) need their own handling (tiercheck.dcp)
+        # other tensor subclasses (ShardedTensor, FakeTensor, ...): DTensor is handled above
         raise UnsupportedValue(
             f"tensor subclass {type(t).__qualname__} is not supported here; "
-            "use tiercheck.dcp for DTensor state",
+            "convert it to a plain tensor",
             key=key,
         )
 
@@ -218,6 +222,14 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf]]
     def walk(obj: Any, key: str, depth: int) -> Any:
         if depth > 64:
             raise StateError("state is nested more than 64 levels deep", key=key)
+        if isinstance(obj, torch.Tensor) and is_dtensor(obj):
+            local, placement = local_piece(obj, key)
+            _check_tensor(local, key)
+            shape = tuple(int(d) for d in local.shape)
+            nbytes = local.numel() * local.element_size()
+            dtype = str(local.dtype).removeprefix("torch.")
+            node = add(key, Leaf(key, "tensor", local, dtype, shape, nbytes, placement))
+            return {"s": node["e"]}
         if isinstance(obj, torch.Tensor):
             _check_tensor(obj, key)
             shape = tuple(int(d) for d in obj.shape)
@@ -265,6 +277,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf]]
                     )
         kind, data = encode_scalar(obj, key or "<root>", allow_pickle)
         return add(key, Leaf(key, kind, data, "", (), len(data)))
+
+    from tiercheck.sharded import is_dtensor, local_piece
 
     tree = walk(state, "", 0)
     return tree, leaves

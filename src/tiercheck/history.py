@@ -310,6 +310,7 @@ class _Reader:
             zstd_level=store.policy.zstd_level,
         )
         self.manifest_id = v.info.shards[v.rank]
+        self.info = v.info
         self.allow_pickle = store.allow_pickle
 
     @cached_property
@@ -317,6 +318,16 @@ class _Reader:
         return self.fetcher.manifest(self.manifest_id, order=self.order)
 
     def read(self, keys: Sequence[str]) -> dict[str, Any]:
+        m = self.manifest
+        whole = {m.entries[i].key: i for i in m.sharded}
+        if not any(k in whole for k in keys):
+            return self._read_plain(keys)
+        # pieces of distributed tensors are read whole, from every rank's shard
+        out = self._read_whole([k for k in keys if k in whole], whole)
+        out.update(self._read_plain([k for k in keys if k not in whole]))
+        return {k: out[k] for k in keys}
+
+    def _read_plain(self, keys: Sequence[str]) -> dict[str, Any]:
         from tiercheck.entries import decode_scalar
 
         m = self.manifest
@@ -359,6 +370,26 @@ class _Reader:
                 out[e.key] = value
             else:
                 out[e.key] = decode_scalar(e.kind, bytes(value), e.key, self.allow_pickle)
+        return out
+
+    def _read_whole(self, keys: Sequence[str], index: Mapping[str, int]) -> dict[str, Any]:
+        """The global tensors of which ``keys`` are this rank's pieces."""
+        import torch
+
+        from tiercheck.entries import torch_dtype
+        from tiercheck.sharded import Piece, gather
+
+        m = self.manifest
+        out: dict[str, Any] = {}
+        pieces = []
+        for k in keys:
+            e, placement = m.entries[index[k]], m.sharded[index[k]]
+            dest = torch.empty(placement.global_shape, dtype=torch_dtype(e.dtype))
+            pieces.append(Piece(k, e.dtype, placement.global_shape, dest, (0,) * len(e.shape)))
+            out[k] = dest
+        gather(
+            pieces, self.info, self.fetcher, self.order, self.store.executor, expect=self.expect
+        ).apply()
         return out
 
 

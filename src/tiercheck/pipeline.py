@@ -251,6 +251,7 @@ def build_manifest(
         entries=layout.entries,
         chunks=chunks,
         tree=tree,
+        sharded=layout.sharded,
     )
     data = pack_manifest(manifest)
     return manifest, data, chunk_id(data)

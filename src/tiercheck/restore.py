@@ -36,6 +36,7 @@ from tiercheck.errors import NoRestorableVersion, StateError
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import Entry, Role, ShardManifest, VersionInfo
 from tiercheck.manifest_log import Catalog
+from tiercheck.sharded import Piece, is_dtensor, piece_for
 from tiercheck.tierset import TierSlot
 
 if TYPE_CHECKING:
@@ -112,6 +113,8 @@ class Binding:
     dests: dict[int, memoryview] = field(default_factory=dict)  # entry index -> byte view
     values: dict[int, Any] = field(default_factory=dict)  # entry index -> fresh tensor/array
     stateful: dict[int, dict[str, Any]] = field(default_factory=dict)  # id(tree node) -> sd
+    # pieces of distributed tensors assembled from the version's saved boxes (sharded.py)
+    pieces: list[Piece] = field(default_factory=list)
 
 
 def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:
@@ -161,6 +164,42 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
 
     b = Binding()
     entries = manifest.entries
+    assembled: set[int] = set()
+    # key of an optimizer's per-parameter state -> its parameter, where that is a DTensor:
+    # a fresh optimizer has no state to restore into, and its state must be DTensors too
+    like: dict[str, Any] = {}
+
+    def sharded(i: int, target: Any, key: str, checked: bool) -> None:
+        placement = manifest.sharded.get(i)
+        if placement is None:
+            raise StateError(
+                "malformed tree in manifest: a sharded node without placement", key=key
+            )
+        entry = entries[i]
+        if target is _MISSING or not isinstance(target, torch.Tensor):
+            if checked and target is not _MISSING:
+                raise StateError(
+                    f"saved a tensor, the state has {type(target).__qualname__}", key=key
+                )
+            param = like.get(key.rpartition("/")[0])
+            if param is not None and tuple(param.shape) == placement.global_shape:
+                from torch.distributed.tensor import empty
+
+                target = empty(
+                    placement.global_shape,
+                    dtype=torch_dtype(entry.dtype),
+                    device_mesh=param.device_mesh,
+                    placements=param.placements,
+                )
+            else:  # nothing to shard it like: the whole tensor
+                target = torch.empty(placement.global_shape, dtype=torch_dtype(entry.dtype))
+        piece = piece_for(key, entry, placement, target)
+        b.targets[i] = target
+        if piece is None:
+            b.dests[i] = _byte_view_of_tensor(target._local_tensor)
+        else:
+            b.pieces.append(piece)
+        assembled.add(i)
 
     def walk(node: Any, target: Any, key: str, checked: bool) -> None:
         if not isinstance(node, dict) or len(node) != 1:
@@ -168,6 +207,9 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
         if target is None:  # a placeholder: whatever was saved there is restored as it was
             target = _MISSING
         ((tag, sub),) = node.items()
+        if tag == "s":
+            sharded(sub, target, key, checked)
+            return
         if tag == "e":
             entry = entries[sub]
             if target is not _MISSING and _fits(entry, target):
@@ -184,6 +226,11 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
             if target is not _MISSING and is_stateful(target):
                 sd = target.state_dict()
                 b.stateful[id(node)] = sd
+                if isinstance(target, torch.optim.Optimizer):
+                    params = [p for g in target.param_groups for p in g["params"]]
+                    for j, p in enumerate(params):
+                        if is_dtensor(p):
+                            like[f"{key}/state/{j}" if key else f"state/{j}"] = p
                 walk(sub, sd, key, False)
             elif checked and target is not _MISSING:
                 raise StateError(
@@ -239,6 +286,8 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
 
     for i, entry in enumerate(entries):
         target = b.targets.get(i)
+        if i in assembled:
+            continue
         if entry.kind == "tensor":
             dtype = torch_dtype(entry.dtype)
             if (
@@ -301,8 +350,10 @@ def load_stream(manifest: ShardManifest, binding: Binding, stream: memoryview) -
     for i, entry in enumerate(manifest.entries):
         if not entry.nbytes:
             continue
+        dst = binding.dests.get(i)
+        if dst is None:  # a piece of a distributed tensor, assembled by sharded.py
+            continue
         src = stream[entry.offset : entry.offset + entry.nbytes]
-        dst = binding.dests[i]
         if entry.nbytes >= _BIG_COPY:
             torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
         else:
@@ -336,7 +387,7 @@ def materialize(
 
     def build(node: Any, target: Any, key: str) -> Any:
         ((tag, sub),) = node.items()
-        if tag == "e":
+        if tag in ("e", "s"):
             return value_of(sub, target)
         if tag == "o":
             sd = binding.stateful.get(id(node))

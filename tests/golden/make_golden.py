@@ -41,6 +41,7 @@ from tiercheck.formats.manifest import (
     PrepareRecord,
     ReplayLog,
     ShardManifest,
+    ShardPlacement,
     SmallTensor,
     VersionInfo,
     pack_manifest,
@@ -94,6 +95,38 @@ def fixed_manifest(base: bytes, new: bytes) -> ShardManifest:
             "d": [["model", {"o": {"d": [["w", {"e": 0}], ["b", {"e": 1}]]}}], ["step", {"e": 2}]]
         },
         extra={"writer": "golden"},
+    )
+
+
+def fixed_sharded_stream(base: bytes) -> bytes:
+    """The stream of :func:`fixed_sharded_manifest`: a 16x32 float32 piece, a replicated
+    float32 (4,), padding to 64, the msgpack int 3."""
+    return base[:2048] + base[2048:2064] + bytes(48) + b"\x03"
+
+
+def fixed_sharded_manifest(base: bytes) -> ShardManifest:
+    """Rank 1 of two: rows 16..31 of a (32, 32) tensor sharded on dim 0, a replicated (4,)
+    tensor, and a plain leaf (SPEC.md section 14)."""
+    stream = fixed_sharded_stream(base)
+    return ShardManifest(
+        version=9,
+        rank=1,
+        world_size=2,
+        chunk_size=4096,
+        stream_bytes=len(stream),
+        entries=(
+            Entry("model/w", "tensor", "float32", (16, 32), 0, 2048),
+            Entry("model/r", "tensor", "float32", (4,), 2048, 16),
+            Entry("step", "msgpack", "", (), 2112, 1),
+        ),
+        chunks=(ChunkRef(chunk_id(stream), 0, len(stream)),),
+        tree={
+            "d": [["model", {"o": {"d": [["w", {"s": 0}], ["r", {"s": 1}]]}}], ["step", {"e": 2}]]
+        },
+        sharded={
+            0: ShardPlacement((32, 32), (32, 1), (2,), ("S(0)",), (16, 0)),
+            1: ShardPlacement((4,), (1,), (2,), ("R",), (0,)),
+        },
     )
 
 
@@ -327,6 +360,9 @@ def main() -> None:
     files["log_version_stream.bin"] = fixed_log_stream(new)
     log_records = [pack_record(r) for r in fixed_log_records(chunk_id(log_manifest))]
     files["log_version_records.bin"] = b"".join(frame_record(r) for r in log_records)
+    sharded_manifest = pack_manifest(fixed_sharded_manifest(base))
+    files["sharded_manifest.msgpack"] = sharded_manifest
+    files["sharded_stream.bin"] = fixed_sharded_stream(base)
     for name, data in files.items():
         (HERE / name).write_bytes(data)
 
@@ -377,6 +413,10 @@ def main() -> None:
                 "file": "log_version_records.bin",
                 "record_ids": [chunk_id(r) for r in log_records],
             },
+        },
+        "sharded": {
+            "manifest": {"file": "sharded_manifest.msgpack", "id": chunk_id(sharded_manifest)},
+            "stream": "sharded_stream.bin",
         },
         "fingerprints": {
             name: {algo: digest.hex() for algo, digest in fps.items()}
