@@ -3,6 +3,7 @@ docs/benchmarks/*.png (matplotlib, Agg)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -412,6 +413,70 @@ def plot_training(res: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def log_versions_section(
+    path: Path = Path(__file__).parent / "results" / "log_versions.json",
+) -> str:
+    """The "Log versions through the store" section, from ``benchmarks/log_versions.py``'s
+    JSON (empty if it has not been run)."""
+    if not path.exists():
+        return ""
+    doc = json.loads(path.read_text())
+    m, setup = doc["machine"], doc["setup"]
+    runs = {
+        (r["mode"], r["tiers"] if isinstance(r["tiers"], str) else "+".join(r["tiers"])): r
+        for r in doc["results"]
+    }
+    rows = []
+    for (mode, tiers), r in runs.items():
+        roles = "".join(x[0] for x in r["roles"])
+        for name, t in r["per_tier"].items():
+            nonbase = t["mean_per_non_base_version_x"]
+            rows.append(
+                [
+                    "before (`log=False`)" if mode == "diffs" else "after (default)",
+                    tiers,
+                    roles,
+                    name,
+                    f"{t['mean_per_version_x']:.3f}x",
+                    "-" if nonbase is None else f"{nonbase:.3f}x",
+                ]
+            )
+    restore = [
+        [
+            "before" if mode == "diffs" else "after",
+            tiers,
+            r["restore_newest_from_shm"]["version_role"],
+            str(r["restore_newest_from_shm"]["replayed_steps"]),
+            f"{r['restore_newest_from_shm']['seconds']:.3f} s",
+        ]
+        for (mode, tiers), r in runs.items()
+    ]
+    state = next(iter(runs.values()))["state_bytes"]
+    head = ["store", "tiers", "roles", "tier", "stored per version", "per non-base version"]
+    return f"""## Log versions through the store
+
+`python benchmarks/{setup["command"]}` ({m["cpus"]} CPUs, torch {m["torch"]}, load
+average {m["load_avg_1m"]:.1f} at the end: times are noisy, bytes are exact). Dense fp32
+AdamW training of a GPT-like model ({state / 2**20:.1f} MiB of state; LambdaLR, gradient
+clipping, random tokens), saved after each of {setup["saves"]} steps, side by side: the
+optimizer guarded with `log=False` (before log versions: bases and chunk-dedup diffs) and
+guarded by default (log versions). Stores: the default store (`Checkpointer(root)`, no
+configuration: shm and LMDB synchronous, bases migrated to a `file://` remote) and shm +
+a peer tier (a real `tiercheck.peer_server` daemon on loopback; default placement: every
+version, delta codec). Bytes are what each synchronous tier's write stored
+(`SaveResult.bytes_written`), as a multiple of the state; roles `b`ase, `d`iff, `l`og.
+Raw data: `benchmarks/results/log_versions.json`.
+
+{_md(head, rows)}
+
+Restoring the newest version from shm (a log version: read its base and log, replay the
+steps, verify every parameter and optimizer tensor's fingerprint):
+
+{_md(["store", "tiers", "version", "steps replayed", "seconds"], restore)}
+
+"""
+
+
 def write_docs(
     res: dict[str, Any], docs: Path, fields: dict[str, str], metric_docs: dict[str, str]
 ) -> None:
@@ -504,7 +569,7 @@ step to /dev/shm ({t["dcp_async_s"]:.2f} s, **{t["dcp_async_slowdown"]:.2f}x**).
 
 ![training](benchmarks/training.png)
 
-## Every metric
+{log_versions_section()}## Every metric
 
 {_md(["metric", "median", "min .. max", "what"], metric_rows(res, metric_docs))}
 

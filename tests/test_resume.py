@@ -14,6 +14,7 @@ import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 
 N = 4
+R = 3  # the step restored: a diff (base_every=3), or a log version of 2 steps
 
 
 def _tiers(tmp_path: Path, s3: tuple[str, dict[str, Any]] | None) -> list[TierSpec]:
@@ -43,31 +44,38 @@ def reference() -> dict[str, Any]:
     return snapshot(t)
 
 
+@pytest.mark.parametrize("logged", [False, True], ids=["diffs", "log-versions"])
 def test_resume_from_each_tier_is_bit_identical(
-    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], reference: dict[str, Any]
+    tmp_path: Path,
+    s3_bucket: tuple[str, dict[str, Any]],
+    reference: dict[str, Any],
+    logged: bool,
 ) -> None:
     specs = _tiers(tmp_path, s3_bucket)
     policy = _policy([s.name for s in specs])
     ckpt = Checkpointer(tmp_path / "store", tiers=specs, policy=policy)
     t = Trainer()
-    ckpt.guard(t.opt)
+    ckpt.guard(t.opt, log=logged)
     for step in range(1, 2 * N + 1):
         t.step()
         ckpt.save(step, t.state(), metadata={"step": step}).wait()
     assert_bit_identical(snapshot(t), reference)
-    roles = [v.role for v in ckpt.history()]
-    assert "diff" in roles and "base" in roles
+    roles = {v.step: v.role for v in ckpt.history()}
+    assert "base" in roles.values()
+    assert roles[R] == ("log" if logged else "diff"), roles
     ckpt.close()
 
     for spec in specs:
         ckpt = Checkpointer(tmp_path / "store", tiers=specs, policy=policy)
         fresh = Trainer(seed=123)  # different init: everything must come from the checkpoint
+        ckpt.guard(fresh.opt)  # a log version replays into the guarded optimizer
         state = fresh.state()
-        info = ckpt.restore(state, step=N, tiers=[spec.name])
-        assert info.step == N and info.source == spec.name
+        info = ckpt.restore(state, step=R, tiers=[spec.name])
+        assert info.step == R and info.source == spec.name
+        assert info.replayed_steps == (R - 1 if logged else 0), info
         assert set(info.chunks_from) == {spec.name}
         fresh.after_restore(state)
-        for _ in range(N):
+        for _ in range(2 * N - R):
             fresh.step()
         assert_bit_identical(snapshot(fresh), reference)
         ckpt.close()

@@ -500,8 +500,8 @@ def test_replayed_leaves_are_found_by_storage() -> None:
     assert found["optim/state/3/exp_avg_sq"] == "state/3/exp_avg_sq"
 
 
-def test_this_reader_does_not_restore_log_versions_yet() -> None:
-    """Until the restore replays (SPEC.md section 12.5), a log version is not restorable."""
+def test_a_log_version_is_restorable_where_its_base_is() -> None:
+    """SPEC.md section 12.1: a log version needs its base (a base or a diff) like a diff."""
     from tiercheck.formats.manifest import VersionInfo
     from tiercheck.manifest_log import Catalog, TierLog
 
@@ -509,5 +509,13 @@ def test_this_reader_does_not_restore_log_versions_yet() -> None:
         return VersionInfo(vid, vid, role, base, 1, (chunk_id(b"x"),), 0.0, 0)
 
     tl = TierLog("shm")
-    tl.committed = {1: info(1, "base", None), 2: info(2, "log", 1), 3: info(3, "diff", 1)}
-    assert Catalog({"shm": tl}, {}).restorable_versions() == [1, 3]
+    tl.committed = {
+        1: info(1, "base", None),
+        2: info(2, "log", 1),
+        3: info(3, "diff", 1),
+        4: info(4, "log", 3),
+        5: info(5, "log", 9),  # its base is not held anywhere
+    }
+    assert Catalog({"shm": tl}, {}).restorable_versions() == [1, 2, 3, 4]
+    tl.committed.pop(1)  # without the base, neither its diff nor the logs restore
+    assert Catalog({"shm": tl}, {}).restorable_versions() == []

@@ -18,9 +18,11 @@ migration requests maintenance. What each call promises is written in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +47,8 @@ from tiercheck.errors import (
     ConfigError,
     NoRestorableVersion,
     NotFound,
+    ReplayError,
+    StateError,
     TiercheckError,
     TierUnavailable,
     UnfinishedWork,
@@ -55,6 +59,7 @@ from tiercheck.handles import Failures, SaveHandle, SaveResult
 from tiercheck.history import Diff, Version, VersionSummary, build_history, open_version
 from tiercheck.history import diff as diff_versions
 from tiercheck.leases import GCFence, StoreLock, TierLeases
+from tiercheck.log_versions import LogSource, replay_version
 from tiercheck.maintenance import Maintenance
 from tiercheck.manifest_log import Catalog, LiveCatalog, read_catalog
 from tiercheck.migrating import MigrationService
@@ -258,8 +263,11 @@ class Checkpointer:
     # --- saving ---------------------------------------------------------------------------
 
     def prepare(self, state: Mapping[str, Any]) -> None:
-        """Allocate the staging buffer for ``state`` now, so the first save pays nothing."""
-        _, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+        """Allocate the staging buffer for ``state`` now, so the first save pays nothing;
+        the default memory budgets (:mod:`tiercheck.budgets`) are set for its size too."""
+        tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+        if self._saves is not None:
+            self._saves.note_state(tree, leaves)
         layout = plan_layout(leaves, self.policy.chunk_size)
         devices = cuda_devices(leaves)  # pinned under the state's own device
         self._staging.acquire()  # not while a save is using it
@@ -272,18 +280,59 @@ class Checkpointer:
         finally:
             self._staging.release()
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-        """Make ``optimizer.step()`` wait until the last save has been staged.
+    def guard(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any = None,
+        *,
+        log: bool = True,
+        mirrors: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> Callable[[], None]:
+        """Make ``optimizer.step()`` wait until the last save has been staged, and log
+        what each step consumes so that saves can be log versions.
 
-        Returns a function that removes the hook. The hook only waits: a save's failure is
-        raised by its own handle, never by the optimizer.
+        With ``log`` (the default, on a writable store), an update log is attached
+        (:mod:`tiercheck.update_log`): each step's gradients are copied into a reused host
+        buffer, and a save may store the steps since the last full version instead of
+        the state (a *log version*, ``docs/concepts.md``). Pass
+        the ``torch.amp.GradScaler`` that steps this optimizer as ``scaler`` (a step it
+        skips is logged as skipped); ``mirrors`` are ``(master, copy)`` pairs the trainer
+        keeps equal (bf16 copies of fp32 master weights). Restoring a log version replays
+        into the guarded optimizer, which must be part of the state restored: guard it
+        before ``restore()``. One optimizer is logged per store: guarding another one
+        moves the log to it (the next save is then a full version). With several ranks,
+        guard on every rank or on none.
+
+        Returns a function that removes the hook and the log. The hook only waits: a
+        save's failure is raised by its own handle, never by the optimizer.
         """
 
         def hook(*_: Any) -> None:
             self.wait_staged()
 
+        # registered before the log's own hook: the log captures a step only once the
+        # save before it has been staged (and the version planned)
         handle = optimizer.register_step_pre_hook(hook)
-        return handle.remove
+        source: LogSource | None = None
+        saves = self._saves
+        if log and saves is not None:
+            previous = saves.logs
+            if previous is not None:
+                saves.flush()  # the saves planned with the previous log first
+                saves.logs = None
+                previous.detach()
+            source = LogSource(optimizer, scaler, mirrors)
+            saves.logs = source
+
+        def remove() -> None:
+            handle.remove()
+            if source is not None and saves is not None and saves.logs is source:
+                if not self._closed:
+                    saves.flush()
+                saves.logs = None
+                source.detach()
+
+        return remove
 
     def wait_staged(self) -> None:
         """Block until every save so far has been staged (or has failed)."""
@@ -303,8 +352,10 @@ class Checkpointer:
         The state is flattened and validated here (bad input raises a typed error before
         anything is written); copying and everything after it happen in the background.
         Do not mutate the state before ``handle.wait_staged()`` (or use :meth:`guard`).
-        ``role`` forces a base or diff version. The save's outcome, failure included, is
-        delivered on the returned handle only (``docs/concepts.md``, "Guarantees").
+        ``role`` forces a base or diff version; left to the store, a save may also be a
+        log version when the optimizer is guarded (:meth:`guard`). The save's outcome,
+        failure included, is delivered on the returned handle only (``docs/concepts.md``,
+        "Guarantees").
         """
         return self._writer().submit(step, state, metadata=metadata, role=role)
 
@@ -397,13 +448,36 @@ class Checkpointer:
             catalog = Catalog({n: tl for n, tl in catalog.logs.items() if n in tiers}, {})
         explicit = version is not None or step is not None
         last_error: Exception | None = None
+        source = self._saves.logs if self._saves is not None else None
+        # a log version replays into the guarded optimizer: only if the state holds it
+        replayer = source if source is not None and _holds(state, source.optimizer) else None
         if explicit:
             try:
-                candidates = [choose_version(catalog, version=version, step=step).id]
+                chosen = choose_version(catalog, version=version, step=step)
+                candidates = [chosen.id]
+                if chosen.role == "log" and replayer is None:
+                    candidates = []
+                    last_error = NoRestorableVersion(
+                        f"version {chosen.id} is a log version: restoring it replays "
+                        "optimizer steps into the state's optimizer; call "
+                        "guard(optimizer) before restore(state, ...), or restore its base, "
+                        f"version {chosen.base}"
+                    )
             except NoRestorableVersion as exc:
                 candidates, last_error = [], exc
         else:
             candidates = sorted(catalog.restorable_versions(), reverse=True)
+        fallback: str | None = None
+        if replayer is None and not explicit:
+            skipped = [c for c in candidates if catalog.versions[c].role == "log"]
+            candidates = [c for c in candidates if catalog.versions[c].role != "log"]
+            if skipped and candidates and skipped[0] > candidates[0]:
+                fallback = (
+                    f"log version(s) {', '.join(map(str, skipped[:5]))} skipped: restoring "
+                    "one replays optimizer steps into the guarded optimizer; call "
+                    "guard(optimizer) before restore(state), with the optimizer in the state"
+                )
+                log.warning("%s", fallback)
         self._staging.acquire()
         try:
             # Every rank takes part in each round, so that all agree on one version: the
@@ -430,7 +504,13 @@ class Checkpointer:
                     last_error = fatal = exc
                 if self.coordinator.all_true(staged is not None):
                     assert staged is not None
-                    return self._load(staged, state, t0)
+                    if staged.log is not None:
+                        assert replayer is not None
+                        return self._load_log(staged, state, t0, replayer, fallback)
+                    info = self._load(staged, state, t0)
+                    if source is not None:
+                        source.invalidate("the state was restored")
+                    return dataclasses.replace(info, fallback=fallback)
                 if fatal is not None:
                     raise fatal
                 if explicit:
@@ -438,6 +518,7 @@ class Checkpointer:
                 log.warning(
                     "version %d could not be restored (%s); trying an older one", vid, last_error
                 )
+                fallback = f"version {vid} could not be restored: {last_error}"
                 candidates = [c for c in candidates if c < vid]
         finally:
             self._staging.release()
@@ -452,7 +533,25 @@ class Checkpointer:
     ) -> _Staged:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
         of ``state`` is written. Pieces of distributed tensors this rank's new layout needs
-        from other ranks' shards are read and verified too (:mod:`tiercheck.sharded`)."""
+        from other ranks' shards are read and verified too (:mod:`tiercheck.sharded`). A log
+        version: its base into the staging buffer, its own shard into a buffer of its own."""
+        if info.role == "log":
+            assert info.base is not None
+            base = self._read_version(catalog, catalog.versions[info.base], state, strict, repair)
+            own = self._read_shard(catalog, info, state, strict, repair, staging=False)
+            return dataclasses.replace(own, log=base)
+        return self._read_shard(catalog, info, state, strict, repair, staging=True)
+
+    def _read_shard(
+        self,
+        catalog: Catalog,
+        info: VersionInfo,
+        state: dict[str, Any] | None,
+        strict: bool,
+        repair: bool,
+        *,
+        staging: bool,
+    ) -> _Staged:
         holders = catalog.holders(info.id)
         allowed = set(catalog.logs)
         order = sorted(
@@ -472,9 +571,15 @@ class Checkpointer:
                 f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
             )
         target = state if state is not None else {}
-        binding = bind(manifest, target, strict=strict and state is not None)
-        self._staging.ensure(manifest.stream_bytes)
-        stream = self._staging.view(manifest.stream_bytes)
+        if manifest.log is not None and info.role != "log":
+            raise StateError(f"version {info.id} is a {info.role} but its shard holds a log")
+        first = _gradient_entries(manifest)
+        binding = bind(manifest, target, strict=strict and state is not None, first=first)
+        if staging:
+            self._staging.ensure(manifest.stream_bytes)
+            stream = self._staging.view(manifest.stream_bytes)
+        else:  # a log version's shard, beside its base in the staging buffer
+            stream = memoryview(bytearray(manifest.stream_bytes))
         fetch_stream(manifest, stream, fetcher, order, self._pool, expect=holders)
         pieces = gather(
             binding.pieces,
@@ -494,13 +599,26 @@ class Checkpointer:
         restored = materialize(
             staged.manifest, staged.binding, target, allow_pickle=self.allow_pickle
         )
-        stats = staged.fetcher.stats
+        return self._info(staged, restored, t0)
+
+    def _info(
+        self, staged: _Staged, restored: Any, t0: float, other: _Staged | None = None
+    ) -> RestoreInfo:
+        """The RestoreInfo of ``staged``; ``other``'s reads (a log version's base, or the
+        log version read before falling back to its base) count too."""
+        chunks_from = Counter(staged.fetcher.stats.chunks_from)
+        bytes_read = Counter(staged.fetcher.stats.bytes_read)
+        repaired = list(staged.fetcher.stats.repaired)
+        corrupt = list(staged.fetcher.stats.corrupt)
+        if other is not None and other.fetcher is not staged.fetcher:
+            chunks_from.update(other.fetcher.stats.chunks_from)
+            bytes_read.update(other.fetcher.stats.bytes_read)
+            repaired += other.fetcher.stats.repaired
+            corrupt += other.fetcher.stats.corrupt
         order = staged.order
         info = staged.info
         source = (
-            stats.chunks_from.most_common(1)[0][0]
-            if stats.chunks_from
-            else (order[0].name if order else "")
+            chunks_from.most_common(1)[0][0] if chunks_from else (order[0].name if order else "")
         )
         return RestoreInfo(
             version=info.id,
@@ -508,13 +626,67 @@ class Checkpointer:
             role=info.role,
             metadata=dict(info.metadata),
             source=source,
-            chunks_from=dict(stats.chunks_from),
-            bytes_read=dict(stats.bytes_read),
-            repaired=tuple(stats.repaired),
-            corrupt=tuple(stats.corrupt),
+            chunks_from=dict(chunks_from),
+            bytes_read=dict(bytes_read),
+            repaired=tuple(repaired),
+            corrupt=tuple(corrupt),
             seconds=time.perf_counter() - t0,
             state=restored,
         )
+
+    def _load_log(
+        self,
+        staged: _Staged,
+        state: dict[str, Any] | None,
+        t0: float,
+        source: LogSource,
+        fallback: str | None,
+    ) -> RestoreInfo:
+        """Load a log version's base, replay the steps, load its own leaves. If the replay
+        is refused or does not verify on any rank, load the base again (it is staged and
+        verified): the state is then the base version's, and ``fallback`` says why."""
+        base = staged.log
+        assert base is not None and state is not None
+        target = state
+        load_stream(base.manifest, base.binding, base.stream)
+        base.pieces.apply()
+        materialize(base.manifest, base.binding, target, allow_pickle=self.allow_pickle)
+        error: Exception | None = None
+        try:
+            report, replayed = replay_version(source, staged.manifest, staged.stream)
+        except ReplayError as exc:
+            error = exc
+        if not self.coordinator.all_true(error is None):
+            why = str(error) if error is not None else "another rank could not replay it"
+            source.invalidate("the state was restored")
+            load_stream(base.manifest, base.binding, base.stream)
+            base.pieces.apply()
+            materialize(base.manifest, base.binding, target, allow_pickle=self.allow_pickle)
+            note = (
+                f"log version {staged.info.id} could not be replayed exactly ({why}); "
+                f"restored its base, version {base.info.id}"
+            )
+            log.warning("%s", note)
+            info = self._info(base, target, t0, staged)
+            return dataclasses.replace(info, fallback=note)
+        source.invalidate("the state was restored")
+        load_stream(staged.manifest, staged.binding, staged.stream)
+        staged.pieces.apply()
+        restored = materialize(
+            staged.manifest,
+            staged.binding,
+            target,
+            allow_pickle=self.allow_pickle,
+            replayed=replayed,
+        )
+        info = self._info(staged, restored, t0, base)
+        log.info(
+            "restored log version %d: base %d and %d step(s) replayed and verified",
+            staged.info.id,
+            base.info.id,
+            report.steps,
+        )
+        return dataclasses.replace(info, replayed_steps=report.steps, fallback=fallback)
 
     def history(self) -> list[Version]:
         """Every committed version, oldest first, with where it is held.
@@ -650,6 +822,28 @@ class _Staged:
     fetcher: ChunkFetcher
     order: list[TierSlot]
     pieces: Gathered
+    log: _Staged | None = None  # a log version's base, staged (then this is its own shard)
+
+
+def _holds(state: Any, obj: object, depth: int = 0) -> bool:
+    """Whether ``obj`` is ``state`` or one of its values (through dicts, lists, tuples)."""
+    if state is obj:
+        return True
+    if depth > 64:
+        return False
+    if isinstance(state, dict):
+        return any(_holds(v, obj, depth + 1) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_holds(v, obj, depth + 1) for v in state)
+    return False
+
+
+def _gradient_entries(manifest: ShardManifest) -> int:
+    """How many of a shard's first entries are a log version's gradients (SPEC.md 12.3)."""
+    if manifest.log is None:
+        return 0
+    used = [g for s in manifest.log.steps for g in s.grads if g is not None]
+    return max(used) + 1 if used else 0
 
 
 def _default_coordinator() -> Coordinator:

@@ -395,7 +395,22 @@ def _show_data(v: history.Version) -> dict[str, Any]:
         lengths.setdefault(c.id, c.length)
     unique_bytes = sum(lengths.values())
     base_info: dict[str, Any] | None = None
-    if v.base is not None:
+    replay_info: dict[str, Any] | None = None
+    if m.log is not None:
+        from tiercheck.log_versions import replayed_keys
+
+        steps = m.log.steps
+        replay_info = {
+            "base": v.base,
+            "steps": len(steps),
+            "skipped": sum(1 for s in steps if s.skipped),
+            "optimizer": m.log.optimizer,
+            "torch": m.log.torch,
+            "device": m.log.device,
+            "replayed_leaves": replayed_keys(m.tree),
+            "fingerprints": len(m.log.fingerprints),
+        }
+    if v.base is not None and m.log is None:
         try:
             base = v.base_version
             assert base is not None
@@ -439,6 +454,7 @@ def _show_data(v: history.Version) -> dict[str, Any]:
             "dedup_ratio": m.stream_bytes / unique_bytes if unique_bytes else None,
         },
         "base_delta": base_info,
+        "replay": replay_info,
         "tier_detail": tiers,
         "entries": [e.to_json() for e in v.entries.values()],
     }
@@ -454,8 +470,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         from rich.table import Table
 
         console = _console()
-        role = v.role if v.base is None else f"diff of version {v.base}"
+        role = v.role if v.base is None else f"{v.role} of version {v.base}"
         console.print(f"[bold]version {v.id}[/bold]  step {v.step}  {role}")
+        rp = data["replay"]
+        if rp is not None:
+            console.print(
+                f"replay    version {rp['base']}, then {rp['steps']} optimizer step(s) "
+                f"({rp['skipped']} skipped by the GradScaler) of {rp['optimizer']} "
+                f"(torch {rp['torch']}, {rp['device']}); {len(rp['replayed_leaves'])} "
+                f"leaves replayed, {rp['fingerprints']} fingerprints verified"
+            )
         console.print(f"time      {absolute_time(v.time)} ({relative_time(v.time)})")
         console.print(
             f"size      {human_size(v.logical_bytes)} logical, "
@@ -799,6 +823,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_dcp(args, out, fmt)
     with contextlib.closing(open_store(args.root)) as ckpt:
         v = pick_version(ckpt, args.version, args.rank)
+        if v.role == "log":
+            return _export_log_version(args, out, fmt, v)
         prefix = args.only or ""
         keys = [k for k in v.entries if k.startswith(prefix)]
         if not keys:
@@ -837,6 +863,42 @@ def cmd_export(args: argparse.Namespace) -> int:
                 value = torch.from_numpy(np.ascontiguousarray(value))
             obj[name(k)] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
         _write_export(obj, out, fmt, v.id, v.step, v.metadata, skipped, args.json)
+    return 0
+
+
+def _export_log_version(args: argparse.Namespace, out: Path, fmt: str, v: history.Version) -> int:
+    """Export a log version: its base's tensors with the logged steps replayed (built from
+    the log alone, without the training script; ``ReplayRequired`` where it cannot be)."""
+    import numpy as np
+    import torch
+
+    from tiercheck.log_versions import replay_offline
+
+    with progress_bar(not args.json, "replaying") as progress:
+        if progress is not None:
+            progress(0, 1)
+        values = replay_offline(v)
+        if progress is not None:
+            progress(1, 1)
+    prefix = args.only or ""
+    keys = [k for k in values if k.startswith(prefix)]
+    if not keys:
+        raise UsageError(f"version {v.id} has no entry whose key starts with {prefix!r}")
+    skipped = [
+        k
+        for k in keys
+        if fmt == "safetensors" and not isinstance(values[k], (torch.Tensor, np.ndarray))
+    ]
+    obj: dict[str, Any] = {}
+    for k in keys:
+        if k in skipped:
+            continue
+        value = values[k]
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        name = k if args.keep_prefix or not prefix else k[len(prefix) :] or k
+        obj[name] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
+    _write_export(obj, out, fmt, v.id, v.step, v.metadata, skipped, args.json)
     return 0
 
 
@@ -1416,7 +1478,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a version's entries to OUT: .safetensors (tensors only; version, "
         "step and metadata in the header) or .pt/.pth (a flat dict that loads with "
         "torch.load(weights_only=True)). Keys are the flattened paths, e.g. "
-        "model/layers.0.weight; with --only PREFIX only those entries, the prefix removed.",
+        "model/layers.0.weight; with --only PREFIX only those entries, the prefix removed. "
+        "A log version is replayed first: its base's tensors, with the logged optimizer "
+        "steps (a torch.optim optimizer, under the run's torch version and device type).",
     )
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("version", metavar="VERSION", help=version_help)

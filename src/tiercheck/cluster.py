@@ -86,13 +86,15 @@ class Exchange:
 class Confirmation:
     """The outcome of the confirmation. ``shared_tiers``: the shared tiers where every rank
     prepared (the version is committed there); ``committed``: per rank, the tiers it
-    committed the version in (its own tiers plus ``shared_tiers``)."""
+    committed the version in (its own tiers plus ``shared_tiers``); ``skipped``: per rank,
+    the tiers it skipped for their memory budget (not failures; :mod:`tiercheck.budgets`)."""
 
     version: int
     ok: bool
     shared_tiers: frozenset[str] = frozenset()
     committed: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
     reason: str = ""
+    skipped: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
 
 
 class Coordinator(Protocol):
@@ -128,10 +130,14 @@ class Coordinator(Protocol):
         ...
 
     def confirm(
-        self, version: int, committed: Sequence[str], shared_ready: Sequence[str]
+        self,
+        version: int,
+        committed: Sequence[str],
+        shared_ready: Sequence[str],
+        skipped: Sequence[str] = (),
     ) -> Confirmation:
-        """Step 3: report the tiers this rank committed in and the shared tiers it
-        prepared in."""
+        """Step 3: report the tiers this rank committed in, the shared tiers it prepared
+        in, and the tiers it skipped for their memory budget."""
         ...
 
 
@@ -168,10 +174,15 @@ class LocalCoordinator:
         return Decision(version, False, (), vote.reason or "the only rank failed to prepare")
 
     def confirm(
-        self, version: int, committed: Sequence[str], shared_ready: Sequence[str]
+        self,
+        version: int,
+        committed: Sequence[str],
+        shared_ready: Sequence[str],
+        skipped: Sequence[str] = (),
     ) -> Confirmation:
         shared = frozenset(shared_ready)
-        return Confirmation(version, True, shared, (tuple(committed) + tuple(sorted(shared)),))
+        per_rank = (tuple(committed) + tuple(sorted(shared)),)
+        return Confirmation(version, True, shared, per_rank, skipped=(tuple(skipped),))
 
 
 # --- several ranks ------------------------------------------------------------------
@@ -320,16 +331,25 @@ class DistCoordinator:
         return Decision(version, True, tuple(p["manifest"] for p in everyone))
 
     def confirm(
-        self, version: int, committed: Sequence[str], shared_ready: Sequence[str]
+        self,
+        version: int,
+        committed: Sequence[str],
+        shared_ready: Sequence[str],
+        skipped: Sequence[str] = (),
     ) -> Confirmation:
-        mine = {"committed": list(committed), "shared": list(shared_ready)}
+        mine = {
+            "committed": list(committed),
+            "shared": list(shared_ready),
+            "skipped": list(skipped),
+        }
         try:
             everyone = self._step("confirm", version, mine)
         except _Broken as exc:
             return Confirmation(version, False, reason=str(exc))
         shared = frozenset(set.intersection(*(set(p["shared"]) for p in everyone)))
         per_rank = tuple(tuple(p["committed"]) + tuple(sorted(shared)) for p in everyone)
-        return Confirmation(version, True, shared, per_rank)
+        skips = tuple(tuple(p.get("skipped", ())) for p in everyone)
+        return Confirmation(version, True, shared, per_rank, skipped=skips)
 
     def agree_restorable(self, versions: Sequence[int]) -> int | None:
         """The newest version every rank can restore (None if there is none)."""

@@ -336,6 +336,8 @@ def _run_trainer(root: Path, steps: int) -> int:
     ckpt.prepare(state)
     start = 0
     t_restore = time.time()
+    # guarded before the restore: a log version replays into this optimizer
+    unguard = ckpt.guard(tr.optim)
     try:
         info = ckpt.restore(state)
     except NoRestorableVersion:
@@ -354,8 +356,8 @@ def _run_trainer(root: Path, steps: int) -> int:
             bytes_read=dict(info.bytes_read),
             restore_s=info.seconds,
             restore_started=t_restore,
+            replayed_steps=info.replayed_steps,
         )
-    unguard = ckpt.guard(tr.optim)
     acks: queue.Queue[tuple[tiercheck.SaveHandle, float, float] | None] = queue.Queue()
 
     def report() -> None:
@@ -542,7 +544,7 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
             hidden += 1
             continue
         if hidden:
-            table.add_row("⋮", "", f"[dim]{hidden} diff", "", "", "", "", *("",) * len(tier_names))
+            table.add_row("⋮", "", f"[dim]{hidden} more", "", "", "", "", *("",) * len(tier_names))
             hidden = 0
         note = " ← restored" if v.id == restored["version"] else ""
         table.add_row(
@@ -574,7 +576,7 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
     sync_tiers = [n for n in tier_names if any(n in e["bytes_written"] for e in committed)]
     for col in ("role", "logical", *sync_tiers, "versions"):
         sizes.add_column(col, justify="left" if col == "role" else "right")
-    for role in ("base", "diff"):
+    for role in ("base", "diff", "log"):
         rows = [e for e in committed if e["role"] == role]
         if not rows:
             continue
@@ -593,8 +595,10 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
     ]
     migrated = f"{_mib(_median(only_async))} per base" if only_async else "not measured"
     console.print(
-        "[dim]Dense training changes every chunk, so a diff version costs a full copy in the "
-        "raw shm tier; dedup pays for frozen weights and replicas (see docs/benchmarks.md). "
+        "[dim]Dense training changes every chunk, so a diff version would cost a full copy in "
+        "the raw shm tier; with the optimizer guarded, the versions between bases are log "
+        "versions instead (the gradients of the steps since the base, replayed at restore); "
+        "dedup pays for frozen weights and replicas (see docs/benchmarks.md). "
         f"Base versions also go to LMDB and are migrated to the remote tier in the "
         f"background (stored raw: the default remote is a local directory): {migrated}.[/dim]"
     )
@@ -606,7 +610,13 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
         f"building the model and opening the store {startup:.2f} s, then "
         f"[bold]restore()[/bold] {_ms(restored['restore_s'])} from tier "
         f"[bold]{restored['source']}[/bold] (version {restored['version']}, step "
-        f"{restored['step']}, {restored['role']})."
+        f"{restored['step']}, {restored['role']}"
+        + (
+            f": its base, then {restored['replayed_steps']} optimizer steps replayed and verified"
+            if restored.get("replayed_steps")
+            else ""
+        )
+        + ")."
     )
 
     ref, got = ref_final["digests"], final["digests"]

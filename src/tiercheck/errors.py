@@ -25,6 +25,7 @@ __all__ = [
     "ReplayError",
     "ReplayMismatch",
     "ReplayRefused",
+    "ReplayRequired",
     "StateError",
     "StoreLocked",
     "TierError",
@@ -227,6 +228,17 @@ class NoRestorableVersion(TiercheckError, LookupError):
 
 class ReplayError(TiercheckError):
     """A log version could not be replayed into the state it must reproduce."""
+
+
+class ReplayRequired(ReplayError):
+    """The version asked for is a log version, and what was asked (an export, a read of
+    a replayed tensor) needs the training script's optimizer to replay it. ``version`` is
+    the log version, ``base`` the full version it replays from."""
+
+    def __init__(self, message: str, *, version: int, base: int | None) -> None:
+        super().__init__(message)
+        self.version = version
+        self.base = base
 
 
 class ReplayRefused(ReplayError):

@@ -1065,7 +1065,7 @@ def migrate(
             if info is None:
                 raise NoRestorableVersion(f"version {cur} (a base of {version.id}) is unknown")
             chain.append(info)
-            cur = info.base if info.role == "diff" else None
+            cur = info.base if info.role in ("diff", "log") else None
         chain.reverse()
         todo = [i for i in chain if not target_log.holds(i.id)]
         report.already = [i.id for i in chain if target_log.holds(i.id)]

@@ -1,11 +1,21 @@
-"""Per-tier maintenance after commits and migrations: retention, then GC (then, per issue 13,
-log compaction). It owns the GC state and runs on one thread of its own.
+"""Per-tier maintenance after commits and migrations: retention, then GC, then log
+compaction; and making room in a tier over its memory budget before a save places a
+version there. It owns the GC state and runs on one thread of its own.
 
 A commit or a migration *requests* maintenance of the tiers it wrote; requests coalesce,
 and the thread works through the tiers that are due, one at a time, so retention never
 runs from two threads and never blocks a save. :meth:`Maintenance.maintain_tier` is the
 one place a per-tier step is added. Failures are logged per tier and the thread goes on;
 an unexpected one is also recorded for ``close()`` to report.
+
+Log compaction (:func:`~tiercheck.manifest_log.compact_log`) runs once a tier's log holds
+:data:`~tiercheck.manifest_log.COMPACT_SLACK` more records than a checkpoint of it would,
+and its result replaces that tier's log in the live catalog. A tier that cannot compact
+(``NotSupported``, or a record this version cannot summarise) is not asked again by this
+process: each attempt reads the whole log.
+
+:meth:`Maintenance.make_room` runs on the same thread, so retention, GC and eviction never
+race on a tier (see :mod:`tiercheck.budgets`).
 """
 
 from __future__ import annotations
@@ -14,13 +24,22 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
+from tiercheck.budgets import Shortfall, budget_of
 from tiercheck.errors import TiercheckError
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.handles import Failures
 from tiercheck.leases import GCFence, TierLeases
-from tiercheck.manifest_log import Catalog, LiveCatalog, TierLog, read_tier_log
-from tiercheck.placement import Policy
+from tiercheck.manifest_log import (
+    Catalog,
+    LiveCatalog,
+    TierLog,
+    compact_log,
+    read_tier_log,
+    should_compact,
+)
+from tiercheck.placement import Policy, TierPolicy
 from tiercheck.retention import GCReport, GCState, collect_garbage, drop_versions, plan_drops
 from tiercheck.tierset import TierSet, TierSlot
 
@@ -66,6 +85,7 @@ class Maintenance:
         # that only after a drop, and while swept candidates wait out their grace
         self._gc_due: set[str] = {s.name for s in tierset.slots}
         self._gc_state = GCState()  # used on the maintenance thread only
+        self._no_compaction: dict[str, str] = {}  # tier -> why compaction was skipped
 
     # --- requests -------------------------------------------------------------------------
 
@@ -86,6 +106,19 @@ class Maintenance:
         """Sweep every tier now, on the maintenance thread; ``grace`` overrides the policy's
         (with a fresh clock: a blob counts as first seen now). Returns one report per tier."""
         fut: Future[list[GCReport]] = self._executor.submit(self._collect_all, dry_run, grace)
+        return fut.result()
+
+    def make_room(self, slot: TierSlot, needed: int) -> Shortfall | None:
+        """Make ``needed`` bytes fit ``slot``'s budget, on the maintenance thread; return
+        None once they fit (or the tier has no budget), else what is missing.
+
+        Versions are dropped by retention tightened step by step (first the policy itself,
+        then fewer diffs, down to none, then fewer bases, down to one) and the tier is swept
+        after each step: at once (grace 0) where no other process writes to it, with the
+        policy's grace in a shared tier. Never dropped: a pinned version (a migration still
+        reads it, an in-flight diff follows it), the base of a kept diff, the newest base.
+        """
+        fut: Future[Shortfall | None] = self._executor.submit(self._make_room, slot, needed)
         return fut.result()
 
     def close(self) -> None:
@@ -113,20 +146,10 @@ class Maintenance:
 
     def maintain_tier(self, slot: TierSlot) -> None:
         """Everything done to one tier after a commit or a migration, in order: retention,
-        then GC. (Log compaction, issue 13, goes after GC here.)"""
+        then GC, then log compaction (when due)."""
         if slot.tier is None or slot.policy is None or not self._manages(slot):
             return
-        tl = self.catalog.snapshot().logs.get(slot.name)
-        if tl is None:  # unreachable when last read: read it now (retention needs all of it)
-            mark = self.catalog.begin_read()
-            try:
-                fresh = read_tier_log(slot.name, slot.tier)
-            except BaseException:
-                self.catalog.end_read(mark)
-                raise
-            tl = self.catalog.install(Catalog({slot.name: fresh}, {}), mark, partial=True).logs[
-                slot.name
-            ]
+        tl = self._log_of(slot)  # unreachable when last read: read now (retention needs all)
         drops = plan_drops(tl, slot.policy, self.pinned())
         if drops:
             self.catalog.dropped(slot.name, drop_versions(slot, drops))
@@ -139,6 +162,85 @@ class Maintenance:
                 self._gc_due.add(slot.name)
             else:
                 self._gc_due.discard(slot.name)
+        self._compact(slot)
+
+    def _log_of(self, slot: TierSlot) -> TierLog:
+        """``slot``'s log in the catalog, read now if it is not there (whole: retention must
+        not act on a partial log)."""
+        assert slot.tier is not None
+        tl = self.catalog.snapshot().logs.get(slot.name)
+        if tl is not None:
+            return tl
+        mark = self.catalog.begin_read()
+        try:
+            fresh = read_tier_log(slot.name, slot.tier)
+        except BaseException:
+            self.catalog.end_read(mark)
+            raise
+        return self.catalog.install(Catalog({slot.name: fresh}, {}), mark, partial=True).logs[
+            slot.name
+        ]
+
+    def _compact(self, slot: TierSlot) -> None:
+        """Compact ``slot``'s log once it pays (module docstring)."""
+        assert slot.tier is not None
+        tl = self.catalog.snapshot().logs.get(slot.name)
+        if tl is None or slot.name in self._no_compaction:
+            return
+        # The catalog counts the records it read, not those this process appended since:
+        # each version it committed there wrote at least two (prepare, commit), each drop one.
+        written = 2 * len(tl.committed) + len(tl.dropped)
+        if not should_compact(replace(tl, records=max(tl.records, written))):
+            return
+        mark = self.catalog.begin_read()
+        try:
+            report = compact_log(slot.name, slot.tier)
+        except BaseException:
+            self.catalog.end_read(mark)
+            raise
+        if report.log is None:
+            self.catalog.end_read(mark)
+            self._no_compaction[slot.name] = report.skipped or "skipped"
+            log.info("the log of tier %s is not compacted: %s", slot.name, report.skipped)
+            return
+        # what this process recorded while compacting is merged into the log read after it
+        self.catalog.install(Catalog({slot.name: report.log}, {}), mark, partial=True)
+        log.debug(
+            "compacted the log of %s: %d -> %d records", slot.name, report.before, report.after
+        )
+
+    def _make_room(self, slot: TierSlot, needed: int) -> Shortfall | None:
+        tier = slot.tier
+        assert tier is not None
+        budget = budget_of(tier)
+        held = tier.usage()
+        if budget is None or held is None or held + needed <= budget:
+            return None
+        if slot.policy is None or not self._manages(slot):
+            return Shortfall(slot.name, needed, held, budget)
+        shared = tier.capabilities.shared
+        grace = self.policy.gc_grace_seconds if shared else 0.0
+        # first what retention dropped already (waiting out its grace), then tighter steps
+        steps: list[TierPolicy | None] = [None, *_tightened(slot.policy, self._log_of(slot))]
+        for tight in steps:
+            if tight is not None:
+                drops = plan_drops(self._log_of(slot), tight, self.pinned())
+                if not drops:
+                    continue
+                self.catalog.dropped(slot.name, drop_versions(slot, drops))
+                log.info(
+                    "tier %s is over its budget: dropped versions %s to make room for %d bytes",
+                    slot.name,
+                    drops,
+                    needed,
+                )
+            report = self._sweep(slot, self._gc_state, grace, False)
+            if report.waiting or report.fenced:
+                self._gc_due.add(slot.name)
+            held = tier.usage() or 0
+            if held + needed <= budget:
+                return None
+        return Shortfall(slot.name, needed, held, budget)
 
     def _manages(self, slot: TierSlot) -> bool:
         # one rank manages a tier every rank shares
@@ -184,3 +286,18 @@ class Maintenance:
                 continue
             reports.append(self._sweep(slot, state, grace_s, dry_run))
         return reports
+
+
+def _tightened(policy: TierPolicy, tl: TierLog) -> list[TierPolicy]:
+    """Retention of ``policy``, then tighter step by step: one diff fewer at a time down to
+    none, then one base fewer at a time down to one (what :meth:`Maintenance.make_room`
+    tries, in order)."""
+    held = tl.held()
+    n_bases = sum(1 for v in held if tl.committed[v].role == "base")
+    n_diffs = len(held) - n_bases
+    out = [policy]
+    diffs = n_diffs if policy.keep_diffs is None else min(policy.keep_diffs, n_diffs)
+    out += [replace(policy, keep_diffs=k) for k in range(diffs - 1, -1, -1)]
+    bases = n_bases if policy.keep_bases is None else min(policy.keep_bases, n_bases)
+    out += [replace(policy, keep_diffs=0, keep_bases=k) for k in range(bases - 1, 0, -1)]
+    return out

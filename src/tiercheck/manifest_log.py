@@ -195,8 +195,8 @@ class Catalog:
     @cached_property
     def restorable_ids(self) -> frozenset[int]:
         """The restorability rule, the one place it is written: a version is restorable
-        iff some reachable tier holds it and, for a diff, its base is restorable (the
-        base's chain is followed to its end, whatever the ids)."""
+        iff some reachable tier holds it and, for a diff or a log version, its base is
+        restorable (the base's chain is followed to its end, whatever the ids)."""
         versions = self.versions
         held: set[int] = set()
         for tl in self.logs.values():
@@ -211,14 +211,13 @@ class Catalog:
                     ok = memo[cur]
                     break
                 info = versions.get(cur)
-                if info is None or cur not in held or cur in chain or info.role == "log":
-                    # A log version is not restorable yet: the restore does not replay
-                    # update logs (tiercheck.replay is not wired into it), and a reader
-                    # that cannot replay must not restore one (SPEC.md section 12.5).
+                if info is None or cur not in held or cur in chain:
                     ok = False
                     break
                 chain.append(cur)
-                if info.role != "diff" or info.base is None:
+                # a log version needs its base like a diff (SPEC.md 12.1); whether the
+                # restore can replay it (a guarded optimizer) is the restore's question
+                if info.role not in ("diff", "log") or info.base is None:
                     ok = True
                     break
                 cur = info.base

@@ -12,8 +12,9 @@ The outcome of each migration is delivered on the handle of the save it belongs 
 tier's state, and what ``wait_migrated()`` raises), never elsewhere. A version is pinned
 (retention keeps it, and its base, in the tiers it is read from) until its migrations
 settle. An exception that is not a tiercheck error fails that migration, is logged, and is
-reported by ``close()``; the thread goes on. ``stop`` drains or abandons the queue and
-returns what was left unfinished.
+reported by ``close()``; the thread goes on. A target that refuses the version for its
+memory budget (:class:`~tiercheck.errors.OverBudget`) is *skipped* for it, not retried.
+``stop`` drains or abandons the queue and returns what was left unfinished.
 
 In a multi-rank job each rank migrates its own shard; to a tier the ranks share, each
 writes only the chunks it owns, and rank 0 records the commit once every rank's
@@ -35,7 +36,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from tiercheck import guarantees
-from tiercheck.errors import NotFound, TiercheckError, TierUnavailable
+from tiercheck.errors import NotFound, OverBudget, TiercheckError, TierUnavailable
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import CommitRecord, VersionInfo
 from tiercheck.handles import Failures, SaveHandle, TierState
@@ -309,6 +310,10 @@ class MigrationService:
                 job.error = str(exc)
                 self._later(job, job.poll)
                 job.poll = min(job.poll * 2, _POLL_MAX)
+        except OverBudget as exc:  # a memory tier without room: skipped, not failed
+            msg = f"{type(exc).__name__}: {exc}"
+            log.warning("migration of version %d to %s skipped: %s", vid, name, msg)
+            self._settle(job, "skipped", msg)
         except TierUnavailable as exc:
             job.attempts += 1
             job.error = f"{type(exc).__name__}: {exc}"

@@ -35,6 +35,7 @@ from tiercheck.formats.manifest import (
     CommitRecord,
     Entry,
     PrepareRecord,
+    ReplayLog,
     Role,
     ShardManifest,
     VersionInfo,
@@ -240,8 +241,10 @@ def build_manifest(
     layout: Layout,
     chunks: tuple[ChunkRef, ...],
     tree: Any,
+    log: ReplayLog | None = None,
 ) -> tuple[ShardManifest, bytes, str]:
-    """The shard manifest, its encoded bytes and its id (BLAKE3 of those bytes)."""
+    """The shard manifest, its encoded bytes and its id (BLAKE3 of those bytes); ``log``
+    for a log version's shard."""
     manifest = ShardManifest(
         version=version,
         rank=rank,
@@ -251,6 +254,7 @@ def build_manifest(
         entries=layout.entries,
         chunks=chunks,
         tree=tree,
+        log=log,
         sharded=layout.sharded,
     )
     data = pack_manifest(manifest)

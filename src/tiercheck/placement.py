@@ -53,7 +53,8 @@ class TierPolicy:
       (migrated in the background after the commit).
     - ``codec``: ``"raw"``, ``"zstd"`` or ``"delta"``.
     - ``keep_bases``: newest base versions kept (``None``: all).
-    - ``keep_diffs``: newest diff versions kept (``None``: all whose base is kept).
+    - ``keep_diffs``: newest diff versions kept, and as many log versions (``None``: all
+      whose base is kept).
     - ``guarantee``: ``"required"`` (a save this tier wants is not acknowledged unless the
       tier took it: ``wait()`` raises for a synchronous tier, ``wait_migrated()`` for an
       asynchronous one) or ``"best_effort"`` (a failure lowers the commit level and is
@@ -116,6 +117,10 @@ class Policy:
       survives ``"process"``, ``"node"`` or ``"cluster"`` loss (``None``: no such promise).
     - ``migrated_durability``: the same for ``wait_migrated()``, counting the tiers the
       version was migrated to.
+    - ``max_replay_seconds``: the longest a restore may spend replaying a log version's
+      optimizer steps (estimated from the steps as timed at capture, plus verification);
+      a save that would exceed it is a full version. Only applies where an optimizer is
+      guarded with its update log (``Checkpointer.guard``).
     - ``tiers``: a :class:`TierPolicy` per tier name; absent names get defaults.
     """
 
@@ -127,6 +132,7 @@ class Policy:
     hash_threads: int = 0
     durability: Durability | None = None
     migrated_durability: Durability | None = None
+    max_replay_seconds: float = 30.0
     tiers: Mapping[str, TierPolicy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -142,6 +148,14 @@ class Policy:
             raise ConfigError(f"zstd_level must be 1..22, got {self.zstd_level!r}")
         if self.gc_grace_seconds < 0:
             raise ConfigError("gc_grace_seconds must be >= 0")
+        if (
+            not isinstance(self.max_replay_seconds, (int, float))
+            or isinstance(self.max_replay_seconds, bool)
+            or not self.max_replay_seconds >= 0
+        ):
+            raise ConfigError(
+                f"max_replay_seconds must be a number >= 0, got {self.max_replay_seconds!r}"
+            )
         for name in ("durability", "migrated_durability"):
             value = getattr(self, name)
             if value is not None and value not in _DURABILITY:

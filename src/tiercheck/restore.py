@@ -18,8 +18,11 @@ version has been read and verified.
    per entry), and :func:`materialize` puts the values in place: dict and list members are
    replaced, stateful objects get ``load_state_dict``.
 
-A restore step that replays something after the version is loaded (issue 11, log
-versions) goes between 3 and 4: it works on the staged stream.
+A log version (issue 11) is read as its base version plus its own shard, both staged and
+verified before anything of the caller's changes; then the base is loaded, the log's steps
+are replayed into the guarded optimizer and verified (:mod:`tiercheck.log_versions`), and
+the log version's own leaves are loaded, ``{"r": NAME}`` nodes taking the replayed
+tensors. A replay that fails is undone by loading the staged base again.
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ class RestoreInfo:
     corrupt: tuple[tuple[str, str], ...]
     seconds: float
     state: Any = field(repr=False, default=None)
+    replayed_steps: int = 0
+    """Optimizer steps replayed (a log version: its base was loaded, then these)."""
+    fallback: str | None = None
+    """Why a newer version was not restored (a log version that could not be replayed or
+    verified, or log versions skipped for want of a guarded optimizer); None if none was."""
 
 
 def choose_version(
@@ -154,8 +162,9 @@ def _mismatch(entry: Entry, target: Any) -> str:
 _MISSING = object()
 
 
-def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding:
-    """Match the saved tree against ``state``; allocate destinations for every entry.
+def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int = 0) -> Binding:
+    """Match the saved tree against ``state``; allocate destinations for every entry from
+    index ``first`` on (a log version's gradients, before it, are read from the stream).
 
     A ``None`` in ``state`` is a placeholder: the saved value there (a tensor, a dict of
     them, anything) is restored as saved, unchecked, and put in its place.
@@ -207,6 +216,8 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
         if target is None:  # a placeholder: whatever was saved there is restored as it was
             target = _MISSING
         ((tag, sub),) = node.items()
+        if tag == "r":  # a log version's replayed tensor: the replay puts it in place
+            return
         if tag == "s":
             sharded(sub, target, key, checked)
             return
@@ -285,6 +296,8 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True) -> Binding
     walk(manifest.tree, state, "", True)
 
     for i, entry in enumerate(entries):
+        if i < first:
+            continue
         target = b.targets.get(i)
         if i in assembled:
             continue
@@ -351,7 +364,7 @@ def load_stream(manifest: ShardManifest, binding: Binding, stream: memoryview) -
         if not entry.nbytes:
             continue
         dst = binding.dests.get(i)
-        if dst is None:  # a piece of a distributed tensor, assembled by sharded.py
+        if dst is None:  # a log version's gradient, or a piece assembled by sharded.py
             continue
         src = stream[entry.offset : entry.offset + entry.nbytes]
         if entry.nbytes >= _BIG_COPY:
@@ -361,9 +374,15 @@ def load_stream(manifest: ShardManifest, binding: Binding, stream: memoryview) -
 
 
 def materialize(
-    manifest: ShardManifest, binding: Binding, state: Any, *, allow_pickle: bool = False
+    manifest: ShardManifest,
+    binding: Binding,
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    replayed: Mapping[str, Any] | None = None,
 ) -> Any:
-    """Put restored values into ``state`` (in place where possible) and return it."""
+    """Put restored values into ``state`` (in place where possible) and return it.
+    ``replayed`` holds the tensors of a log version's ``{"r": NAME}`` leaves."""
     import torch
 
     entries = manifest.entries
@@ -389,6 +408,10 @@ def materialize(
         ((tag, sub),) = node.items()
         if tag in ("e", "s"):
             return value_of(sub, target)
+        if tag == "r":
+            if replayed is None or sub not in replayed:
+                raise StateError(f"the replay did not produce {sub!r}", key=key)
+            return replayed[sub]
         if tag == "o":
             sd = binding.stateful.get(id(node))
             restored = build(sub, sd if sd is not None else _MISSING, key)

@@ -62,12 +62,21 @@ def plan_drops(tl: TierLog, policy: TierPolicy, pinned: Iterable[int] = ()) -> l
     diffs = [v for v in held if info[v].role == "diff" and info[v].base in keep_bases]
     if policy.keep_diffs is not None:
         diffs = diffs[-policy.keep_diffs :] if policy.keep_diffs else []
-    keep = keep_bases | set(diffs) | (pinned & set(held))
-    # a kept diff (pinned ones included) keeps its base
-    for v in list(keep):
+    # a log version follows a full version (a base or a diff): kept while that one is,
+    # counted with the diffs by keep_diffs
+    full = keep_bases | set(diffs)
+    logs = [v for v in held if info[v].role == "log" and info[v].base in full]
+    if policy.keep_diffs is not None:
+        logs = logs[-policy.keep_diffs :] if policy.keep_diffs else []
+    keep = full | set(logs) | (pinned & set(held))
+    # a kept diff or log version (pinned ones included) keeps its base, and so on down
+    todo = list(keep)
+    while todo:
+        v = todo.pop()
         base = info[v].base
-        if info[v].role == "diff" and base is not None and base in info:
+        if info[v].role in ("diff", "log") and base in info and base not in keep:
             keep.add(base)
+            todo.append(base)
     return [v for v in held if v not in keep]
 
 

@@ -10,7 +10,9 @@ thread then runs each save in order:
    to this rank's own synchronous tiers (:class:`ShardStream`: step 4 begins here);
 3. **exchange** chunk ids with the other ranks (:mod:`tiercheck.cluster`; a local failure
    is sent instead, so every rank aborts the version at once);
-4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`);
+4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`), after
+   making room in each tier with a memory budget, or skipping the tier for this version
+   when it cannot fit (:mod:`tiercheck.budgets`);
 5. **vote** once one tier holds it, then record the decision in each tier as it finishes;
 6. **confirm** across ranks (commits in shared tiers, guarantees for every rank);
 7. judge the store's guarantees (:mod:`tiercheck.guarantees`), deliver the outcome on the
@@ -21,8 +23,11 @@ in-flight saves and the base chunks diffs are encoded against; it borrows the st
 buffer (``StagingBuffer`` acquire/release) and the I/O pool. No lock is held while a tier
 is called, and each save's outcome travels in return values to its handle, nowhere else.
 
-A later version role (issue 11, log versions) is one more branch of :meth:`_plan` and of
-:meth:`_encode`; the steps after it do not depend on the role.
+Log versions (issue 11): while an optimizer is guarded with its update log
+(:mod:`tiercheck.log_versions`), every save is planned on the pipeline thread instead, in
+order, while the guard holds the trainer: :meth:`SaveService._decide` makes it a log
+version of the steps since the last full version or a full one (base or diff), and the
+steps after it do not depend on the role.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercheck import guarantees
+from tiercheck.budgets import Budgets, budget_of, bytes_needed, version_bytes
 from tiercheck.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.cluster import Coordinator, Vote
 from tiercheck.entries import Leaf, encode_scalar, flatten
@@ -50,12 +56,14 @@ from tiercheck.errors import (
     CheckpointError,
     CommitAborted,
     DurabilityError,
+    OverBudget,
     TiercheckError,
 )
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
-from tiercheck.handles import Failures, SaveHandle
+from tiercheck.handles import Failures, SaveHandle, TierState
 from tiercheck.leases import GCFence, TierLeases
+from tiercheck.log_versions import LogProposal, LogSource, build, with_fingerprints
 from tiercheck.maintenance import Maintenance
 from tiercheck.manifest_log import LiveCatalog, append_record
 from tiercheck.migrating import MigrationService
@@ -91,6 +99,12 @@ class _Job:
     failure: BaseException | None = None  # failed on the caller's thread; still takes part
     protected: list[str] = field(default_factory=list)
     ready: dict[int, Any] = field(default_factory=dict)  # CUDA device -> torch.cuda.Event
+    deferred: bool = False  # planned on the pipeline thread (an update log is attached)
+    forced: Role | None = None  # the role save() was asked for
+    logical: int = 0  # bytes of the state (a log version's stream is smaller)
+    proposal: LogProposal | None = None  # a log version's steps
+    replay: Any = None  # a log version's ReplayLog, fingerprints filled in at staging
+    skipped: dict[str, str] = field(default_factory=dict)  # tier -> why (its memory budget)
 
 
 @dataclass
@@ -147,6 +161,7 @@ class SaveService:
         )
         self._outstanding = threading.Semaphore(2)  # the save running and the one queued
         self._hash_threads = policy.hash_threads or None
+        self.budgets = Budgets(tierset)
         # the planner and the in-flight list: changed under _lock, which guards no I/O
         self._lock = threading.Lock()
         self._inflight: list[_Job] = []
@@ -159,6 +174,8 @@ class SaveService:
         # used on the pipeline thread only
         self._base_chunks: dict[int, tuple[ChunkRef, ...]] = {}  # the last committed base's
         self._rebased: dict[int, int] = {}  # failed base -> the diff that became the base
+        self.logs: LogSource | None = None  # the guarded optimizer's update log
+        self._committed_full: set[int] = set()  # full versions committed by this process
 
     # --- the caller's thread -------------------------------------------------------------
 
@@ -217,15 +234,25 @@ class SaveService:
         with self._lock:
             version = self.coordinator.next_version_id(self._next_id - 1)
             self._next_id = version + 1
-            role, base = self._plan(layout, role)
+            forced, deferred = role, self.logs is not None
+            if deferred:
+                role, base = "base", None  # provisional: _decide plans it, in order
+            else:
+                role, base = self._plan(layout, role)
             # a save that failed on the caller's thread has raised there: nobody waits on
             # its handle, so its failure is not kept for close() to report
             handle = SaveHandle(
-                step, version, role, base, failures=None if failure else self.failures
+                step,
+                version,
+                None if deferred else role,  # known once _decide has run
+                base,
+                failures=None if failure else self.failures,
             )
             job = _Job(
                 handle, step, version, role, base, leaves, layout, tree, meta, t_call, failure
             )
+            job.deferred, job.forced = deferred, forced
+            job.logical = layout.stream_bytes if layout is not None else 0
             self._inflight.append(job)
         job.ready = ready_events(leaves)  # what the copies wait for on each GPU
         if layout is not None:
@@ -256,6 +283,76 @@ class SaveService:
             self._plan_since += 1
         return role, base
 
+    def _decide(self, job: _Job) -> None:
+        """Plan a deferred job (pipeline thread, in order, the trainer held by the guard):
+        a log version when the update log allows it and is the cheaper choice
+        (:func:`tiercheck.log_versions.choose`), else a full version, which resets the
+        log. Every rank makes the same choice (one small all-gather)."""
+        logs = self.logs
+        proposal: LogProposal | None = None
+        ok = False
+        if (
+            logs is not None
+            and job.failure is None
+            and job.layout is not None
+            and job.forced is None
+            and self._takes_diffs
+            and not job.layout.sharded  # distributed tensors: full versions (not replayed)
+        ):
+            proposal = logs.propose(
+                job.leaves, self.policy.max_replay_seconds, self._committed_full
+            )
+            ok = proposal.reason is None
+            if not ok:
+                log.debug("version %d is a full version: %s", job.version, proposal.reason)
+        if self.world_size > 1:
+            ok = self.coordinator.all_true(ok)
+        with self._lock:
+            if ok:
+                assert logs is not None and logs.base is not None
+                job.role, job.base = "log", logs.base
+            else:
+                forced = job.forced
+                if forced is None and logs is not None and logs.dense:
+                    forced = "base"  # a dense diff stores every chunk: a base restores faster
+                job.role, job.base = self._plan(job.layout, forced)
+        job.handle.role, job.handle.base = job.role, job.base
+        if ok:
+            assert proposal is not None and proposal.logged is not None and job.layout is not None
+            assert proposal.replayed is not None
+            try:
+                lv = build(
+                    job.tree, job.leaves, proposal.logged, proposal.replayed, job.layout.chunk_size
+                )
+            except BaseException:
+                assert logs is not None
+                logs.release(proposal)
+                logs.invalidate("a log version could not be laid out")
+                raise
+            job.tree, job.leaves, job.layout = lv.tree, lv.leaves, lv.layout
+            job.proposal, job.replay = proposal, lv.replay
+            return
+        if logs is not None:
+            if proposal is not None:
+                logs.release(proposal)
+            if job.layout is not None and job.failure is None:
+                logs.full(job.version, job.layout.stream_bytes)
+
+    def note_state(self, tree: Any, leaves: list[Leaf]) -> None:
+        """The state to be saved is known (``Checkpointer.prepare``): set the default memory
+        budgets for its size now rather than at the first save."""
+        layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
+        placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
+        _, mbytes, _ = build_manifest(
+            version=self._next_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            layout=layout,
+            chunks=placeholder,
+            tree=tree,
+        )
+        self.budgets.size_known(version_bytes(layout.stream_bytes, len(placeholder), len(mbytes)))
+
     def note_version_ids(self, max_id: int) -> None:
         """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""
         with self._lock:
@@ -271,7 +368,11 @@ class SaveService:
     def pinned(self) -> set[int]:
         """Bases that in-flight diffs follow: retention must not drop them yet."""
         with self._lock:
-            return {j.base for j in self._inflight if j.base is not None}
+            out = {j.base for j in self._inflight if j.base is not None}
+        logs = self.logs
+        if logs is not None and logs.base is not None:
+            out.add(logs.base)  # the next log version's base
+        return out
 
     def flush(self) -> None:
         """Block until every save submitted so far has finished."""
@@ -307,6 +408,11 @@ class SaveService:
         shard: _Shard | None = None
         try:
             failure = job.failure
+            if job.deferred:
+                try:
+                    self._decide(job)
+                except Exception as exc:
+                    failure = failure or exc
             if failure is None:
                 try:
                     shard = self._encode(job)
@@ -338,6 +444,7 @@ class SaveService:
                 except TiercheckError as exc:
                     handle._set_tier(slot.name, "failed", f"{type(exc).__name__}: {exc}")
                     sync.remove(slot)
+            sync = self._fit_budgets(job, shard, sync)
             fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
 
             def base_lookup(cid: str) -> bytes:
@@ -392,9 +499,18 @@ class SaveService:
         handle, layout = job.handle, job.layout
         assert layout is not None
         base_chunks = self._resolve_base(job) if job.role == "diff" else None  # decides the role
-        event = self.staging.stage(job.leaves, layout, ready=job.ready)
-        if event is not None:
-            event.synchronize()
+        proposal = job.proposal
+        try:
+            if proposal is not None:
+                assert self.logs is not None
+                # the state now, before the guard lets the trainer step again
+                job.replay = with_fingerprints(job.replay, self.logs)
+            event = self.staging.stage(job.leaves, layout, ready=job.ready)
+            if event is not None:
+                event.synchronize()
+        finally:
+            if proposal is not None and self.logs is not None:
+                self.logs.release(proposal)  # the gradients are staged: the ring may reuse them
         job.leaves, job.ready = [], {}  # drop references to the caller's tensors
         handle._time("staged", time.perf_counter() - job.t_call)
         handle._mark_staged()
@@ -416,6 +532,7 @@ class SaveService:
                 layout=layout,
                 chunks=chunks,
                 tree=job.tree,
+                log=job.replay,
             )
         except BaseException:
             stream.close()
@@ -455,6 +572,64 @@ class SaveService:
                 sync.append(slot)
         return sync
 
+    def _fit_budgets(self, job: _Job, shard: _Shard, sync: list[TierSlot]) -> list[TierSlot]:
+        """The synchronous tiers that take ``job`` within their memory budgets.
+
+        Sets the default budgets for this version's size, then makes room in each tier with
+        a budget the version would overflow (:meth:`Maintenance.make_room`). A tier it still
+        does not fit is skipped for this version: its state is ``"skipped"`` with the
+        reason, and a warning names the tier, the sizes and the fix. If that leaves the
+        version no synchronous tier, the fastest other synchronous tier without a budget
+        takes it, whatever versions it usually takes (a diff goes to LMDB, which keeps
+        bases): the version is committed somewhere rather than not at all.
+        """
+        assert job.layout is not None
+        handle = job.handle
+        size = version_bytes(job.layout.stream_bytes, len(shard.chunks), len(shard.manifest_bytes))
+        self.budgets.size_known(size)
+        kept: list[TierSlot] = []
+        for slot in sync:
+            assert slot.tier is not None
+            if budget_of(slot.tier) is None:
+                kept.append(slot)
+                continue
+            try:
+                need = bytes_needed(
+                    slot.tier, shard.chunks, shard.manifest_id, len(shard.manifest_bytes)
+                )
+                short = self.maintenance.make_room(slot, need)
+            except TiercheckError as exc:  # counting failed: the tier still refuses past it
+                log.warning("could not make room in tier %s: %s", slot.name, exc)
+                short = None
+            if short is None:
+                kept.append(slot)
+                continue
+            why = short.message(job.version, job.step)
+            log.warning("%s", why)
+            handle._set_tier(slot.name, "skipped", why)
+            job.skipped[slot.name] = why
+        if kept or not job.skipped:
+            return kept
+        for slot in self.tierset.by_speed():
+            tp, tier = slot.policy, slot.tier
+            if (
+                tier is None
+                or tp is None
+                or tp.mode != "sync"
+                or slot.name in job.skipped
+                or tier.capabilities.shared
+                or budget_of(tier) is not None
+            ):
+                continue
+            log.warning(
+                "version %d (step %d) goes to tier %s instead: no tier that takes it has room",
+                job.version,
+                job.step,
+                slot.name,
+            )
+            return [slot]
+        return kept
+
     def _vote_and_commit(
         self,
         job: _Job,
@@ -480,6 +655,7 @@ class SaveService:
             manifest=shard.manifest_id,
             tiers=tuple(r.tier for r in ok),
             reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
+            or "; ".join(job.skipped.values())
             or ("no synchronous tier wants this version" if not futures else ""),
         )
         t_vote = time.perf_counter()
@@ -506,7 +682,7 @@ class SaveService:
             world_size=self.world_size,
             shards=decision.shards,
             time=time.time(),
-            logical_bytes=job.layout.stream_bytes,
+            logical_bytes=job.logical or job.layout.stream_bytes,
             metadata=job.metadata,
         )
         committed: list[TierSlot] = []
@@ -560,8 +736,12 @@ class SaveService:
         targets = self.migrations.targets(info)
         reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
         try:
+            skipped = [n for n, st in handle.result_now().tiers.items() if st == "skipped"]
             confirmation = self.coordinator.confirm(
-                job.version, [s.name for s in committed], [s.name for s in shared_ready]
+                job.version,
+                [s.name for s in committed],
+                [s.name for s in shared_ready],
+                skipped,
             )
             for slot in shared_ready:
                 if slot.name not in confirmation.shared_tiers:
@@ -580,11 +760,20 @@ class SaveService:
                     f"{handle.result_now().errors}"
                 )
             error = self._judge(
-                job, info, confirmation.ok, confirmation.committed, confirmation.reason
+                job,
+                info,
+                confirmation.ok,
+                confirmation.committed,
+                confirmation.reason,
+                confirmation.skipped,
             )
         except BaseException:
             self.migrations.release(reservation)
             raise
+        if info.role in ("base", "diff"):
+            self._committed_full.add(info.id)
+        elif info.role == "log" and job.proposal is not None and self.logs is not None:
+            self.logs.stored(job.proposal)
         if info.role == "base":
             # a diff decided against an older base has run by now (saves run in order)
             self._base_chunks = {info.id: shard.chunks}
@@ -600,6 +789,7 @@ class SaveService:
         confirmed: bool,
         per_rank: Sequence[Sequence[str]],
         reason: str,
+        skipped: Sequence[Sequence[str]] = (),
     ) -> DurabilityError | None:
         """What ``wait()`` raises for this committed version: the guarantees, judged for
         every rank alike (each rank has the same tiers by name)."""
@@ -639,7 +829,10 @@ class SaveService:
                 role=info.role,
                 slots=self.tierset.slots,
                 policy=self.policy,
-                states={n: "committed" for n in names},
+                states={
+                    **{n: "skipped" for n in (skipped[r] if r < len(skipped) else ())},
+                    **{n: "committed" for n in names},
+                },
                 errors={s.name: f"failed on rank {r}" for s in self.tierset.slots},
                 rank=r,
             )
@@ -676,4 +869,6 @@ def _note_placed(handle: SaveHandle, r: PlaceResult) -> None:
     handle._written(r.tier, r.bytes_written, r.chunks_written)
     handle._time(f"prepared:{r.tier}", r.seconds)
     if not r.ok:
-        handle._set_tier(r.tier, "failed", r.error)
+        # past the tier's memory budget: the tier is skipped for this version, not failed
+        state: TierState = "skipped" if isinstance(r.exception, OverBudget) else "failed"
+        handle._set_tier(r.tier, state, r.error)

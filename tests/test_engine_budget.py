@@ -1,0 +1,195 @@
+"""The engine inside memory budgets (issue 13): the default budget under dense training, a
+tier that cannot take a version skipped (not failed) while the save commits elsewhere,
+``OverBudget`` from a put in flight reported as skipped, and log compaction in a long run.
+Real tiers only: shm in /dev/shm, LMDB, a peer daemon on loopback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiercheck import Checkpointer
+from tiercheck.backends._shm import ShmTier
+from tiercheck.budgets import SLACK, default_budget, free_memory, version_bytes
+from tiercheck.config import TierSpec
+from tiercheck.formats.codecs import BLOB_HEADER_SIZE
+from tiercheck.manifest_log import COMPACT_SLACK, read_tier_log
+from tiercheck.peer_server import PeerServer
+from tiercheck.placement import Policy, TierPolicy
+
+TOKEN = b"test-token-0123456789"
+
+
+def _segment_bytes(path: str) -> tuple[int, int]:
+    """(file sizes, allocated blocks) of every file under one shm segment."""
+    sizes = blocks = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            sizes += st.st_size
+            blocks += st.st_blocks * 512
+    return sizes, blocks
+
+
+def _pages(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def test_dense_training_stays_within_the_default_budget(tmp_path: Path) -> None:
+    """50 saves of a state whose every chunk changes: the default store's shm segment
+    never holds more than two copies of a version, every save commits in shm, the log is
+    compacted on the way, and the newest version restores bit-identically."""
+    state = {"w": torch.zeros(1 << 20)}  # 4 MiB, cut into 64 chunks of 64 KiB
+    nbytes = state["w"].numel() * 4
+    ckpt = Checkpointer(tmp_path / "store")
+    try:
+        slot = ckpt.tierset.get("shm")
+        tier = slot.tier
+        assert isinstance(tier, ShmTier) and tier.budget is None  # none configured
+        worst = 0
+        for step in range(1, 51):
+            state["w"] += 1.0  # every chunk changes
+            res = ckpt.save(step, state).wait()
+            assert res.tiers["shm"] == "committed", res.errors
+            ckpt.flush()
+            budget = tier.budget
+            assert budget is not None
+            sizes, blocks = _segment_bytes(tier.path)
+            log_bytes = os.path.getsize(os.path.join(tier.path, "log"))
+            assert tier.usage() + tier.pool_bytes <= budget
+            assert sizes - log_bytes <= budget + 4096  # + owner.json and the like
+            worst = max(worst, blocks)
+        chunks = 64
+        one_copy = _pages(nbytes // chunks + BLOB_HEADER_SIZE) * chunks  # as tmpfs holds it
+        assert budget <= 2 * version_bytes(nbytes, chunks, 4096) + SLACK
+        assert worst <= 2 * one_copy + 64 * 1024  # + the manifests, the log, owner.json
+        assert worst < 2.2 * nbytes  # 64 KiB chunks: each blob's header takes a page
+        # the shm log was compacted (about 3 records a version were appended)
+        records = read_tier_log("shm", tier)
+        assert records.compacted > 0
+        assert records.records <= 1 + 2 * len(records.held()) + COMPACT_SLACK + 3
+        out = {"w": torch.empty_like(state["w"])}
+        info = ckpt.restore(out)
+        assert info.step == 50 and torch.equal(out["w"], state["w"])
+    finally:
+        ckpt.destroy()
+
+
+def test_default_budget_rule(tmp_path: Path) -> None:
+    """min(2 x a version's bytes + 1 MiB, half the free memory); a configured budget is kept;
+    prepare() sets it before the first save."""
+    assert default_budget(100, None) == 200 + SLACK
+    assert default_budget(100, 150) == 75
+    name = f"tc-budget-{uuid.uuid4().hex[:12]}"
+    tiers = [
+        TierSpec("shm", f"shm://{name}"),
+        TierSpec("mine", f"shm://{name}-mine", {"budget": "3MiB"}),
+        TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
+    ]
+    ckpt = Checkpointer(tmp_path / "store", tiers=tiers)
+    try:
+        shm, mine = ckpt.tierset.get("shm").tier, ckpt.tierset.get("mine").tier
+        assert isinstance(shm, ShmTier) and isinstance(mine, ShmTier)
+        ckpt.prepare({"w": torch.zeros(1 << 18)})  # 1 MiB
+        free = free_memory(shm)
+        assert shm.budget is not None and free is not None
+        assert 2 << 20 <= shm.budget <= min((3 << 20) + 64 * 1024, free // 2 + 4096)
+        assert mine.budget == 3 << 20
+        ckpt.save(1, {"w": torch.zeros(1 << 19)}).wait()  # the state doubled
+        assert shm.budget >= 4 << 20 and mine.budget == 3 << 20
+    finally:
+        ckpt.destroy()
+
+
+def test_a_tier_too_small_for_one_version_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shm tier whose budget cannot hold one version is skipped with a warning naming
+    it, the sizes and the fix; the base commits in LMDB, and so does the diff (which LMDB
+    does not usually take), and both restore bit-identically."""
+    name = f"tc-budget-{uuid.uuid4().hex[:12]}"
+    tiers = [
+        TierSpec("shm", f"shm://{name}", {"budget": "256KiB"}),
+        TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
+    ]
+    ckpt = Checkpointer(tmp_path / "store", tiers=tiers)
+    try:
+        states = [{"w": torch.randn(1 << 18)}, {"w": torch.randn(1 << 18)}]  # 1 MiB each
+        with caplog.at_level(logging.WARNING, logger="tiercheck"):
+            base = ckpt.save(1, states[0]).wait()  # wait() does not raise: a skip is no failure
+            diff = ckpt.save(2, states[1]).wait()
+        assert (base.role, diff.role) == ("base", "diff")
+        for res in (base, diff):
+            assert res.tiers["shm"] == "skipped"
+            assert res.tiers["lmdb"] == "committed"
+            assert "budget" in res.errors["shm"] and "256.0 KiB" in res.errors["shm"]
+        warned = [r.getMessage() for r in caplog.records if "tier shm skipped" in r.getMessage()]
+        assert len(warned) == 2 and "larger budget" in warned[0]
+        assert ckpt.tierset.get("shm").tier.usage() == 0  # type: ignore[union-attr]
+        history = {v.step: v for v in ckpt.history()}
+        assert history[1].tiers["lmdb"] == history[2].tiers["lmdb"] == "committed"
+        assert history[1].tiers["shm"] == history[2].tiers["shm"] == "missing"
+        for step, want in ((1, states[0]), (2, states[1])):
+            out = {"w": torch.empty(1 << 18)}
+            ckpt.restore(out, step=step)
+            assert torch.equal(out["w"], want["w"])
+    finally:
+        ckpt.destroy()
+
+
+def test_over_budget_in_flight_is_skipped(tmp_path: Path) -> None:
+    """A peer daemon whose memory limit refuses the version mid-put (its namespace budget
+    let it through): the peer tier is skipped, not failed; the save commits in shm."""
+    name = f"tc-budget-{uuid.uuid4().hex[:12]}"
+    with PeerServer("127.0.0.1:0", memory_limit=256 << 10, token=TOKEN) as server:
+        tiers = [
+            TierSpec("shm", f"shm://{name}"),
+            TierSpec(
+                "peer",
+                f"peer://127.0.0.1:{server.port}/{name}",
+                {"token": TOKEN.decode(), "budget": "1GiB", "timeout": 20.0},
+            ),
+        ]
+        ckpt = Checkpointer(tmp_path / "store", tiers=tiers)
+        try:
+            state = {"w": torch.randn(1 << 18)}
+            res = ckpt.save(1, state).wait()
+            assert res.tiers == {"shm": "committed", "peer": "skipped"}
+            assert "OverBudget" in res.errors["peer"]
+            out = {"w": torch.empty(1 << 18)}
+            ckpt.restore(out)
+            assert torch.equal(out["w"], state["w"])
+        finally:
+            ckpt.destroy()
+
+
+def test_over_budget_in_a_migration_is_skipped_not_retried(tmp_path: Path) -> None:
+    """A required asynchronous peer tier that refuses the version for its daemon's memory
+    limit: the migration is skipped at once (no retry), and wait_migrated() does not raise."""
+    name = f"tc-budget-{uuid.uuid4().hex[:12]}"
+    policy = Policy(tiers={"peer": TierPolicy(mode="async", guarantee="required")})
+    with PeerServer("127.0.0.1:0", memory_limit=256 << 10, token=TOKEN) as server:
+        tiers = [
+            TierSpec("shm", f"shm://{name}"),
+            TierSpec(
+                "peer",
+                f"peer://127.0.0.1:{server.port}/{name}",
+                {"token": TOKEN.decode(), "budget": "1GiB", "timeout": 20.0},
+            ),
+        ]
+        ckpt = Checkpointer(tmp_path / "store", tiers=tiers, policy=policy)
+        try:
+            res = ckpt.save(1, {"w": torch.randn(1 << 18)}).wait_migrated(timeout=60)
+            assert res.tiers == {"shm": "committed", "peer": "skipped"}
+            assert "OverBudget" in res.errors["peer"]
+            assert ckpt.pending_migrations() == []
+        finally:
+            ckpt.destroy()
