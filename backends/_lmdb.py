@@ -20,14 +20,23 @@ a snapshot it is reading; where ``lock.mdb`` cannot be written, e.g. a read-only
 falls back to ``lock=False`` with a warning, which is only safe when no process writes),
 ``sync`` (default True: every commit is
 fsync'ed, content survives power loss; False trades the last transactions on power loss
-for speed, never integrity), ``map_size`` (initial map size, default 1 GiB) and
-``max_size`` (cap on map growth; default none).
+for speed, never integrity), ``map_size`` (initial map size, default 1 GiB),
+``max_size`` (cap on map growth; default none) and ``writemap`` (default True, see below).
 
 Transactions: every write is one LMDB write transaction, so a blob or a log record is
 either entirely there or not at all, and ``append(record, blobs=...)`` commits blobs and
-record together (``atomic_batch``). ``writemap`` is not used: with a writable map, a disk
-that fills up turns into SIGBUS on a page fault instead of an error from the commit, and
-``TierFull`` could not be raised.
+record together (``atomic_batch``).
+
+Writable map: a writer opens the environment with ``writemap`` (LMDB writes values
+straight into the file's pages instead of into heap pages it then writes out: measured
+about 40% less time per 256 MiB of blobs in 64 MiB transactions on this project's
+machine). A page fault on a hole in the file when the disk is full would be SIGBUS, not
+an error, so before each write transaction the tier reserves disk blocks
+(``posix_fallocate``) for every page the transaction can touch: the pages in use, the
+bytes it writes, and slack for the tree, up to the map size. A full disk is then
+``TierFull`` from the reservation, before anything is written (so a write is refused once
+less than its size plus 16 MiB is free). Where the file system cannot
+reserve blocks the tier opens without ``writemap`` (option ``writemap=False`` does too).
 
 Map growth: LMDB refuses a write that does not fit in the map (``MapFullError``). The
 tier then doubles the map (``set_mapsize``, which needs every transaction of this process
@@ -76,6 +85,10 @@ DEFAULT_MAP_SIZE = 1 << 30
 # Bytes of blob data per write transaction in put_many: LMDB (without writemap) holds a
 # transaction's dirty pages in heap memory until commit.
 _BATCH_BYTES = 256 << 20
+# Disk blocks are reserved (writemap) in steps of this many bytes, with this much slack for
+# the tree pages and the free list a transaction rewrites beside its values.
+_RESERVE_STEP = 64 << 20
+_RESERVE_SLACK = 16 << 20
 _SEQ = struct.Struct(">Q")
 _T = TypeVar("_T")
 
@@ -136,6 +149,9 @@ class _Env:
     write_lock: threading.Lock = field(default_factory=threading.Lock)
     # the writer's buffer for a blob given in parts (see _joined)
     join: bytearray = field(default_factory=bytearray)
+    # writemap: data.mdb opened for posix_fallocate, and the bytes reserved so far
+    data_fd: int | None = None
+    reserved: int = 0
 
 
 def _joined(e: _Env, views: builtins.list[memoryview]) -> memoryview:
@@ -194,7 +210,9 @@ def _open_read_only(path: str) -> lmdb.Environment:
     return lmdb.open(path, readonly=True, lock=False, max_dbs=2, subdir=True)
 
 
-def _acquire_env(url: str, path: str, *, read_only: bool, sync: bool, map_size: int) -> _Env:
+def _acquire_env(
+    url: str, path: str, *, read_only: bool, sync: bool, map_size: int, writemap: bool = True
+) -> _Env:
     key = os.path.realpath(path)
     with _envs_lock:
         cached = _envs.get(key)
@@ -218,15 +236,12 @@ def _acquire_env(url: str, path: str, *, read_only: bool, sync: bool, map_size: 
                     raise invalid_url(url, f"{key} is not a tiercheck LMDB store") from None
             else:
                 os.makedirs(key, exist_ok=True)
-                env = lmdb.open(
-                    key,
-                    map_size=map_size,
-                    max_dbs=2,
-                    subdir=True,
-                    sync=sync,
-                    metasync=sync,
-                    readahead=True,
-                )
+                env = _open_writable(key, map_size=map_size, sync=sync, writemap=writemap)
+                # LMDB has made data.mdb as long as the map (sparse) by now
+                data_fd = _reservable(os.path.join(key, "data.mdb")) if writemap else None
+                if writemap and data_fd is None:
+                    env.close()
+                    env = _open_writable(key, map_size=map_size, sync=sync, writemap=False)
                 blobs = env.open_db(b"blobs")
                 log = env.open_db(b"log")
         except lmdb.DiskError as exc:
@@ -234,8 +249,62 @@ def _acquire_env(url: str, path: str, *, read_only: bool, sync: bool, map_size: 
         except (lmdb.Error, OSError) as exc:
             raise invalid_url(url, f"cannot open LMDB environment at {key}: {exc}") from exc
         entry = _Env(path=key, env=env, blobs=blobs, log=log, readonly=read_only)
+        if not read_only:
+            entry.data_fd = data_fd
         _envs[key] = entry
         return entry
+
+
+def _open_writable(path: str, *, map_size: int, sync: bool, writemap: bool) -> lmdb.Environment:
+    return lmdb.open(
+        path,
+        map_size=map_size,
+        max_dbs=2,
+        subdir=True,
+        sync=sync,
+        metasync=sync,
+        readahead=True,
+        writemap=writemap,
+    )
+
+
+def _reservable(path: str) -> int | None:
+    """``path`` (LMDB's data file) opened for reserving disk blocks, or None where this
+    file system cannot reserve them (then no writemap)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, 4096)  # the meta page: written, so reserved already
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.info("LMDB at %s: no writemap (cannot reserve disk blocks: %s)", path, exc)
+        return None
+    return fd
+
+
+def _reserve(e: _Env, nbytes: int) -> None:
+    """Reserve disk blocks for every page a write transaction of ``nbytes`` bytes can
+    touch (writemap: a write fault on a hole of a full disk would be SIGBUS). Raises
+    ``OSError`` (ENOSPC) before anything is written. Only the writer calls it."""
+    if e.data_fd is None:
+        return
+    info = e.env.info()
+    psize: int = e.env.stat()["psize"]
+    need = min(
+        (info["last_pgno"] + 1) * psize + nbytes + nbytes // 16 + _RESERVE_SLACK, info["map_size"]
+    )
+    if need <= e.reserved:
+        return
+    step = min(-(-need // _RESERVE_STEP) * _RESERVE_STEP, info["map_size"])
+    try:  # ahead in steps: one call per step, not one per transaction
+        os.posix_fallocate(e.data_fd, e.reserved, step - e.reserved)
+        e.reserved = step
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or step == need:
+            raise
+        os.posix_fallocate(e.data_fd, e.reserved, need - e.reserved)  # what it needs
+        e.reserved = need
 
 
 def _release_env(entry: _Env) -> None:
@@ -244,6 +313,8 @@ def _release_env(entry: _Env) -> None:
         if entry.refs == 0:
             del _envs[entry.path]
             entry.env.close()
+            if entry.data_fd is not None:
+                os.close(entry.data_fd)
 
 
 class LmdbTier(Tier):
@@ -266,6 +337,7 @@ class LmdbTier(Tier):
         sync: bool = True,
         map_size: int = DEFAULT_MAP_SIZE,
         max_size: int | None = None,
+        writemap: bool = True,
         **options: Any,
     ) -> None:
         if options:
@@ -279,7 +351,7 @@ class LmdbTier(Tier):
         self.path = path
         self.max_size = max_size
         self._env: _Env | None = _acquire_env(
-            url, path, read_only=read_only, sync=sync, map_size=map_size
+            url, path, read_only=read_only, sync=sync, map_size=map_size, writemap=writemap
         )
         self._close_lock = threading.Lock()
 
@@ -344,12 +416,30 @@ class LmdbTier(Tier):
             except lmdb.Error as exc:
                 raise self._lmdb_error(exc, what, blob_id) from exc
 
-    def _write(self, fn: Callable[[lmdb.Transaction, _Env], _T], what: str, blob_id: str) -> _T:
-        """Run ``fn`` in one write transaction and commit, growing the map as needed."""
+    def _write(
+        self,
+        fn: Callable[[lmdb.Transaction, _Env], _T],
+        what: str,
+        blob_id: str,
+        nbytes: int = 0,
+    ) -> _T:
+        """Run ``fn`` (writing about ``nbytes`` bytes of values) in one write transaction
+        and commit, growing the map as needed."""
         self._check_writable(what)
         e = self._e()
         with e.write_lock:
             while True:
+                try:
+                    with e.gate.shared():
+                        _reserve(e, nbytes)
+                except OSError as exc:
+                    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    raise (TierFull if full else TierError)(
+                        f"cannot reserve disk space for {what} at {self.path}: {exc}"
+                        + ("; free disk space" if full else ""),
+                        url=self.url,
+                        key=blob_id,
+                    ) from exc
                 try:
                     with e.gate.shared(), e.env.begin(write=True) as txn:
                         return fn(txn, e)
@@ -374,7 +464,7 @@ class LmdbTier(Tier):
             written: bool = txn.put(key, view, db=e.blobs, overwrite=overwrite)
             return written
 
-        return self._write(txn_put, "put", blob_id)
+        return self._write(txn_put, "put", blob_id, len(view))
 
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
         """Store several blobs in a few transactions (up to 256 MiB each); returns how
@@ -408,7 +498,8 @@ class LmdbTier(Tier):
                 count += bool(txn.put(key, value, db=e.blobs, overwrite=False))
             return count
 
-        return self._write(txn_put, "put_many", batch[0][0].hex())
+        nbytes = sum(len(v) for _, views in batch for v in views)
+        return self._write(txn_put, "put_many", batch[0][0].hex(), nbytes)
 
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
         check_blob_id(blob_id, self.url)
@@ -520,7 +611,7 @@ class LmdbTier(Tier):
             txn.put(_SEQ.pack(seq), frame, db=e.log, append=True)
 
         try:
-            self._write(txn_append, "append", "")
+            self._write(txn_append, "append", "", len(frame) + sum(len(v) for _, v in items))
         except TierError as exc:
             if not isinstance(exc.__cause__, lmdb.TxnFullError):
                 raise
@@ -528,7 +619,7 @@ class LmdbTier(Tier):
             # record alone; still "blobs before record", no longer one transaction.
             self.put_many((k.hex(), v) for k, v in items)
             items.clear()
-            self._write(txn_append, "append", "")
+            self._write(txn_append, "append", "", len(frame))
 
     def read_log(self) -> builtins.list[bytes]:
         """Every record in sequence order. A record whose frame fails its checksum
@@ -571,7 +662,7 @@ class LmdbTier(Tier):
                 txn.delete(key, db=e.log)
             txn.put(last_key, frame, db=e.log)
 
-        self._write(txn_compact, "compact the log", "")
+        self._write(txn_compact, "compact the log", "", len(frame))
 
     def usage(self) -> int:
         """Bytes of the pages that hold blobs (LMDB counts pages, not values: cheap)."""

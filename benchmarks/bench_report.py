@@ -524,8 +524,11 @@ The durable-path goals of issue 16 compare like with like, on the same disk, in 
   fsynced: DCP fsyncs each data file and `.metadata` (no directory fsync); tiercheck
   fsyncs each blob before naming it, the directory it named it in, and the log record.
   The end-to-end row (save call to migrated) is shown too.
-- **committed, default store**: shm and LMDB (one fdatasync per 64 MiB transaction and
-  one per record) against the same `dcp.save`.
+- **committed, default store**: shm and LMDB (one sync per 64 MiB transaction and one
+  per record; LMDB writes through its writable map into disk blocks reserved ahead)
+  against the same `dcp.save`. Each 64 MiB of the staged state goes to both tiers as soon
+  as it is hashed, so copying, hashing and flushing overlap; the manifest and the prepare
+  record still come after every chunk.
 - **restore from file**: the `file://` tier alone, read, verified (BLAKE3 of every chunk)
   and written into the state's tensors, against `dcp.load` from the disk directory
   written moments before (both from the page cache).

@@ -55,6 +55,7 @@ from tiercheck.backends.base import Tier
 from tiercheck.errors import FormatVersionError, NoRestorableVersion
 from tiercheck.faults import FaultEvent, FaultPlan, FaultyTier
 from tiercheck.fetch import ChunkFetcher
+from tiercheck.pipeline import ShardStream
 from tiercheck.staging import StagingBuffer
 
 CHUNK = 4096
@@ -233,7 +234,9 @@ def install_kill_point(point: str, nth: int) -> None:
         after = parts[1:] == ["after"]
         target: tuple[Any, str] = {
             "stage": (StagingBuffer, "stage"),
-            "hash": (saving_mod, "hash_stream"),
+            # hashing hands each window to the tiers' writers: a kill here (or at a put)
+            # lands in the middle of a streamed save
+            "hash": (ShardStream, "hash"),
             "manifest": (saving_mod, "build_manifest"),
             "place": (saving_mod, "place_shard"),
             "commit": (saving_mod, "commit_on"),

@@ -4,11 +4,20 @@ Everything here runs on tiercheck's background threads. Per version and tier the
 always: blobs the tier lacks, then the manifest blob, then the ``prepare`` record; the
 ``commit`` record comes only after the coordinator's decision. A tier that fails drops
 out of this version (a lower commit level) without failing the others.
+
+Blobs are placed while the stream is still being hashed (:class:`ShardStream`): each
+window of chunks goes to the tiers that need nothing but its bytes (a tier of this rank,
+codec raw or zstd) as soon as its ids are known, so copying, hashing and flushing
+overlap. This changes nothing of the order above: the manifest and the prepare record
+still come after every blob, so no version is committed before all its blobs are durable
+in the tier, and blobs of a version that is never committed are unreferenced (GC's).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
@@ -37,12 +46,15 @@ from tiercheck.tierset import TierSlot
 
 __all__ = [
     "PlaceResult",
+    "ShardStream",
+    "Streamed",
     "build_manifest",
     "commit_on",
     "elem_size",
     "hash_stream",
     "held_bases",
     "place_shard",
+    "streamable",
 ]
 
 log = logging.getLogger("tiercheck")
@@ -60,6 +72,165 @@ def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[
     windows = layout.windows
     ids = chunk_ids([view[o : o + n] for o, n in windows], threads=threads)
     return tuple(ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, windows))
+
+
+def streamable(slots: Sequence[TierSlot], role: Role) -> list[TierSlot]:
+    """The synchronous tiers that take a version of ``role`` and can take its blobs while
+    the stream is being hashed: a tier of this rank alone (a shared tier learns which
+    chunks are this rank's from the exchange of chunk ids) whose blobs need nothing but
+    the chunk's bytes (not a delta against a base) and with no memory budget (room is made
+    in such a tier before it is written, for the whole shard, from every chunk's id)."""
+    out = []
+    for slot in slots:
+        tp, tier = slot.policy, slot.tier
+        if tier is None or tp is None or tp.mode != "sync" or not tp.wants(role):
+            continue
+        if tier.capabilities.shared or (tp.codec == "delta" and role == "diff"):
+            continue
+        if isinstance(getattr(tier, "budget", None), int):
+            continue
+        out.append(slot)
+    return out
+
+
+@dataclass
+class Streamed:
+    """What :class:`ShardStream` wrote to one tier before the shard's manifest existed."""
+
+    started: float
+    chunks_written: int = 0
+    bytes_written: int = 0
+    written: set[str] = field(default_factory=set)
+    error: BaseException | None = None
+
+
+class ShardStream:
+    """Place a shard's chunks in tiers window by window, as soon as each is hashed.
+
+    :meth:`hash` hashes the staged stream ``BATCH_BYTES`` at a time on the caller's thread
+    and hands each window to one writer thread per tier, which writes the chunks the tier
+    lacks (one transaction per window on a tier with ``atomic_batch``) while the next
+    window is hashed. Before a window is handed over, ``protect`` is called with its ids
+    (GC must not delete a blob a writer has just found present). What the writers hold in
+    flight is bounded: a window's blobs are a header and a view of the staged chunk (raw)
+    or one window's encoded blobs (zstd), nothing queues up.
+
+    A writer that fails stops writing; :func:`place_shard` (given :meth:`result` for its
+    tier) then reports the tier failed for this version. :meth:`close` stops the writers
+    and waits for them: the staging buffer must not be reused before (they read it).
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[TierSlot],
+        *,
+        pool: Executor,
+        view: memoryview,
+        zstd_level: int,
+        protect: Callable[[list[str]], None],
+    ) -> None:
+        self._pool = pool
+        self._view = view
+        self._zstd_level = zstd_level
+        self._protect = protect
+        self._stop = threading.Event()
+        self._queues: dict[str, queue.SimpleQueue[list[ChunkRef] | None]] = {}
+        self._results: dict[str, Future[Streamed]] = {}
+        self._threads: list[threading.Thread] = []
+        self._ended = False
+        for slot in slots:
+            q: queue.SimpleQueue[list[ChunkRef] | None] = queue.SimpleQueue()
+            fut: Future[Streamed] = Future()
+            t = threading.Thread(
+                target=self._writer,
+                args=(slot, q, fut),
+                name=f"tiercheck-stream-{slot.name}",
+                daemon=True,
+            )
+            self._queues[slot.name], self._results[slot.name] = q, fut
+            self._threads.append(t)
+            t.start()
+
+    def hash(self, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
+        """Chunk ids of every window of the staged stream (as :func:`hash_stream`),
+        handing each ``BATCH_BYTES`` of windows to the writers as soon as it is hashed."""
+        windows = layout.windows
+        step = max(1, BATCH_BYTES // max(1, layout.chunk_size))
+        refs: list[ChunkRef] = []
+        try:
+            for lo in range(0, len(windows), step):
+                part = windows[lo : lo + step]
+                ids = chunk_ids([self._view[o : o + n] for o, n in part], threads=threads)
+                batch = [ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, part)]
+                if self._queues:
+                    self._protect(ids)
+                    for q in self._queues.values():
+                        q.put(batch)
+                refs += batch
+        finally:
+            self._end()
+        return tuple(refs)
+
+    def result(self, tier: str) -> Future[Streamed] | None:
+        """What the writer of ``tier`` wrote (done once it has ended); None if no writer."""
+        return self._results.get(tier)
+
+    def close(self) -> None:
+        """Stop the writers (windows not yet written are dropped) and wait for them."""
+        self._stop.set()
+        self._end()
+        for t in self._threads:
+            t.join()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            for q in self._queues.values():
+                q.put(None)
+
+    def _writer(
+        self, slot: TierSlot, q: queue.SimpleQueue[list[ChunkRef] | None], fut: Future[Streamed]
+    ) -> None:
+        out = Streamed(started=time.perf_counter())
+        try:
+            while (batch := q.get()) is not None:
+                if out.error is None and not self._stop.is_set():
+                    try:
+                        self._write(slot, batch, out)
+                    except Exception as exc:  # the tier drops out of this version
+                        out.error = exc
+        finally:
+            fut.set_result(out)
+
+    def _write(self, slot: TierSlot, batch: list[ChunkRef], out: Streamed) -> None:
+        tier = slot.tier
+        assert tier is not None and slot.policy is not None
+        codec = Codec.RAW if slot.policy.codec == "raw" else Codec.ZSTD
+        first: dict[str, ChunkRef] = {}
+        for ref in batch:
+            if ref.id not in out.written:
+                first.setdefault(ref.id, ref)
+        if not first:
+            return
+        present = tier.has(first)
+        missing = [ref for cid, ref in first.items() if cid not in present]
+        out.written.update(first)
+
+        def encode(ref: ChunkRef) -> tuple[str, list[Buffer]]:
+            raw = self._view[ref.offset : ref.offset + ref.length]
+            return ref.id, encode_blob_parts(raw, codec, level=self._zstd_level)
+
+        if codec == Codec.RAW:  # a header: queued on the pool it would wait behind writes
+            items = [encode(ref) for ref in missing]
+        else:
+            items = list(self._pool.map(encode, missing))
+        if tier.capabilities.atomic_batch:
+            tier.put_many_parts(items)
+        else:
+            for _ in self._pool.map(lambda item: tier.put_parts(*item), items):
+                pass
+        out.chunks_written += len(items)
+        out.bytes_written += sum(len(p) for _, parts in items for p in parts)
 
 
 def build_manifest(
@@ -144,12 +315,15 @@ def place_shard(
     zstd_level: int,
     only: set[str] | None = None,
     clock: Callable[[], float] = time.time,
+    streamed: Future[Streamed] | None = None,
 ) -> PlaceResult:
     """Write the chunks ``slot`` lacks, then the manifest, then the prepare record.
 
     ``base_chunks`` (the base version's chunks, same layout) enables delta encoding for a
     diff version on a tier whose codec is ``delta``. ``only`` limits the chunks this call
     writes (cross-rank dedup on a shared tier: the other chunks are other ranks' to write).
+    ``streamed``: what a :class:`ShardStream` wrote to this tier already (awaited here; its
+    failure is this tier's failure).
     """
     t0 = time.perf_counter()
     tier = slot.tier
@@ -157,6 +331,12 @@ def place_shard(
     codec = slot.policy.codec
     result = PlaceResult(slot.name, ok=False)
     try:
+        if streamed is not None:
+            done = streamed.result()
+            t0 = min(t0, done.started)
+            if done.error is not None:
+                raise done.error
+            result.chunks_written, result.bytes_written = done.chunks_written, done.bytes_written
         first: dict[str, int] = {}
         for i, ref in enumerate(manifest.chunks):
             first.setdefault(ref.id, i)

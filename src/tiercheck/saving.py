@@ -6,7 +6,8 @@ role (a base still being written already counts), and queues the save. One pipel
 thread then runs each save in order:
 
 1. **stage** the state into the staging buffer (the caller may change it afterwards);
-2. **hash** the staged stream and build the shard manifest;
+2. **hash** the staged stream and build the shard manifest; each window hashed goes at once
+   to this rank's own synchronous tiers (:class:`ShardStream`: step 4 begins here);
 3. **exchange** chunk ids with the other ranks (:mod:`tiercheck.cluster`; a local failure
    is sent instead, so every rank aborts the version at once);
 4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`), after
@@ -66,7 +67,14 @@ from tiercheck.log_versions import LogProposal, LogSource, build, with_fingerpri
 from tiercheck.maintenance import Maintenance
 from tiercheck.manifest_log import LiveCatalog, append_record
 from tiercheck.migrating import MigrationService
-from tiercheck.pipeline import PlaceResult, build_manifest, commit_on, hash_stream, place_shard
+from tiercheck.pipeline import (
+    PlaceResult,
+    ShardStream,
+    build_manifest,
+    commit_on,
+    place_shard,
+    streamable,
+)
 from tiercheck.placement import Policy
 from tiercheck.staging import StagingBuffer, ready_events
 from tiercheck.tierset import TierSet, TierSlot
@@ -109,6 +117,7 @@ class _Shard:
     manifest_bytes: bytes
     manifest_id: str
     base_chunks: tuple[ChunkRef, ...] | None
+    stream: ShardStream  # the blobs placed while hashing (step 2 overlaps step 4)
 
 
 class SaveService:
@@ -396,8 +405,9 @@ class SaveService:
             raise CheckpointError("the staging buffer is unavailable")
         held = True  # the staging buffer, until every tier write that reads it has ended
         leased: list[TierSlot] = []
+        shard: _Shard | None = None
         try:
-            shard, failure = None, job.failure
+            failure = job.failure
             if job.deferred:
                 try:
                     self._decide(job)
@@ -424,7 +434,7 @@ class SaveService:
             ids = [shard.manifest_id, *sizes, *(c.id for c in shard.base_chunks or ())]
             if self.world_size > 1 and self.rank == 0:
                 ids += exchange.ids  # rank 0 sweeps the shared tiers: every rank's ids
-            job.protected = self.fence.protect(ids)  # before any tier is asked what it has
+            job.protected += self.fence.protect(ids)  # before any tier is asked what it has
             sync = self._sync_slots(job)
             for slot in [s for s in sync if _shared(s)]:
                 assert slot.tier is not None
@@ -459,6 +469,7 @@ class SaveService:
                     only=set(exchange.owned)
                     if _shared(slot) and exchange.owned is not None
                     else None,
+                    streamed=shard.stream.result(slot.name),
                 ): slot
                 for slot in sync
             }
@@ -467,6 +478,7 @@ class SaveService:
             finally:
                 for f in futures:  # tier writes read the staged stream: let them all end
                     f.exception()
+                shard.stream.close()
                 self.staging.release()
                 held = False
             self._after_commit(
@@ -474,15 +486,19 @@ class SaveService:
             )
         finally:
             if held:
+                if shard is not None:
+                    shard.stream.close()
                 self.staging.release()
             for slot in leased:
                 assert slot.tier is not None
                 self.leases.release_write(slot.tier)
 
     def _encode(self, job: _Job) -> _Shard:
-        """Stage, hash and describe this rank's shard (steps 1 and 2)."""
+        """Stage, hash and describe this rank's shard (steps 1 and 2), placing its blobs
+        in this rank's own synchronous tiers as they are hashed (:class:`ShardStream`)."""
         handle, layout = job.handle, job.layout
         assert layout is not None
+        base_chunks = self._resolve_base(job) if job.role == "diff" else None  # decides the role
         proposal = job.proposal
         try:
             if proposal is not None:
@@ -499,19 +515,29 @@ class SaveService:
         handle._time("staged", time.perf_counter() - job.t_call)
         handle._mark_staged()
         view = self.staging.view(layout.stream_bytes)
-        chunks = hash_stream(view, layout, self._hash_threads)
-        handle._time("hashed", time.perf_counter() - job.t_call)
-        manifest, mbytes, mid = build_manifest(
-            version=job.version,
-            rank=self.rank,
-            world_size=self.world_size,
-            layout=layout,
-            chunks=chunks,
-            tree=job.tree,
-            log=job.replay,
+        stream = ShardStream(
+            streamable(self.tierset.slots, job.role),
+            pool=self.pool,
+            view=view,
+            zstd_level=self.policy.zstd_level,
+            protect=lambda ids: job.protected.extend(self.fence.protect(ids)),
         )
-        base_chunks = self._resolve_base(job) if job.role == "diff" else None
-        return _Shard(view, chunks, manifest, mbytes, mid, base_chunks)
+        try:
+            chunks = stream.hash(layout, self._hash_threads)
+            handle._time("hashed", time.perf_counter() - job.t_call)
+            manifest, mbytes, mid = build_manifest(
+                version=job.version,
+                rank=self.rank,
+                world_size=self.world_size,
+                layout=layout,
+                chunks=chunks,
+                tree=job.tree,
+                log=job.replay,
+            )
+        except BaseException:
+            stream.close()
+            raise
+        return _Shard(view, chunks, manifest, mbytes, mid, base_chunks, stream)
 
     def _resolve_base(self, job: _Job) -> tuple[ChunkRef, ...] | None:
         """The chunks of diff ``job``'s base; if that base failed, make ``job`` a base.

@@ -147,6 +147,57 @@ def test_disk_full_is_tier_full(tmp_path: Path) -> None:
         assert tier.read_log() == []
 
 
+_FILL_A_SMALL_DISK = """
+import os, sys
+from tiercheck.backends._lmdb import LmdbTier
+from tiercheck.errors import TierFull
+from tiercheck.testing import blob
+
+tier = LmdbTier("lmdb://" + sys.argv[1], map_size=256 << 20)  # the map: 8x the disk
+assert tier._e().data_fd is not None, "writemap is not on"
+kept = []
+try:
+    for i in range(64):
+        bid, data = blob(4 << 20, seed=i)
+        tier.put_many([(bid, data)])
+        kept.append(bid)
+    raise SystemExit("the disk never filled up")
+except TierFull as exc:
+    assert "free disk space" in str(exc), exc
+assert kept and tier.has(kept) == set(kept)  # what was written before stays readable
+print("ok", len(kept))
+"""
+
+
+def test_writemap_on_a_full_disk_is_tier_full_not_sigbus(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from test_faults import small_tmpfs  # type: ignore[import-not-found,unused-ignore]
+
+    with small_tmpfs(tmp_path / "small", "32m") as mounted:
+        if not mounted:
+            pytest.skip("cannot mount a small tmpfs here")
+        proc = subprocess.run(
+            [sys.executable, "-c", _FILL_A_SMALL_DISK, str(tmp_path / "small" / "db")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), (
+        proc.returncode,
+        proc.stdout,
+        proc.stderr[-2000:],
+    )
+
+
+def test_writemap_off(tmp_path: Path) -> None:
+    with _open(tmp_path / "db", writemap=False) as tier:
+        assert tier._e().data_fd is None
+        tier.put(*blob(1000))
+        assert len(list(tier.list())) == 1
+
+
 def test_put_many_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_lmdb, "_BATCH_BYTES", 10_000)
     with _open(tmp_path / "db") as tier:

@@ -1,0 +1,242 @@
+"""The streamed save pipeline: blobs go to the synchronous tiers while the shard is still
+being hashed (``tiercheck.pipeline.ShardStream``), and the two-phase commit holds as before:
+a save that fails or dies in the middle leaves no committed version and only unreferenced
+blobs (which GC removes), and a save of data the tiers hold writes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from crash_harness import bit_mismatch, check_store
+
+import tiercheck.pipeline as pipeline
+from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.errors import CommitAborted, TierUnavailable
+from tiercheck.faults import FaultPlan, FaultyTier
+from tiercheck.fetch import ChunkFetcher
+
+CHUNK = 4096
+N = 16 * 1024  # floats: 64 KiB, 16 chunks, 4 windows of 4 chunks
+EVERY = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None)
+
+
+def state_of(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(N, generator=g), "step": step}
+
+
+@pytest.fixture(autouse=True)
+def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # four chunks a window: a small state is placed in several windows
+    monkeypatch.setattr(pipeline, "BATCH_BYTES", 4 * CHUNK)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[tuple[Checkpointer, FaultPlan]]:
+    """A store whose one synchronous tier is LMDB behind a fault plan."""
+    plan = FaultPlan()
+    ckpt = Checkpointer(
+        tmp_path / "s",
+        tiers=[TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}")],
+        policy=Policy(base_every=1, chunk_size=CHUNK, gc_grace_seconds=0, tiers={"lmdb": EVERY}),
+    )
+    slot = ckpt.tierset.get("lmdb")
+    assert slot.tier is not None
+    slot.tier = FaultyTier(slot.tier, plan)
+    yield ckpt, plan
+    ckpt.close(abandon=True)
+
+
+def referenced(ckpt: Checkpointer, tier: str) -> set[str]:
+    """Every blob id the committed versions in ``tier`` name (manifests and chunks)."""
+    slot = ckpt.tierset.get(tier)
+    log = ckpt.refresh().logs[tier]
+    fetcher = ChunkFetcher([slot], repair=False)
+    out: set[str] = set()
+    for vid in log.held():
+        for mid in log.committed[vid].shards:
+            out.add(mid)
+            out.update(ref.id for ref in fetcher.manifest(mid).chunks)
+    return out
+
+
+def stored(ckpt: Checkpointer, tier: str) -> set[str]:
+    t = ckpt.tierset.get(tier).tier
+    assert t is not None
+    return set(t.list())
+
+
+def test_blobs_reach_the_tier_before_the_stream_is_hashed(
+    store: tuple[Checkpointer, FaultPlan], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt, plan = store
+    put = threading.Event()
+    plan.hook(lambda event: put.set(), "put")
+    landed: list[bool] = []  # per window hashed: had a blob reached the tier before?
+    real = pipeline.chunk_ids
+
+    def chunk_ids(chunks: Any, threads: int | None = None) -> list[str]:
+        # each window after the first waits (10 s at most) for a blob to reach the tier:
+        # a pipeline that places nothing before the whole stream is hashed waits in vain
+        landed.append(put.wait(10) if landed else put.is_set())
+        return real(chunks, threads)
+
+    monkeypatch.setattr(pipeline, "chunk_ids", chunk_ids)
+    ckpt.save(0, state_of(0)).wait()
+    assert len(landed) == 5 and landed == [False, True, True, True, True]
+    assert bit_mismatch(ckpt.restore(None).state, state_of(0)) is None
+
+
+def test_a_put_failing_mid_stream_aborts_and_leaves_only_unreferenced_blobs(
+    store: tuple[Checkpointer, FaultPlan],
+) -> None:
+    ckpt, plan = store
+    ckpt.save(0, state_of(0)).wait()
+    before = stored(ckpt, "lmdb")
+    plan.fail("put", nth=plan_puts(ckpt) + 9, count=1, error=TierUnavailable)  # 3rd window
+    h = ckpt.save(1, state_of(1))
+    with pytest.raises(CommitAborted):
+        h.wait()
+    assert [v.step for v in ckpt.history()] == [0]
+    left = stored(ckpt, "lmdb") - before
+    assert len(left) >= 8  # the first two windows were placed before the failure
+    assert not left & referenced(ckpt, "lmdb")
+    ckpt.gc(grace=0)
+    assert stored(ckpt, "lmdb") == before
+    assert bit_mismatch(ckpt.restore(None).state, state_of(0)) is None
+    assert check_store(ckpt) == []
+    plan.clear()
+    ckpt.save(2, state_of(2)).wait()  # the store goes on
+    assert bit_mismatch(ckpt.restore(None).state, state_of(2)) is None
+
+
+def plan_puts(ckpt: Checkpointer) -> int:
+    tier = ckpt.tierset.get("lmdb").tier
+    assert isinstance(tier, FaultyTier)
+    return tier.calls["put"]
+
+
+def test_a_save_of_held_data_writes_nothing(store: tuple[Checkpointer, FaultPlan]) -> None:
+    ckpt, _ = store
+    ckpt.save(0, state_of(0)).wait()
+    puts = plan_puts(ckpt)
+    r = ckpt.save(1, state_of(0)).wait()  # same tensors, a new base: every chunk is held
+    assert plan_puts(ckpt) == puts
+    assert r.chunks_written["lmdb"] == 0
+    # one new blob: the manifest (it names the version), written with the prepare record
+    assert r.bytes_written["lmdb"] < CHUNK
+
+
+def test_a_crash_mid_stream_leaves_no_version_and_only_unreferenced_blobs(
+    tmp_path: Path,
+) -> None:
+    lmdb = tmp_path / "lmdb"
+    code = f"""
+        import os, signal, torch
+        import tiercheck.pipeline as pipeline
+        from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+        from tiercheck.faults import FaultPlan, FaultyTier
+
+        def state_of(step):
+            g = torch.Generator().manual_seed(step)
+            return {{"w": torch.randn({N}, generator=g), "step": step}}
+
+        pipeline.BATCH_BYTES = 4 * {CHUNK}
+        every = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None)
+        ckpt = Checkpointer({str(tmp_path / "s")!r},
+            tiers=[TierSpec("lmdb", "lmdb://{lmdb}")],
+            policy=Policy(base_every=1, chunk_size={CHUNK}, tiers={{"lmdb": every}}))
+        ckpt.save(0, state_of(0)).wait()
+        slot = ckpt.tierset.get("lmdb")
+        plan = FaultPlan()
+        plan.hook(lambda e: os.kill(os.getpid(), signal.SIGKILL), "put", nth=9)
+        slot.tier = FaultyTier(slot.tier, plan)
+        ckpt.save(1, state_of(1)).wait()
+        print("not killed", flush=True)
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr[-2000:]
+    ckpt = Checkpointer(
+        tmp_path / "s",
+        tiers=[TierSpec("lmdb", f"lmdb://{lmdb}")],
+        policy=Policy(base_every=1, chunk_size=CHUNK, tiers={"lmdb": EVERY}),
+    )
+    try:
+        assert [v.step for v in ckpt.history()] == [0]
+        left = stored(ckpt, "lmdb") - referenced(ckpt, "lmdb")
+        assert len(left) >= 8  # two windows of version 1 landed before the crash
+        ckpt.gc(grace=0)
+        assert stored(ckpt, "lmdb") == referenced(ckpt, "lmdb")
+        assert bit_mismatch(ckpt.restore(None).state, state_of(0)) is None
+        assert check_store(ckpt) == []
+    finally:
+        ckpt.close(abandon=True)
+
+
+def test_a_failing_tier_drops_out_while_the_others_commit(tmp_path: Path) -> None:
+    plan = FaultPlan()
+    ckpt = Checkpointer(
+        tmp_path / "s",
+        tiers=[
+            TierSpec("mem", f"memory://{uuid.uuid4().hex}"),
+            TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
+        ],
+        policy=Policy(
+            base_every=1,
+            chunk_size=CHUNK,
+            gc_grace_seconds=0,
+            tiers={"mem": EVERY, "lmdb": replace(EVERY, guarantee="best_effort")},
+        ),
+    )
+    try:
+        slot = ckpt.tierset.get("lmdb")
+        assert slot.tier is not None
+        slot.tier = FaultyTier(slot.tier, plan)
+        plan.fail("put", nth=5, count=1, error=TierUnavailable)
+        r = ckpt.save(0, state_of(0)).wait()
+        assert r.tiers == {"mem": "committed", "lmdb": "failed"}
+        assert "injected fault" in r.errors["lmdb"]
+        assert not stored(ckpt, "lmdb") & referenced(ckpt, "lmdb")
+        assert bit_mismatch(ckpt.restore(None).state, state_of(0)) is None
+    finally:
+        ckpt.close(abandon=True)
+
+
+def test_which_tiers_take_blobs_while_hashing(tmp_path: Path) -> None:
+    ckpt = Checkpointer(
+        tmp_path / "s",
+        tiers=[
+            TierSpec("mem", f"memory://{uuid.uuid4().hex}"),
+            TierSpec("capped", f"memory://{uuid.uuid4().hex}", {"budget": "64MiB"}),
+            TierSpec("delta", f"memory://{uuid.uuid4().hex}"),
+            TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
+            TierSpec("later", f"file://{tmp_path / 'remote'}"),
+        ],
+        policy=Policy(
+            tiers={
+                "mem": EVERY,
+                "capped": EVERY,  # room is made for the whole shard first
+                "delta": replace(EVERY, codec="delta"),  # a diff needs its base
+                "lmdb": replace(EVERY, versions="base"),
+                "later": replace(EVERY, mode="async"),
+            }
+        ),
+    )
+    try:
+        slots = ckpt.tierset.slots
+        assert [s.name for s in pipeline.streamable(slots, "base")] == ["mem", "delta", "lmdb"]
+        assert [s.name for s in pipeline.streamable(slots, "diff")] == ["mem"]
+    finally:
+        ckpt.close(abandon=True)
