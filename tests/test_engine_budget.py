@@ -193,3 +193,33 @@ def test_over_budget_in_a_migration_is_skipped_not_retried(tmp_path: Path) -> No
             assert ckpt.pending_migrations() == []
         finally:
             ckpt.destroy()
+
+
+def test_log_versions_stay_in_shm_under_the_default_budget(tmp_path: Path) -> None:
+    """Dense training with a guarded optimizer: the default budget is sized for a full
+    version, so the log versions (a third of one) go to shm like the bases, and a log
+    version never shrinks the budget below what the next base needs (a 12 MiB state: the
+    1 MiB slack of the budget does not hide it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 1024)
+    ckpt = Checkpointer(tmp_path / "store")
+    try:
+        ckpt.guard(opt)
+        results = []
+        for step in range(1, 13):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            results.append(ckpt.save(step, state).wait())
+        roles = [r.role for r in results]
+        assert "log" in roles and roles.count("base") >= 2, roles
+        assert all(r.tiers["shm"] == "committed" for r in results), [r.tiers for r in results]
+        full = max(r.logical_bytes for r in results if r.role == "base")
+        tier = ckpt.tierset.get("shm").tier
+        assert tier is not None and tier.budget is not None
+        assert tier.budget >= 2 * full, (tier.budget, full)
+    finally:
+        ckpt.destroy()

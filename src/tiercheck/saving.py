@@ -585,8 +585,13 @@ class SaveService:
         """
         assert job.layout is not None
         handle = job.handle
-        size = version_bytes(job.layout.stream_bytes, len(shard.chunks), len(shard.manifest_bytes))
-        self.budgets.size_known(size)
+        if job.role != "log":
+            # the defaults are sized for a full version: a log version (a third of the
+            # state, or less) must not shrink the budget the next base needs
+            size = version_bytes(
+                job.layout.stream_bytes, len(shard.chunks), len(shard.manifest_bytes)
+            )
+            self.budgets.size_known(size)
         kept: list[TierSlot] = []
         for slot in sync:
             assert slot.tier is not None
