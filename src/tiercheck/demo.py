@@ -612,7 +612,8 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
         f"[bold]{restored['source']}[/bold] (version {restored['version']}, step "
         f"{restored['step']}, {restored['role']}"
         + (
-            f": its base, then {restored['replayed_steps']} optimizer steps replayed and verified"
+            f": its base, then {restored['replayed_steps']} optimizer "
+            f"step{'' if restored['replayed_steps'] == 1 else 's'} replayed and verified"
             if restored.get("replayed_steps")
             else ""
         )
