@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -19,16 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _dist
 import pytest
 
 WORKER = Path(__file__).parent / "dist_scripts" / "cluster_worker.py"
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -41,21 +35,7 @@ def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 def torchrun(
     nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 200
 ) -> tuple[int, list[dict[str, Any]]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(WORKER),
-        *args,
-    ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    proc = _dist.torchrun(WORKER, *args, nproc=nproc, env=env, timeout=timeout)
     root = Path(args[args.index("--root") + 1])
     events = []
     for path in sorted(root.glob(f"events-{args[0]}-*.jsonl")):

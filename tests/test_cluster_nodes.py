@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,16 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _dist import free_port
 
 WORKER = Path(__file__).parent / "dist_scripts" / "node_worker.py"
 pytestmark = pytest.mark.timeout(120)
 STEPS = 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

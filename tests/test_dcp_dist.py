@@ -9,7 +9,6 @@ stay the newest one and load intact.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import free_port
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -30,13 +30,6 @@ sys.path.insert(0, str(SCRIPTS))
 from dcp_worker import full_state  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def torchrun(*args: str) -> subprocess.CompletedProcess[str]:

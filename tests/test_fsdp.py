@@ -8,10 +8,6 @@ into a plain unsharded model). The one-process side runs here, in a one-rank glo
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import free_port, torchrun
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -28,12 +25,6 @@ from tiercheck.errors import NoRestorableVersion, StateError, UnsupportedValue
 
 WORKER = Path(__file__).parent / "dist_scripts" / "fsdp_worker.py"
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def load_worker() -> ModuleType:
@@ -66,21 +57,7 @@ def test_fsdp2_state_restores_bit_identically_on_any_world_size(
             w.step(model, opt, i)
         ckpt.save(2, {"model": model, "optim": opt}).wait()
         torch.save(w.snapshot(model, opt), tmp_path / "one.pt")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(WORKER),
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+    proc = torchrun(WORKER, str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "OK 0" in proc.stdout and "OK 1" in proc.stdout
     want = torch.load(tmp_path / "two.pt")  # saved by two processes, restored by one

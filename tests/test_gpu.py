@@ -9,9 +9,7 @@ did not wait for the trainer's stream would read the tensor before the write lan
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import torchrun
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
@@ -160,37 +159,14 @@ def test_a_process_on_the_second_gpu_creates_no_context_on_the_first(
     assert out == {"exact": True, "context_on_0": False}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @two_gpus
 def test_two_nccl_ranks_save_and_restore_on_their_own_gpus(tmp_path: Path, shm_root: str) -> None:
     worker = Path(__file__).parent / "dist_scripts" / "gpu_worker.py"
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(worker),
-        "--root",
-        str(tmp_path),
-        "--shm-root",
-        shm_root,
-        "--out",
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    proc = torchrun(
+        worker, "--root", str(tmp_path), "--shm-root", shm_root, "--out", str(out), timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     for r in results:

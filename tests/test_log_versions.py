@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _dist import torchrun
 from _models import Trainer, assert_bit_identical, snapshot
 from update_log_run import AFTER, Run
 
@@ -246,28 +247,7 @@ def test_cli_shows_the_replay_chain_and_export_replays(
 
 @pytest.mark.timeout(240)
 def test_two_ranks_each_log_their_shard_and_restore_bit_identically(tmp_path: Path) -> None:
-    import os
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-        str(HERE / "dist_scripts" / "log_worker.py"),
-        "--root",
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+    proc = torchrun(HERE / "dist_scripts" / "log_worker.py", "--root", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         out = json.loads((tmp_path / f"rank{rank}.json").read_text())
