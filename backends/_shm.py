@@ -66,6 +66,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import psutil
+
 from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
     BLOB_ID_RE,
@@ -238,16 +240,6 @@ def remove_segment(path: str | os.PathLike[str]) -> int:
     return freed
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class _Pool:
     """Index of free segments by size. Thread-safe; only an index of ``pool/``."""
 
@@ -407,7 +399,7 @@ class ShmTier(Tier):
             self._pool.add(entry.name, entry.stat(follow_symlinks=False).st_size)
         for entry in os.scandir(self._tmp):
             pid_s = entry.name.split(".", 1)[0]
-            if pid_s.isdigit() and (int(pid_s) == os.getpid() or _pid_alive(int(pid_s))):
+            if pid_s.isdigit() and (int(pid_s) == os.getpid() or psutil.pid_exists(int(pid_s))):
                 continue  # a live writer's put in flight
             st = entry.stat(follow_symlinks=False)
             if st.st_nlink > 1:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgpack
+import psutil
 
 from tiercheck.backends.base import Tier
 from tiercheck.errors import NotFound, StoreLocked, TierError, TierUnavailable
@@ -198,16 +199,6 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass(frozen=True)
 class Lease:
     """A lease object's content."""
@@ -240,7 +231,8 @@ class Lease:
         now = time.time() if now is None else now
         if now - self.time > self.ttl:
             return True
-        return self.boot == _boot_id() and self.pidns == _pid_namespace() and not _alive(self.pid)
+        same_host = self.boot == _boot_id() and self.pidns == _pid_namespace()
+        return same_host and not psutil.pid_exists(self.pid)
 
 
 def read_lease(tier: Tier, lease_id: str) -> Lease | None:
