@@ -243,12 +243,7 @@ class MigrationService:
                 self._closing = True
             self.retry_now()
             self.wait(timeout)
-        with self._cond:
-            self._halted = True
-            left = [j for _, _, j in self._queue]
-            self._queue = []
-            self._cond.notify_all()
-        for job in left:
+        for job in self._halt():
             self._abandon(job, job.error or "not started before close")
         join = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._thread.join(join)
@@ -263,6 +258,15 @@ class MigrationService:
         with self._cond:
             self._abandoned.append((job.info.id, job.slot.name, why))
         self._settle(job, "failed", f"abandoned at close: {why}")
+
+    def _halt(self) -> list[_Job]:
+        """Stop taking work: the thread ends; returns the jobs still queued (now removed)."""
+        with self._cond:
+            self._halted = True
+            left = [j for _, _, j in self._queue]
+            self._queue = []
+            self._cond.notify_all()
+        return left
 
     # --- the migration thread ----------------------------------------------------------------
 
@@ -288,12 +292,7 @@ class MigrationService:
         except BaseException as exc:  # never silent: fail what is queued and report it
             log.exception("the migration thread stopped")
             self.failures.background(f"the migration thread stopped: {exc!r}")
-            with self._cond:
-                self._halted = True
-                left = [j for _, _, j in self._queue]
-                self._queue = []
-                self._cond.notify_all()
-            for job in left:
+            for job in self._halt():
                 self._settle(job, "failed", f"the migration thread stopped: {exc!r}")
 
     def _attempt(self, job: _Job) -> None:
