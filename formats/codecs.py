@@ -477,13 +477,18 @@ def raw_payload(
         )
     result = payload[:n]
     if verify:
-        got = chunk_id(result)
-        if got != expected_id:
-            raise BlobCorrupt(
-                f"decoded chunk hashes to {got}, not its id (damaged blob or wrong base)",
-                key=expected_id,
-            )
+        _check_id(result, expected_id)
     return result
+
+
+def _check_id(chunk: Buffer, expected_id: str) -> None:
+    """Raise :class:`BlobCorrupt` unless ``chunk`` hashes to ``expected_id``."""
+    got = chunk_id(chunk)
+    if got != expected_id:
+        raise BlobCorrupt(
+            f"decoded chunk hashes to {got}, not its id (damaged blob or wrong base)",
+            key=expected_id,
+        )
 
 
 def decode_blob(
@@ -562,10 +567,5 @@ def decode_blob(
         _xor_into(res, res, _u8(base))
 
     if verify:
-        got = chunk_id(result)
-        if got != expected_id:
-            raise BlobCorrupt(
-                f"decoded chunk hashes to {got}, not its id (damaged blob or wrong base)",
-                key=expected_id,
-            )
+        _check_id(result, expected_id)
     return result
