@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import uuid
@@ -36,35 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import disk_dir, store
+from cluster_bench import start_daemon
 from update_log import make_setup
 
 import tiercheck
 from tiercheck import TierSpec
-
-
-def start_daemon(token: str) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tiercheck.peer_server",
-            "--listen",
-            "127.0.0.1:0",
-            "--memory-limit",
-            "4GiB",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TIERCHECK_PEER_TOKEN": token},
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("listening on"):
-        proc.kill()
-        raise RuntimeError(f"the peer daemon did not start: {line!r}")
-    return proc, int(line.rsplit(":", 1)[1])
 
 
 def run(mode: str, tiers: list[TierSpec] | None, scale: float, saves: int) -> dict[str, Any]:
@@ -133,7 +108,7 @@ def main() -> None:
     disk_dir().mkdir(parents=True, exist_ok=True)  # bench_lib.store() makes its root there
     token = uuid.uuid4().hex
     os.environ["TIERCHECK_PEER_TOKEN"] = token
-    daemon, port = start_daemon(token)
+    daemon, port = start_daemon(token, "4GiB")
     results = []
     try:
         for mode in ("diffs", "logs"):
