@@ -98,6 +98,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    PendingPut,
     Tier,
     check_blob_id,
     invalid_url,
@@ -198,6 +199,8 @@ def _translate(exc: BaseException, url: str, key: str, what: str) -> TierError |
         return TierFull(f"{what} failed, no space left: {exc}", url=url, key=key)
     if isinstance(exc, PermissionError):
         return TierError(f"{what} failed, permission denied: {exc}", url=url, key=key)
+    if isinstance(exc, OSError) and exc.errno is not None:  # EIO, EROFS, ... from the device
+        return TierError(f"{what} failed: {exc}", url=url, key=key)
     return None
 
 
@@ -309,31 +312,36 @@ class _LocalStore(_Store):
         with self._made_lock:
             self._made.add(directory)
 
-    def _write_temp(self, directory: str, name: str, parts: Sequence[memoryview]) -> str:
+    def _open_temp(self, directory: str, name: str, parts: Sequence[memoryview]) -> _LocalPut:
+        """``parts`` written to a new temporary file beside ``name`` (not yet fsynced)."""
         self._ensure_dir(directory)
         tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, parts)
-            os.fsync(fd)
         except BaseException:
             os.close(fd)
             _unlink_quietly(tmp)
             raise
-        os.close(fd)
-        return tmp
+        return _LocalPut(self, fd, tmp, os.path.join(directory, name))
+
+    def _write_temp(self, directory: str, name: str, parts: Sequence[memoryview]) -> str:
+        pending = self._open_temp(directory, name, parts)
+        pending.sync()
+        return pending.tmp
+
+    def begin_put(self, path: str, parts: Sequence[memoryview]) -> PendingPut:
+        """``put(path, parts, if_absent=True)`` in two steps: the write now (into the page
+        cache), the fsync and the rename in :meth:`_LocalPut.finish`."""
+        if os.path.exists(path):
+            return PendingPut(False)
+        return self._open_temp(*os.path.split(path), parts)
 
     def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
         if if_absent and os.path.exists(path):
             return False
         directory, name = os.path.split(path)
-        tmp = self._write_temp(directory, name, parts)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        self._named_in(directory)  # the content is durable already; its name by sync()
+        self._open_temp(directory, name, parts).finish()
         if not if_absent:  # a repair replaces a damaged copy: durable now
             self.sync()
         return True
@@ -450,6 +458,42 @@ class _LocalStore(_Store):
                 yield name if rel == "." else f"{rel}/{name}"
 
 
+class _LocalPut(PendingPut):
+    """A blob written to a temporary file: :meth:`finish` fsyncs it, then names it (so a
+    name is never seen before its content is durable) and leaves the directory's fsync to
+    the store's next :meth:`_LocalStore.sync`; :meth:`abort` removes it."""
+
+    def __init__(self, store: _LocalStore, fd: int, tmp: str, path: str) -> None:
+        super().__init__(True)
+        self._store, self._fd, self.tmp, self._path = store, fd, tmp, path
+
+    def sync(self) -> None:
+        """fsync and close the temporary file (removed if that fails)."""
+        try:
+            os.fsync(self._fd)
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self._fd)
+        self._fd = -1
+
+    def finish(self) -> bool:
+        self.sync()
+        try:
+            os.replace(self.tmp, self._path)
+        except BaseException:
+            _unlink_quietly(self.tmp)
+            raise
+        self._store._named_in(os.path.dirname(self._path))
+        return True
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        _unlink_quietly(self.tmp)
+
+
 def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
     """Write every part, in order, with vectored writes (a short write is continued)."""
     views = [v for v in parts if len(v)]
@@ -476,6 +520,21 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class _TypedPut(PendingPut):
+    """A store's pending put whose errors are raised as the tier's typed errors."""
+
+    def __init__(self, pending: PendingPut, call: Callable[[Callable[[], Any]], Any]) -> None:
+        super().__init__(True)
+        self._pending, self._call = pending, call
+
+    def finish(self) -> bool:
+        written: bool = self._call(self._pending.finish)
+        return written
+
+    def abort(self) -> None:
+        self._pending.abort()
 
 
 class _FsspecStore(_Store):
@@ -799,6 +858,18 @@ class FsspecTier(Tier):
             "put", blob_id, lambda: self._store.put(path, views, if_absent=not overwrite)
         )
         return written
+
+    def begin_put(self, blob_id: str, parts: Sequence[Buffer]) -> PendingPut:
+        """A local file system writes the temporary file now and fsyncs and names it in
+        :meth:`PendingPut.finish`; any other store puts at once."""
+        store = self._store
+        if not isinstance(store, _LocalStore):
+            return super().begin_put(blob_id, parts)
+        path = self._blob_path(blob_id)
+        self._check_writable("put")
+        views = [_byte_view(p) for p in parts]
+        pending: PendingPut = self._call("put", blob_id, lambda: store.begin_put(path, views))
+        return _TypedPut(pending, partial(self._call, "put", blob_id))
 
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
         batch = [(self._blob_path(bid), _byte_view(data), bid) for bid, data in items]

@@ -74,6 +74,7 @@ __all__ = [
     "Buffer",
     "Capabilities",
     "FailureDomain",
+    "PendingPut",
     "Tier",
     "check_blob_id",
     "check_budget",
@@ -85,6 +86,24 @@ __all__ = [
 Buffer = bytes | bytearray | memoryview
 
 BLOB_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class PendingPut:
+    """A put whose bytes have left the caller's buffers (see :meth:`Tier.begin_put`).
+
+    :meth:`finish` completes it (durable and named, as :meth:`Tier.put_parts` on return)
+    and returns what ``put_parts`` would; :meth:`abort` drops it, leaving the tier as if it
+    had never begun. Exactly one of them is called. This one is already complete.
+    """
+
+    def __init__(self, written: bool) -> None:
+        self._written = written
+
+    def finish(self) -> bool:
+        return self._written
+
+    def abort(self) -> None:
+        """Nothing to undo: the blob was stored whole (content-addressed: harmless)."""
 
 
 class FailureDomain(str, Enum):
@@ -165,6 +184,17 @@ class Tier(abc.ABC):
         the fresh pages of joining them; such a tier overrides this. The default joins.
         """
         return self.put(blob_id, b"".join(parts), overwrite=overwrite)
+
+    def begin_put(self, blob_id: str, parts: Sequence[Buffer]) -> PendingPut:
+        """Begin :meth:`put_parts` (without ``overwrite``): once this returns, ``parts`` may
+        be reused; the put is complete when the returned :class:`PendingPut` is finished.
+
+        A migration reads each chunk into a buffer it reuses for the next one: a tier whose
+        durable write waits on the device (a local file's fsync) copies the parts out here
+        and makes them durable in :meth:`PendingPut.finish`, on another thread, while the
+        next chunk is read and verified. The default puts at once.
+        """
+        return PendingPut(self.put_parts(blob_id, parts))
 
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
         """Store several blobs; returns how many were written. Not atomic as a group."""

@@ -173,3 +173,44 @@ def test_file_tier_fsyncs_blob_directories_once_before_the_next_record(
     assert all(synced.count(d) == 1 for d in blob_dirs)  # once each, however many blobs
     assert synced.index(str(tmp_path / "t" / "log")) > max(synced.index(d) for d in blob_dirs)
     tier.close()
+
+
+def test_a_migration_whose_fsync_fails_names_no_blob_and_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raw blobs reach a file tier in two steps (written, then fsynced and named on the
+    write threads): an fsync that fails halfway fails the migration, every blob begun and
+    not finished is removed, and the next migration completes."""
+    from tiercheck.backends import _fsspec
+
+    remote = tmp_path / "remote"
+    tiers = [TierSpec("mem", "memory://"), TierSpec("remote", f"file://{remote}")]
+    policy = Policy(
+        base_every=1,
+        chunk_size=64 * 1024,
+        gc_grace_seconds=0,
+        tiers={"remote": TierPolicy(versions="base", mode="async", codec="raw", keep_bases=None)},
+    )
+    w = torch.randn(40 * 16384, generator=torch.Generator().manual_seed(4))  # 40 chunks
+    real = os.fsync
+    calls = 0
+
+    def fails_from_the_tenth(fd: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls >= 10:
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    with Checkpointer(tmp_path / "store", tiers=tiers, policy=policy) as ckpt:
+        monkeypatch.setattr(_fsspec.os, "fsync", fails_from_the_tenth)
+        first = ckpt.save(0, {"w": w})
+        assert first.wait_migrated(timeout=120).tiers["remote"] == "failed"
+        monkeypatch.undo()
+        assert not [p for p in remote.rglob("*.tmp")]
+        blobs = {p.name for p in (remote / "blobs").rglob("*") if p.is_file()}
+        assert 0 < len(blobs) < 40  # the blobs whose fsync passed, nothing else
+        assert ckpt.save(1, {"w": w + 1}).wait_migrated(timeout=120).tiers["remote"] == "committed"
+        back = {"w": torch.zeros_like(w)}
+        info = ckpt.restore(back, tiers=["remote"])
+    assert info.version == 1 and torch.equal(back["w"], w + 1)

@@ -9,9 +9,10 @@ and nothing already committed elsewhere is affected.
 
 Cost: each chunk is read once, straight into a per-thread buffer where the source holds it
 raw, and verified there (the one hash of the migration: a copy must not carry damage to a
-slower tier). A raw target gets header + that buffer in one vectored write; a compressed
-target gets the encoded blob, uploaded while the next chunk is encoded, up to
-``UPLOAD_WINDOW`` blobs in flight.
+slower tier). A raw target gets header + that buffer in one vectored write (a local file:
+into the page cache, then fsynced and named on a write thread while the next chunk is
+read, see ``Tier.begin_put``); a compressed target gets the encoded blob, uploaded while
+the next chunk is encoded. Up to ``WRITE_WINDOW`` blobs are in flight.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tiercheck.backends.base import PendingPut
 from tiercheck.errors import NotFound, TierError
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
@@ -31,9 +33,9 @@ from tiercheck.manifest_log import append_record
 from tiercheck.pipeline import elem_size, held_bases
 from tiercheck.tierset import TierSlot
 
-__all__ = ["UPLOAD_WINDOW", "MigrationResult", "migrate_shard"]
+__all__ = ["WRITE_WINDOW", "MigrationResult", "migrate_shard"]
 
-UPLOAD_WINDOW = 16  # compressed blobs in flight to the target tier at once
+WRITE_WINDOW = 16  # blobs in flight to the target tier at once
 
 
 @dataclass
@@ -118,34 +120,42 @@ def migrate_shard(
                 parts = encode_blob_parts(raw, Codec.ZSTD, level=zstd_level)
         else:
             parts = encode_blob_parts(raw, Codec.ZSTD, level=zstd_level)
-        if uploads is None:  # raw: the parts include this thread's buffer, reused next
-            tier.put_parts(cid, parts)
-        else:  # a compressed blob owns its bytes: upload it while the next one is encoded
-            window.acquire()
-            upload = uploads.submit(tier.put_parts, cid, parts)
-            upload.add_done_callback(lambda _: window.release())
-            with lock:
-                in_flight.append(upload)
+        window.acquire()
+        try:
+            pending: PendingPut | None = None
+            if codec == "raw":  # the parts hold this thread's buffer, reused next: the
+                # tier copies them out now and makes them durable on a write thread
+                pending = tier.begin_put(cid, parts)
+                write = writes.submit(pending.finish)
+            else:  # a compressed blob owns its bytes: uploaded while the next is encoded
+                write = writes.submit(tier.put_parts, cid, parts)
+        except BaseException:
+            if pending is not None:
+                pending.abort()
+            window.release()
+            raise
+        write.add_done_callback(lambda _: window.release())
+        with lock:
+            in_flight.append((write, pending))
         return sum(len(p) for p in parts)
 
-    # A store reached over the network is latency bound: compressed blobs go to it up to
-    # UPLOAD_WINDOW at a time (memory stays bounded by the window), more than the CPU pool
-    # that encodes them has threads.
-    uploads = (
-        ThreadPoolExecutor(UPLOAD_WINDOW, thread_name_prefix="tiercheck-upload")
-        if codec != "raw" and missing
-        else None
-    )
-    window = threading.BoundedSemaphore(UPLOAD_WINDOW)
+    # Writes run on their own threads, up to WRITE_WINDOW at a time, beside the CPU pool
+    # that reads, verifies and encodes: a local file's fsync (raw) and a store reached
+    # over the network (compressed) wait on the device, not the CPU. Memory stays bounded
+    # by the window (a raw blob is copied out into the page cache before it is queued).
+    writes = ThreadPoolExecutor(WRITE_WINDOW, thread_name_prefix="tiercheck-write")
+    window = threading.BoundedSemaphore(WRITE_WINDOW)
     lock = threading.Lock()
-    in_flight: list[Future[bool]] = []
+    in_flight: list[tuple[Future[bool], PendingPut | None]] = []
     try:
         written = list(pool.map(copy, missing))
-        for upload in in_flight:
-            upload.result()  # the first failed upload fails the migration
+        for write, _ in in_flight:
+            write.result()  # the first failed write fails the migration
     finally:
-        if uploads is not None:
-            uploads.shutdown(wait=True, cancel_futures=True)
+        writes.shutdown(wait=True, cancel_futures=True)
+        for write, pending in in_flight:
+            if pending is not None and write.cancelled():
+                pending.abort()  # begun, never finished: its temporary file goes
     nbytes = sum(written)
     blobs = []
     if manifest_id not in present:

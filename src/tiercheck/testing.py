@@ -226,6 +226,20 @@ class TierConformance:
         empty = _fake_id(9)
         assert tier.put_parts(empty, []) is True and bytes(tier.get(empty)) == b""
 
+    def test_begin_put(self, tier: Tier) -> None:
+        (bid, data), (other, other_data) = blob(70_000, seed=7), blob(3000, seed=8)
+        backing = bytearray(data)
+        pending = tier.begin_put(bid, [backing[:64], memoryview(backing)[64:]])
+        backing[:] = bytes(len(backing))  # reusable once begun: the tier copied it out
+        assert pending.finish() is True
+        assert bytes(tier.get(bid)) == data and bid in tier.has([bid])
+        assert tier.begin_put(bid, [b"other"]).finish() is False  # present: no write
+        assert bytes(tier.get(bid)) == data
+        dropped = tier.begin_put(other, [other_data])
+        dropped.abort()  # never finished: absent, or (a tier that puts at once) whole
+        assert other not in tier.has([other]) or bytes(tier.get(other)) == other_data
+        assert set(tier.list()) <= {bid, other}  # no temporary object is ever listed
+
     def test_get_parts(self, tier: Tier) -> None:
         bid, data = blob(70_000, seed=6)
         tier.put(bid, data)

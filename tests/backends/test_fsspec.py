@@ -386,3 +386,35 @@ def test_get_reads_into_caller_buffer(tmp_path: Path) -> None:
     buf = bytearray(2 << 20)
     view = tier.get(bid, out=memoryview(buf))
     assert view.obj is buf and bytes(view) == data
+
+
+def test_begin_put_names_a_blob_only_once_its_content_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local begin_put writes a temporary file; finish fsyncs it, then names it. A failed
+    fsync (EIO, ENOSPC at writeback) leaves no name and no temporary file, as typed error."""
+    tier = open_tier(f"file://{tmp_path}/t")
+    root = tmp_path / "t"
+    (bid, data), (bad, bad_data), (gone, gone_data) = (blob(5000, seed=s) for s in (1, 2, 3))
+
+    def files() -> set[str]:
+        return {p.name for p in root.rglob("*") if p.is_file()} - {"tier.json"}
+
+    pending = tier.begin_put(bid, [data])
+    assert tier.has([bid]) == set() and len(files()) == 1  # the temporary file only
+    assert pending.finish() is True and files() == {bid} and tier.has([bid]) == {bid}
+
+    pending = tier.begin_put(bad, [bad_data])
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(_fsspec.os, "fsync", eio)
+    with pytest.raises(TierError) as info:
+        pending.finish()
+    assert bad in str(info.value)
+    monkeypatch.undo()
+    assert files() == {bid}  # neither named nor left as a temporary file
+
+    tier.begin_put(gone, [gone_data]).abort()
+    assert files() == {bid}
