@@ -62,6 +62,9 @@ log = logging.getLogger("tiercheck")
 BaseLookup = Callable[[str], bytes]
 
 BATCH_BYTES = 64 * 1024 * 1024  # bytes per transaction on tiers with atomic_batch
+# A stream writer joins the windows hashed while it wrote the last one into one write (one
+# transaction and one sync on a tier with atomic_batch) of up to this many bytes.
+GROUP_BYTES = 256 * 1024 * 1024
 
 # a chunk's blob as parts (header, payload) and the base it is a delta against
 _Encoded = tuple[str, list[Buffer], str | None]
@@ -109,8 +112,9 @@ class ShardStream:
 
     :meth:`hash` hashes the staged stream ``BATCH_BYTES`` at a time on the caller's thread
     and hands each window to one writer thread per tier, which writes the chunks the tier
-    lacks (one transaction per window on a tier with ``atomic_batch``) while the next
-    window is hashed. Before a window is handed over, ``protect`` is called with its ids
+    lacks while the next window is hashed: for a raw tier, the windows queued behind it go
+    in one write of up to ``GROUP_BYTES`` (group commit: one transaction and one sync on a
+    tier with ``atomic_batch``). Before a window is handed over, ``protect`` is called with its ids
     (GC must not delete a blob a writer has just found present). What the writers hold in
     flight is bounded: a window's blobs are a header and a view of the staged chunk (raw)
     or one window's encoded blobs (zstd), nothing queues up.
@@ -193,7 +197,21 @@ class ShardStream:
     ) -> None:
         out = Streamed(started=time.perf_counter())
         try:
-            while (batch := q.get()) is not None:
+            # group commit where the blobs are views of the staged buffer (raw): an
+            # encoded window owns its memory, so those are written one window at a time
+            assert slot.policy is not None
+            group = GROUP_BYTES if slot.policy.codec == "raw" else 0
+            ended = False
+            while not ended and (batch := q.get()) is not None:
+                while sum(ref.length for ref in batch) < group:
+                    try:
+                        more = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        ended = True
+                        break
+                    batch = batch + more
                 if out.error is None and not self._stop.is_set():
                     try:
                         self._write(slot, batch, out)
