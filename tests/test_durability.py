@@ -139,7 +139,8 @@ def test_a_migration_that_hits_a_bug_fails_on_its_handle_and_the_thread_goes_on(
     try:
         BuggyTier.broken = True
         first = ckpt.save(0, state_of(0))
-        assert first.wait().tiers["slow"] == "migrating"
+        # wait() does not wait for the migration, which may have failed already
+        assert first.wait().tiers["slow"] in ("migrating", "failed")
         with pytest.raises(DurabilityError, match=r"required tier slow failed.*a bug in a tier"):
             first.wait_migrated(timeout=120)
         BuggyTier.broken = False
