@@ -454,6 +454,17 @@ def store(
             destroy_store(root)  # the root and its shm segments (tiercheck rm)
 
 
+def default_store_warmup() -> int:
+    """Saves before a new default store reaches its steady state: until then every save
+    grows the LMDB file (new disk blocks, page faults on fresh pages of the map); from the
+    save after LMDB's retained bases on, each reuses the pages of the base it dropped, as
+    every save of a long training run does."""
+    from tiercheck.backends._lmdb import LmdbTier
+    from tiercheck.placement import default_tier_policy
+
+    return (default_tier_policy(LmdbTier.CAPABILITIES).keep_bases or 1) + 1
+
+
 def tc_saves(
     ckpt: tiercheck.Checkpointer,
     bs: BenchState,
@@ -483,6 +494,7 @@ def tc_saves(
         "bytes": [],
         "blocked_all": [],
         "committed_first": None,
+        "committed_warm": [],
     }
     gc.collect()
     base_rss = psutil.Process().memory_info().rss
@@ -503,6 +515,7 @@ def tc_saves(
         if i == 0:
             out["committed_first"] = r.timings["committed"]
         if i < warm:
+            out["committed_warm"].append(r.timings["committed"])
             continue
         out["blocked"].append(blocked)
         out["staged"].append(r.timings["staged"])

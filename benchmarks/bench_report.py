@@ -509,10 +509,13 @@ synchronously, its default codec: raw for shm, LMDB and file, zstd for s3), the 
 changed densely between saves (so every chunk is new), and `prepare(state)` called once
 before the first save. The default store row is `Checkpointer(root)`: shm and LMDB
 synchronous, bases migrated to the `file://` remote tier (raw) in the background. A new
-store's first save also creates the shm segments and grows the LMDB file; the saves of a
-training run after it reuse the pages of dropped versions, so the first save is reported
-apart (`tc_committed_default_first_s`) and the default-store medians are of the saves
-after it.
+store's first saves also create the shm segments and grow the LMDB file: until LMDB
+holds its retained bases (two) every save takes new disk blocks and faults in fresh pages
+of the map, and from then on each save reuses the pages of the base it dropped, as every
+save of a training run (and of a restarted job on the same store) does. So the
+default-store medians are of the saves in that steady state, and the first saves are
+reported apart: the first alone (`tc_committed_default_first_s`) and all those before the
+steady state (`tc_committed_default_growing_s`).
 
 ## Targets (issues 3 and 16) and ratios
 
@@ -522,13 +525,16 @@ The durable-path goals of issue 16 compare like with like, on the same disk, in 
   shm to the `file://` tier, from the commit to the commit record there, against
   `dcp.save` of the same state (FileSystemWriter, 2 threads). Both end with every byte
   fsynced: DCP fsyncs each data file and `.metadata` (no directory fsync); tiercheck
-  fsyncs each blob before naming it, the directory it named it in, and the log record.
+  fsyncs each blob before naming it, the directory it named it in, and the log record;
+  the fsyncs run on write threads (up to 16 blobs in flight) while the next chunks are
+  read and verified.
   The end-to-end row (save call to migrated) is shown too.
-- **committed, default store**: shm and LMDB (one sync per 64 MiB transaction and one
-  per record; LMDB writes through its writable map into disk blocks reserved ahead)
-  against the same `dcp.save`. Each 64 MiB of the staged state goes to both tiers as soon
-  as it is hashed, so copying, hashing and flushing overlap; the manifest and the prepare
-  record still come after every chunk.
+- **committed, default store**: shm and LMDB (LMDB writes through its writable map into
+  disk blocks reserved ahead; one sync per transaction and one per record) against the
+  same `dcp.save`. Each 64 MiB of the staged state goes to both tiers as soon as it is
+  hashed, so copying, hashing and flushing overlap; the windows hashed while LMDB syncs
+  the last transaction go in its next one (up to 256 MiB: group commit). The manifest and
+  the prepare record still come after every chunk.
 - **restore from file**: the `file://` tier alone, read, verified (BLAKE3 of every chunk)
   and written into the state's tensors, against `dcp.load` from the disk directory
   written moments before (both from the page cache).

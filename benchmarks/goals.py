@@ -42,6 +42,7 @@ from bench_lib import (
     BenchState,
     copy_warm,
     dcp_save_load,
+    default_store_warmup,
     disk_dir,
     make_state,
     median,
@@ -74,7 +75,7 @@ def measure(bs: BenchState, repeats: int, only: set[str]) -> dict[str, list[floa
         r = dcp_save_load(bs, disk_dir(), repeats, load=True)
         m["dcp_save_disk_s"], m["dcp_load_disk_s"] = r["save"], r["load"]
         with store(None, tiercheck.Policy(base_every=1, gc_grace_seconds=0)) as ckpt:
-            r = tc_saves(ckpt, bs, repeats, migrated=True, warm=1)
+            r = tc_saves(ckpt, bs, repeats, migrated=True, warm=default_store_warmup())
             m["tc_committed_default_s"] = r["committed"]
             m["tc_migrated_remote_s"] = r["migrated"]
             m["tc_migrate_file_s"] = r["migration"]
