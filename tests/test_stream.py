@@ -240,3 +240,41 @@ def test_which_tiers_take_blobs_while_hashing(tmp_path: Path) -> None:
         assert [s.name for s in pipeline.streamable(slots, "diff")] == ["mem"]
     finally:
         ckpt.close(abandon=True)
+
+
+@pytest.mark.parametrize(("group", "writes"), [(256 << 20, [4, 13]), (8 * CHUNK, [4, 8, 5])])
+def test_windows_hashed_during_a_write_go_in_the_next_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: int, writes: list[int]
+) -> None:
+    """Group commit: while LMDB writes (and syncs) one window, the windows hashed meanwhile
+    queue up and go in its next transaction, up to GROUP_BYTES."""
+    monkeypatch.setattr(pipeline, "GROUP_BYTES", group)
+    ckpt = Checkpointer(
+        tmp_path / "s",
+        tiers=[TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}")],
+        policy=Policy(base_every=1, chunk_size=CHUNK, tiers={"lmdb": EVERY}),
+    )
+    tier = ckpt.tierset.get("lmdb").tier
+    assert tier is not None
+    hashed = threading.Event()
+    sizes: list[int] = []
+    real_put, real_end = tier.put_many_parts, pipeline.ShardStream._end
+
+    def put_many_parts(items: Any) -> int:
+        items = list(items)
+        sizes.append(len(items))
+        assert hashed.wait(10)  # the first write lasts until the whole stream is hashed
+        return real_put(items)
+
+    def end(stream: pipeline.ShardStream) -> None:
+        real_end(stream)
+        hashed.set()
+
+    monkeypatch.setattr(tier, "put_many_parts", put_many_parts)
+    monkeypatch.setattr(pipeline.ShardStream, "_end", end)
+    try:
+        ckpt.save(0, state_of(0)).wait()
+        assert sizes == writes  # 5 windows: 16 chunks of w, 1 of the rest
+        assert bit_mismatch(ckpt.restore(None).state, state_of(0)) is None
+    finally:
+        ckpt.close()
