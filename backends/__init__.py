@@ -5,7 +5,7 @@ per built-in tier; :func:`open_tier` opens any of them by URL. The shm tier's se
 
 from typing import TYPE_CHECKING, Any
 
-from tiercheck.backends.base import Capabilities, FailureDomain, Tier
+from tiercheck.backends.base import Capabilities, FailureDomain, PendingPut, Tier
 from tiercheck.backends.registry import available_schemes, open_tier, register_tier
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_SHM_ROOT",
     "Capabilities",
     "FailureDomain",
+    "PendingPut",
     "Segment",
     "Tier",
     "available_schemes",
