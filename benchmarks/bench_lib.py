@@ -495,6 +495,7 @@ def tc_saves(
         "blocked_all": [],
         "committed_first": None,
         "committed_warm": [],
+        "timings": [],
     }
     gc.collect()
     base_rss = psutil.Process().memory_info().rss
@@ -520,6 +521,7 @@ def tc_saves(
         out["blocked"].append(blocked)
         out["staged"].append(r.timings["staged"])
         out["committed"].append(r.timings["committed"])
+        out["timings"].append(dict(r.timings))
         if migrated:
             out["migrated"].append(t_end)
             # the migration starts when the version is committed (the migrator is idle:

@@ -75,6 +75,9 @@ FIELDS: dict[str, str] = {
     "data_parallel_4)",
     "sweep": "list, one per state size: {state_bytes, metric -> median seconds or bytes}",
     "training": "steps, seconds per mode (none, tiercheck, dcp_async), slowdown vs none",
+    "profile": "default_store: phase -> median seconds from the save() call over the "
+    "default store's steady-state saves (staged, hashed, prepared:/committed: per tier, "
+    "committed, migrated)",
 }
 
 METRICS: dict[str, str] = {
@@ -218,6 +221,7 @@ def log(msg: str) -> None:
 class Results:
     def __init__(self) -> None:
         self.metrics: dict[str, dict[str, Any]] = {}
+        self.profile: dict[str, dict[str, float]] = {}  # where the time of a save goes
 
     def put(self, key: str, runs: list[float] | float, unit: str = "s") -> None:
         xs = [float(x) for x in (runs if isinstance(runs, list) else [runs])]
@@ -269,6 +273,10 @@ def measure_tiercheck(
         blocked_all += r["blocked_all"]
         res.put("tc_committed_default_first_s", r["committed_first"])
         res.put("tc_committed_default_growing_s", r["committed_warm"])
+        phases = {k for t in r["timings"] for k in t} - {"blocked", "voting"}
+        res.profile["default_store"] = {
+            k: median([t[k] for t in r["timings"] if k in t]) for k in sorted(phases)
+        } | {"migrated": median(r["migrated"])}
         res.put("tc_committed_default_s", r["committed"])
         res.put("tc_migrated_remote_s", r["migrated"])
         res.put("tc_migrate_file_s", r["migration"])
@@ -528,6 +536,7 @@ def run(args: argparse.Namespace) -> int:
         del bs
     result["metrics"] = res.metrics
     result["comparisons"] = comparisons(res.metrics)
+    result["profile"] = res.profile
 
     from bench_train import bytes_per_version, training_run
 
