@@ -17,6 +17,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,6 +210,24 @@ def private_disk_dir() -> Iterator[Path]:
             pass
 
 
+@contextmanager
+def shm_root_left_as_found() -> Iterator[None]:
+    """The default stores measured here create the host's shm root directory (their
+    segments go in it, and destroying a store removes them): if it was not there before
+    the run, the run removes it again, when empty (another store may be using it)."""
+    from tiercheck.backends import DEFAULT_SHM_ROOT
+
+    existed = os.path.exists(DEFAULT_SHM_ROOT)
+    try:
+        yield
+    finally:
+        if not existed:
+            try:
+                os.rmdir(DEFAULT_SHM_ROOT)
+            except OSError:
+                pass
+
+
 def disk_dir() -> Path:
     """A directory on the machine's real disk (not tmpfs)."""
     return Path(os.environ.get("TIERCHECK_BENCH_DISK", Path.home() / ".cache" / "tc-bench"))
@@ -285,6 +304,51 @@ def torch_save(bs: BenchState, where: Path, repeats: int, *, fsync: bool) -> dic
             nbytes = path.stat().st_size
             path.unlink()
     return {"runs": runs, "cpu": cpu, "rss": rss, "bytes": nbytes}
+
+
+def disk_floor(bs: BenchState, where: Path, repeats: int, *, threads: int = 2) -> list[float]:
+    """The disk's floor: the state's bytes as they lie in memory, written by ``threads``
+    threads to one file each (vectored writes, no serialization, no metadata) and fsynced.
+
+    Any save that makes the state durable on this disk pays at least this; the durable
+    paths (``dcp.save``, a migration, LMDB) are reported against it as well as against each
+    other, so a ratio near 1 between two of them can be told apart from both being slow.
+    """
+    views = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in bs.tensors if t.numel()]
+    groups: list[list[Any]] = [[] for _ in range(threads)]
+    sizes = [0] * threads
+    for v in sorted(views, key=len, reverse=True):  # balanced by bytes, as DCP's writers
+        i = sizes.index(min(sizes))
+        groups[i].append(v)
+        sizes[i] += len(v)
+
+    def write(path: Path, group: list[Any]) -> None:
+        views = [memoryview(v) for v in group]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            i = 0
+            while i < len(views):
+                n = os.writev(fd, views[i : i + 512])  # under IOV_MAX buffers a call
+                while n:  # advance past what was written (a short write continues)
+                    if n >= len(views[i]):
+                        n -= len(views[i])
+                        i += 1
+                    else:
+                        views[i], n = views[i][n:], 0
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    runs = []
+    with scratch(where) as d, ThreadPoolExecutor(threads) as pool:
+        for i in range(repeats):
+            paths = [d / f"floor-{i}-{k}" for k in range(threads)]
+            t0 = time.perf_counter()
+            list(pool.map(write, paths, groups))
+            runs.append(time.perf_counter() - t0)
+            for path in paths:
+                path.unlink()
+    return runs
 
 
 def torch_load(bs: BenchState, where: Path, repeats: int) -> list[float]:

@@ -42,11 +42,13 @@ from bench_lib import (
     dcp_save_load,
     default_store_warmup,
     disk_dir,
+    disk_floor,
     make_state,
     median,
     one_tier,
     private_disk_dir,
     safetensors_save_load,
+    shm_root_left_as_found,
     store,
     tc_restores,
     tc_saves,
@@ -88,6 +90,8 @@ METRICS: dict[str, str] = {
     "torch_load_shm_s": "torch.load (weights_only) of that file from /dev/shm",
     "safetensors_save_shm_s": "safetensors save_file to /dev/shm",
     "safetensors_load_shm_s": "safetensors load_file from /dev/shm",
+    "disk_write_fsync_s": "the disk's floor: the state's bytes as they lie in memory, written by "
+    "2 threads to one file each and fsynced (no serialization, no metadata)",
     "dcp_save_disk_s": "dcp.save, FileSystemWriter (2 threads, fsync) on disk",
     "dcp_save_shm_s": "dcp.save, FileSystemWriter (2 threads) to /dev/shm",
     "dcp_load_shm_s": "dcp.load from /dev/shm into the state's tensors (in place)",
@@ -160,6 +164,12 @@ TARGETS = [
         1.0,
     ),
     (
+        "committed, default store (shm + LMDB) vs the disk's floor",
+        "tc_committed_default_s",
+        "disk_write_fsync_s",
+        None,
+    ),
+    (
         "committed, default store, first save vs dcp.save to disk",
         "tc_committed_default_first_s",
         "dcp_save_disk_s",
@@ -172,6 +182,12 @@ TARGETS = [
         None,
     ),
     ("migration to remote file vs dcp.save to disk", "tc_migrate_file_s", "dcp_save_disk_s", 1.0),
+    (
+        "migration to remote file vs the disk's floor",
+        "tc_migrate_file_s",
+        "disk_write_fsync_s",
+        None,
+    ),
     (
         "save() to migrated at remote file vs dcp.save to disk",
         "tc_migrated_remote_s",
@@ -328,6 +344,8 @@ def measure_main(
     r = safetensors_save_load(bs, SHM, repeats)
     res.put("safetensors_save_shm_s", r["save"])
     res.put("safetensors_load_shm_s", r["load"])
+    log("the disk's floor (write + fsync of the raw bytes)")
+    res.put("disk_write_fsync_s", disk_floor(bs, disk, repeats))
     log("dcp.save / dcp.load")
     r = dcp_save_load(bs, disk, repeats, load=True)
     res.put("dcp_save_disk_s", r["save"])
@@ -481,7 +499,7 @@ def main() -> int:
 
         render(json.loads(args.render.read_text()), REPO / "docs", FIELDS, METRICS)
         return 0
-    with private_disk_dir():
+    with private_disk_dir(), shm_root_left_as_found():
         return run(args)
 
 
