@@ -42,9 +42,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# whether the host's default shm root was there when the run began
+_SHM_ROOT_EXISTED = pytest.StashKey[bool]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--soak"):
         os.environ["TIERCHECK_SOAK"] = "1"  # read by the test modules as they are imported
+    from tiercheck.backends import DEFAULT_SHM_ROOT
+
+    config.stash[_SHM_ROOT_EXISTED] = os.path.exists(DEFAULT_SHM_ROOT)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The host's default shm root is left as found: removed if the run made it and it is
+    empty (each test's segments are checked by ``_no_leaked_segments``). Only in the
+    process that ran the session, after every xdist worker has finished."""
+    if hasattr(session.config, "workerinput") or session.config.stash.get(_SHM_ROOT_EXISTED, True):
+        return
+    from tiercheck.backends import DEFAULT_SHM_ROOT
+
+    try:
+        os.rmdir(DEFAULT_SHM_ROOT)
+    except OSError:  # not empty (another store on this host), or already gone
+        pass
 
 
 _FAKE_AWS_ENV = {
