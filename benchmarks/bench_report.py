@@ -103,9 +103,13 @@ def floor_section(res: dict[str, Any]) -> str:
     ]
     return (
         "\nThe disk's floor in this run: the state's bytes, as they lie in memory, written "
-        f"by two threads to one file each and fsynced took {_fmt(floor, 's')} "
-        "(`disk_write_fsync_s`). Every durable save pays at least that; what each pays "
-        f"on top:\n\n{_md(['durable path', 'seconds', 'x the floor'], rows)}\n"
+        f"by two threads to one new file each and fsynced took {_fmt(floor, 's')} "
+        "(`disk_write_fsync_s`): what making the state durable in new files costs on this "
+        "disk. `dcp.save`, `torch.save` and the `file://` tier write new files; LMDB rewrites "
+        "pages of its file that it already owns (no blocks to allocate, no extents to "
+        "journal) while the state is still being hashed, which is how it can come in under "
+        "the floor. Each durable path "
+        f"against it:\n\n{_md(['durable path', 'seconds', 'x the floor'], rows)}\n"
     )
 
 
@@ -506,6 +510,32 @@ def plot_training(res: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def gpu_section(path: Path = Path(__file__).parent / "results" / "gpu.json") -> str:
+    """The "On a GPU" section: ``benchmarks/gpu.py``'s JSON where it has been run on a GPU
+    (``--out benchmarks/results/gpu.json``), else how to produce it."""
+    head = (
+        "## On a GPU\n\n`python benchmarks/gpu.py --out benchmarks/results/gpu.json` saves the "
+        "same model + AdamW state held on a GPU (each `step` on the CPU, as AdamW keeps it) "
+        "and compares tiercheck's staging (device-to-host copies on a side stream of the "
+        "tensor's own device into a pinned buffer) and commit with `dcp.async_save` "
+        "(`DefaultStager`, pinned memory, non-blocking copies) on the same GPU.\n\n"
+    )
+    if not path.exists():
+        return head + (
+            "Not measured yet: no GPU machine has been available to the sessions that ran "
+            "this benchmark. The script's whole path runs on the CPU in the test suite "
+            "(`--device cpu`), and `tests/test_gpu.py` runs it on CUDA.\n\n"
+        )
+    doc = json.loads(path.read_text())
+    rows = [[f"`{k}`", _fmt(v["median"], "s")] for k, v in sorted(doc["metrics"].items())]
+    ratios = [[k, _ratio(v)] for k, v in doc["ratios"].items()]
+    return head + (
+        f"Run on {doc['created']}: {doc['device_name']} ({doc['device']}), torch "
+        f"{doc['torch']}, {doc['state_bytes'] / GIB:.2f} GiB, median of {doc['repeats']}.\n\n"
+        f"{_md(['metric', 'median'], rows)}\n\n{_md(['comparison', 'ratio'], ratios)}\n\n"
+    )
+
+
 def log_versions_section(
     path: Path = Path(__file__).parent / "results" / "log_versions.json",
 ) -> str:
@@ -675,7 +705,7 @@ step to /dev/shm ({t["dcp_async_s"]:.2f} s, **{t["dcp_async_slowdown"]:.2f}x**).
 
 ![training](benchmarks/training.png)
 
-{log_versions_section()}## Every metric
+{log_versions_section()}{gpu_section()}## Every metric
 
 {_md(["metric", "median", "min .. max", "what"], metric_rows(res, metric_docs))}
 

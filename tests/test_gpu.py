@@ -174,3 +174,11 @@ def test_two_nccl_ranks_save_and_restore_on_their_own_gpus(tmp_path: Path, shm_r
         assert r["allreduce_after"] == 2.0, r
         if r["context_on_other_gpu_before"] is False:
             assert r["context_on_other_gpu"] is False, r
+
+
+def test_the_gpu_benchmark_runs_on_cuda(tmp_path: Path) -> None:
+    """``benchmarks/gpu.py`` on the GPU (its numbers go to docs/benchmarks.md)."""
+    from test_bench_gpu_script import run_gpu_bench
+
+    result = run_gpu_bench(tmp_path, "cuda")
+    assert result["device"] == "cuda" and result["metrics"]["tc_staged_s"]["median"] > 0  # type: ignore[index]

@@ -1,0 +1,175 @@
+"""Saving a state that lives on a GPU: tiercheck against ``dcp.async_save`` on the same GPU.
+
+    python benchmarks/gpu.py                       # 1 GiB on cuda:0, 5 repeats
+    python benchmarks/gpu.py --out gpu.json        # also write the numbers (JSON)
+    python benchmarks/gpu.py --device cpu --state-mib 4 --repeats 1   # the same path, no GPU
+
+The state is ``bench_lib.make_state``'s model + AdamW moments moved to the device, with each
+parameter's ``step`` left on the CPU as ``torch.optim.AdamW`` keeps it: a mixed state, so
+both staging paths run (device-to-host copies on a side stream of the tensor's own device
+into a pinned buffer, and CPU copies). Every number is the median of ``--repeats`` runs
+in this process, one system after the other, the state changed densely between saves:
+
+- ``copy_to_host_s``: every tensor copied into pinned host tensors allocated beforehand
+  (non-blocking, then one synchronize): the floor for staging;
+- ``tc_blocked_s``, ``tc_staged_s``, ``tc_committed_shm_s``: a store with the shm tier
+  alone (every save a base, raw), ``save()`` returning / staged / committed;
+- ``tc_committed_default_s``: the default store (shm + LMDB), in its steady state;
+- ``tc_restore_shm_s``: restore from shm into the state's own device tensors;
+- ``dcp_async_blocked_s``, ``dcp_async_staged_s``, ``dcp_async_committed_disk_s``:
+  ``dcp.async_save`` with DCP's ``DefaultStager`` (pinned memory and non-blocking copies
+  where CUDA is there) to disk, returning / staged / durable.
+
+Without ``--device cpu`` it needs CUDA and says so; with it, the same code runs on the CPU
+(the test suite does that, so this script keeps working where no GPU is at hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from bench_lib import (
+    MIB,
+    BenchState,
+    dcp_async,
+    default_store_warmup,
+    disk_dir,
+    make_state,
+    median,
+    one_tier,
+    private_disk_dir,
+    shm_root_left_as_found,
+    store,
+    tc_restores,
+    tc_saves,
+)
+
+import tiercheck
+
+# name: (tiercheck metric, peer metric)
+COMPARISONS = {
+    "staged vs a plain copy to pinned host memory": ("tc_staged_s", "copy_to_host_s"),
+    "staged vs DCP async staged": ("tc_staged_s", "dcp_async_staged_s"),
+    "blocked vs DCP async blocked": ("tc_blocked_s", "dcp_async_blocked_s"),
+    "committed at shm vs DCP async committed (disk)": (
+        "tc_committed_shm_s",
+        "dcp_async_committed_disk_s",
+    ),
+    "committed, default store vs DCP async committed (disk)": (
+        "tc_committed_default_s",
+        "dcp_async_committed_disk_s",
+    ),
+}
+
+
+def on_device(bs: BenchState, device: torch.device) -> BenchState:
+    """``bs`` with its tensors moved to ``device``, except AdamW's per-parameter ``step``
+    (0-dimensional), which stays on the CPU as torch's AdamW keeps it."""
+    moved = {id(t): (t if t.dim() == 0 else t.to(device)) for t in bs.tensors}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return moved[id(node)]
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return BenchState(walk(bs.state), bs.params, bs.nbytes, [moved[id(t)] for t in bs.tensors])
+
+
+def copy_to_host(bs: BenchState, repeats: int) -> list[float]:
+    """Every tensor into a host tensor allocated (pinned where CUDA is) and touched before;
+    non-blocking copies, then one synchronize."""
+    cuda = torch.cuda.is_available()
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in bs.tensors]
+    for d in dst:
+        d.zero_()
+    runs = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for d, s in zip(dst, bs.tensors):
+            d.copy_(s, non_blocking=cuda and s.is_cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        runs.append(time.perf_counter() - t0)
+    return runs[1:]  # the first pass warms caches and the copy engines
+
+
+def measure(bs: BenchState, repeats: int) -> dict[str, list[float]]:
+    m: dict[str, list[float]] = {"copy_to_host_s": copy_to_host(bs, repeats)}
+    tp = tiercheck.TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1)
+    tiers, policy = one_tier("shm", "shm://tc-gpu-{uid}", tp)
+    with store(tiers, policy) as ckpt:
+        r = tc_saves(ckpt, bs, repeats, warm=1)
+        m["tc_blocked_s"], m["tc_staged_s"] = r["blocked"], r["staged"]
+        m["tc_committed_shm_s"] = r["committed"]
+        m["tc_restore_shm_s"] = tc_restores(ckpt, bs, repeats, "shm")["runs"]
+    with store(None, tiercheck.Policy(base_every=1, gc_grace_seconds=0)) as ckpt:
+        r = tc_saves(ckpt, bs, repeats, warm=default_store_warmup())
+        m["tc_committed_default_s"] = r["committed"]
+    r = dcp_async(bs, disk_dir(), repeats)
+    m["dcp_async_blocked_s"] = r["blocked"]
+    m["dcp_async_staged_s"] = r["staged"]
+    m["dcp_async_committed_disk_s"] = r["committed"]
+    return m
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
+    p.add_argument("--state-mib", type=float, default=1024)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None, help="write the numbers here (JSON)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error("no CUDA device here: run it on a GPU machine, or pass --device cpu")
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    bs = on_device(make_state(int(args.state_mib * MIB)), device)
+    load0 = os.getloadavg()[0]
+    with private_disk_dir(), shm_root_left_as_found():
+        m = measure(bs, args.repeats)
+    load1 = os.getloadavg()[0]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"state {bs.nbytes / MIB:.0f} MiB on {device} ({name}), {args.repeats} repeats, "
+        f"load average {load0:.1f} -> {load1:.1f}"
+    )
+    for k, runs in m.items():
+        print(f"  {k:28s} {median(runs) * 1e3:9.1f} ms   {[round(x * 1e3, 1) for x in runs]}")
+    ratios = {}
+    for label, (tc, peer) in COMPARISONS.items():
+        ratios[label] = median(m[tc]) / median(m[peer])
+        print(f"{label}: {ratios[label]:.2f}x")
+    if args.out is not None:
+        out = {
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device),
+            "device_name": name,
+            "torch": torch.__version__,
+            "state_bytes": bs.nbytes,
+            "repeats": args.repeats,
+            "load": [load0, load1],
+            "metrics": {k: {"median": median(v), "runs": v, "unit": "s"} for k, v in m.items()},
+            "ratios": ratios,
+        }
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""``benchmarks/gpu.py`` (saving a GPU-resident state against ``dcp.async_save``) runs its
+whole path on the CPU here, so it works the day it is run on a GPU machine; the same run on
+CUDA is in ``tests/test_gpu.py``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_gpu_bench(tmp_path: Path, device: str) -> dict[str, object]:
+    from tiercheck.backends import DEFAULT_SHM_ROOT
+
+    # the script removes the host's shm root if it made it; other tests use it meanwhile
+    os.makedirs(DEFAULT_SHM_ROOT, exist_ok=True)
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "TIERCHECK_BENCH_DISK": str(tmp_path / "disk")}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", device]
+    cmd += ["--state-mib", "2", "--repeats", "1", "--out", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, object] = json.loads(out.read_text())
+    return result
+
+
+def test_the_gpu_benchmark_runs_its_whole_path_on_the_cpu(tmp_path: Path) -> None:
+    result = run_gpu_bench(tmp_path, "cpu")
+    metrics = result["metrics"]
+    assert isinstance(metrics, dict)
+    for name in (
+        "copy_to_host_s",
+        "tc_blocked_s",
+        "tc_staged_s",
+        "tc_committed_shm_s",
+        "tc_committed_default_s",
+        "tc_restore_shm_s",
+        "dcp_async_blocked_s",
+        "dcp_async_staged_s",
+        "dcp_async_committed_disk_s",
+    ):
+        assert metrics[name]["median"] > 0, name
+    ratios = result["ratios"]
+    assert isinstance(ratios, dict) and len(ratios) == 5
+    assert all(math.isfinite(r) and r > 0 for r in ratios.values())
+    assert result["device"] == "cpu" and result["state_bytes"] > 0
+    assert not (tmp_path / "disk").exists() or not any((tmp_path / "disk").iterdir())
+
+
+def test_the_gpu_benchmark_says_when_there_is_no_cuda(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--state-mib", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no CUDA device here" in done.stderr
