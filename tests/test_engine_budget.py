@@ -199,7 +199,12 @@ def test_log_versions_stay_in_shm_under_the_default_budget(tmp_path: Path) -> No
     """Dense training with a guarded optimizer: the default budget is sized for a full
     version, so the log versions (a third of one) go to shm like the bases, and a log
     version never shrinks the budget below what the next base needs (a 12 MiB state: the
-    1 MiB slack of the budget does not hide it)."""
+    1 MiB slack of the budget does not hide it).
+
+    Each save waits for its migration: a base being migrated to the remote tier is read
+    from shm and kept there until it is copied, so on a busy disk the previous base would
+    still be held when the next log version needs the room, and that version would go to
+    LMDB instead (as it should) whatever the budget."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -213,7 +218,7 @@ def test_log_versions_stay_in_shm_under_the_default_budget(tmp_path: Path) -> No
             model(x).square().mean().backward()
             opt.step()
             state = {"model": model.state_dict(), "optim": opt.state_dict()}
-            results.append(ckpt.save(step, state).wait())
+            results.append(ckpt.save(step, state).wait_migrated(timeout=120))
         roles = [r.role for r in results]
         assert "log" in roles and roles.count("base") >= 2, roles
         assert all(r.tiers["shm"] == "committed" for r in results), [r.tiers for r in results]
