@@ -256,17 +256,21 @@ def dir_bytes(root: Path) -> int:
 
 
 def copy_warm(bs: BenchState, repeats: int) -> list[float]:
-    """``dst.copy_(src)`` into tensors allocated (and touched) once beforehand."""
-    dst = [torch.empty_like(t) for t in bs.tensors]
+    """``dst.copy_(src)`` into host tensors allocated (and touched) once beforehand; from a
+    GPU, into pinned ones with non-blocking copies and one synchronize at the end."""
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in bs.tensors]
     for d in dst:
         d.zero_()
+    cuda = any(t.is_cuda for t in bs.tensors)
     runs = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         for d, s in zip(dst, bs.tensors):
-            d.copy_(s)
+            d.copy_(s, non_blocking=s.is_cuda)
+        if cuda:
+            torch.cuda.synchronize()
         runs.append(time.perf_counter() - t0)
-    return runs[1:]  # the first pass warms caches and TLB
+    return runs[1:]  # the first pass warms caches and TLB (and the copy engines)
 
 
 def copy_fresh(bs: BenchState, repeats: int) -> list[float]:

@@ -10,8 +10,8 @@ both staging paths run (device-to-host copies on a side stream of the tensor's o
 into a pinned buffer, and CPU copies). Every number is the median of ``--repeats`` runs
 in this process, one system after the other, the state changed densely between saves:
 
-- ``copy_to_host_s``: every tensor copied into pinned host tensors allocated beforehand
-  (non-blocking, then one synchronize): the floor for staging;
+- ``copy_to_host_s``: every tensor copied into host tensors allocated beforehand (pinned,
+  non-blocking, then one synchronize: ``bench_lib.copy_warm``): the floor for staging;
 - ``tc_blocked_s``, ``tc_staged_s``, ``tc_committed_shm_s``: a store with the shm tier
   alone (every save a base, raw), ``save()`` returning / staged / committed;
 - ``tc_committed_default_s``: the default store (shm + LMDB), in its steady state;
@@ -31,7 +31,6 @@ import datetime as dt
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import torch
 from bench_lib import (
     MIB,
     BenchState,
+    copy_warm,
     dcp_async,
     default_store_warmup,
     disk_dir,
@@ -89,26 +89,8 @@ def on_device(bs: BenchState, device: torch.device) -> BenchState:
     return BenchState(walk(bs.state), bs.params, bs.nbytes, [moved[id(t)] for t in bs.tensors])
 
 
-def copy_to_host(bs: BenchState, repeats: int) -> list[float]:
-    """Every tensor into a host tensor allocated (pinned where CUDA is) and touched before;
-    non-blocking copies, then one synchronize."""
-    cuda = torch.cuda.is_available()
-    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in bs.tensors]
-    for d in dst:
-        d.zero_()
-    runs = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        for d, s in zip(dst, bs.tensors):
-            d.copy_(s, non_blocking=cuda and s.is_cuda)
-        if cuda:
-            torch.cuda.synchronize()
-        runs.append(time.perf_counter() - t0)
-    return runs[1:]  # the first pass warms caches and the copy engines
-
-
 def measure(bs: BenchState, repeats: int) -> dict[str, list[float]]:
-    m: dict[str, list[float]] = {"copy_to_host_s": copy_to_host(bs, repeats)}
+    m: dict[str, list[float]] = {"copy_to_host_s": copy_warm(bs, repeats)}
     tp = tiercheck.TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1)
     tiers, policy = one_tier("shm", "shm://tc-gpu-{uid}", tp)
     with store(tiers, policy) as ckpt:
