@@ -182,7 +182,11 @@ def torchrun(ranks: int, root: Path, *args: str, env: dict[str, str] | None = No
         "--root",
         str(root),
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # torchrun's agent leaves a torchelastic_* log directory in TMPDIR: put it (and any
+    # worker's temporary files) under ``root``, which the caller removes
+    tmp = root / "tmp"
+    tmp.mkdir(exist_ok=True)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
