@@ -190,42 +190,28 @@ def scratch(where: Path) -> Iterator[Path]:
 def private_disk_dir() -> Iterator[Path]:
     """A directory of this run's own under :func:`disk_dir`, which :func:`disk_dir` returns
     until the context exits and the directory is removed: concurrent runs (a CI smoke run
-    beside a full one) never remove each other's files."""
+    beside a full one) never remove each other's files. torch's cache directory (made in
+    /tmp the first time an optimizer is built) goes in it too, unless the caller set one."""
     base = disk_dir()
     base.mkdir(parents=True, exist_ok=True)
     own = Path(tempfile.mkdtemp(prefix="run-", dir=base))
-    previous = os.environ.get("TIERCHECK_BENCH_DISK")
-    os.environ["TIERCHECK_BENCH_DISK"] = str(own)
+    env = {"TIERCHECK_BENCH_DISK": str(own), "TORCHINDUCTOR_CACHE_DIR": str(own / "torch")}
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ["TIERCHECK_BENCH_DISK"] = env["TIERCHECK_BENCH_DISK"]
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", env["TORCHINDUCTOR_CACHE_DIR"])
     try:
         yield own
     finally:
-        if previous is None:
-            os.environ.pop("TIERCHECK_BENCH_DISK", None)
-        else:
-            os.environ["TIERCHECK_BENCH_DISK"] = previous
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         shutil.rmtree(own, ignore_errors=True)
         try:
             base.rmdir()  # only if no other run is using it
         except OSError:
             pass
-
-
-@contextmanager
-def shm_root_left_as_found() -> Iterator[None]:
-    """The default stores measured here create the host's shm root directory (their
-    segments go in it, and destroying a store removes them): if it was not there before
-    the run, the run removes it again, when empty (another store may be using it)."""
-    from tiercheck.backends import DEFAULT_SHM_ROOT
-
-    existed = os.path.exists(DEFAULT_SHM_ROOT)
-    try:
-        yield
-    finally:
-        if not existed:
-            try:
-                os.rmdir(DEFAULT_SHM_ROOT)
-            except OSError:
-                pass
 
 
 def disk_dir() -> Path:

@@ -53,12 +53,12 @@ from bench_lib import (
     median,
     one_tier,
     private_disk_dir,
-    shm_root_left_as_found,
     store,
     tc_saves,
 )
 
 import tiercheck
+from tiercheck.lifecycle import shm_root_left_as_found
 
 GOALS = {
     # name: (tiercheck metric, peer metric, target)

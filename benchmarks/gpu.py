@@ -48,13 +48,13 @@ from bench_lib import (
     median,
     one_tier,
     private_disk_dir,
-    shm_root_left_as_found,
     store,
     tc_restores,
     tc_saves,
 )
 
 import tiercheck
+from tiercheck.lifecycle import shm_root_left_as_found
 
 # name: (tiercheck metric, peer metric)
 COMPARISONS = {

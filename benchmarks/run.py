@@ -48,7 +48,6 @@ from bench_lib import (
     one_tier,
     private_disk_dir,
     safetensors_save_load,
-    shm_root_left_as_found,
     store,
     tc_restores,
     tc_saves,
@@ -57,6 +56,7 @@ from bench_lib import (
 )
 
 import tiercheck
+from tiercheck.lifecycle import shm_root_left_as_found
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = 1

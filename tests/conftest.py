@@ -42,30 +42,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-# whether the host's default shm root was there when the run began
-_SHM_ROOT_EXISTED = pytest.StashKey[bool]()
+# the host's default shm root, left as the run found it (entered in the controlling process)
+_SHM_ROOT = pytest.StashKey[contextlib.AbstractContextManager[None]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--soak"):
         os.environ["TIERCHECK_SOAK"] = "1"  # read by the test modules as they are imported
-    from tiercheck.backends import DEFAULT_SHM_ROOT
+    if not hasattr(config, "workerinput"):  # not in an xdist worker: tests still run there
+        from tiercheck.lifecycle import shm_root_left_as_found
 
-    config.stash[_SHM_ROOT_EXISTED] = os.path.exists(DEFAULT_SHM_ROOT)
+        config.stash[_SHM_ROOT] = shm_root_left_as_found()
+        config.stash[_SHM_ROOT].__enter__()
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """The host's default shm root is left as found: removed if the run made it and it is
-    empty (each test's segments are checked by ``_no_leaked_segments``). Only in the
-    process that ran the session, after every xdist worker has finished."""
-    if hasattr(session.config, "workerinput") or session.config.stash.get(_SHM_ROOT_EXISTED, True):
-        return
-    from tiercheck.backends import DEFAULT_SHM_ROOT
-
-    try:
-        os.rmdir(DEFAULT_SHM_ROOT)
-    except OSError:  # not empty (another store on this host), or already gone
-        pass
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Each test's segments are checked by ``_no_leaked_segments``; the empty root the run
+    made goes too, once every worker has finished."""
+    ctx = config.stash.get(_SHM_ROOT, None)
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
 
 
 _FAKE_AWS_ENV = {

@@ -209,3 +209,25 @@ def test_rm_holds_the_writer_lock_while_deleting(tmp_path: Path) -> None:
         os.close(fd)
     destroy_store(root)
     assert not root.exists()
+
+
+def test_shm_root_left_as_found(tmp_path: Path) -> None:
+    """A program that made the shm root removes it when it is done with it and it is empty;
+    a root that was there before, or that still holds a segment, stays."""
+    from tiercheck.lifecycle import shm_root_left_as_found
+
+    root = tmp_path / "shm-root"
+    with shm_root_left_as_found(root):
+        root.mkdir()  # as the first store opened on the host does
+    assert not root.exists()
+
+    root.mkdir()
+    with shm_root_left_as_found(root):
+        pass
+    assert root.is_dir()  # it was there before
+
+    root.rmdir()
+    with shm_root_left_as_found(root):
+        root.mkdir()
+        (root / "segment-of-another-store").write_bytes(b"x")
+    assert (root / "segment-of-another-store").exists()

@@ -48,7 +48,7 @@ from torch import nn
 
 import tiercheck
 from tiercheck.errors import NoRestorableVersion
-from tiercheck.lifecycle import destroy_store
+from tiercheck.lifecycle import destroy_store, shm_root_left_as_found
 
 __all__ = [
     "GPT",
@@ -671,16 +671,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (root / "tiercheck.toml").exists():
         p.error(f"{root} already holds a store; pass a new or empty --root")
     ok = False
-    try:
-        ok = _orchestrate(root, steps, crash_at, console)
-    finally:
-        if not args.keep:
-            if (root / "tiercheck.toml").exists():
-                destroy_store(root)  # the store and its shm segment: tiercheck rm
-            if made_root:
-                shutil.rmtree(root, ignore_errors=True)
-        else:
-            console.print(f"store kept at {root}")
+    with shm_root_left_as_found():  # after the store's segments are gone
+        try:
+            ok = _orchestrate(root, steps, crash_at, console)
+        finally:
+            if not args.keep:
+                if (root / "tiercheck.toml").exists():
+                    destroy_store(root)  # the store and its shm segment: tiercheck rm
+                if made_root:
+                    shutil.rmtree(root, ignore_errors=True)
+            else:
+                console.print(f"store kept at {root}")
     return 0 if ok else 1
 
 

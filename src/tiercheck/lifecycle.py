@@ -44,6 +44,7 @@ __all__ = [
     "destroy_store",
     "find_orphans",
     "remove_orphans",
+    "shm_root_left_as_found",
     "store_shm_roots",
     "warn_orphans",
 ]
@@ -234,6 +235,26 @@ def _lmdb_paths(spec: TierSpec) -> list[str]:
 
 def _inside(path: str, root: Path) -> bool:
     return Path(os.path.realpath(path)).is_relative_to(root)
+
+
+@contextlib.contextmanager
+def shm_root_left_as_found(root: str | os.PathLike[str] = DEFAULT_SHM_ROOT) -> Iterator[None]:
+    """For a program that opens and destroys stores on this host (a demo, a benchmark run):
+    the shm root it made is removed again when it is empty at the end.
+
+    Destroying a store removes its segments but not the root directory, which every store
+    on the host shares: another process may be creating a segment in it at any moment, so
+    only a program that made the root, and finds it empty when it is done, removes it.
+    """
+    existed = os.path.exists(root)
+    try:
+        yield
+    finally:
+        if not existed:
+            try:
+                os.rmdir(root)
+            except OSError:  # not empty (another store of this host), or already gone
+                pass
 
 
 def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> DestroyReport:
