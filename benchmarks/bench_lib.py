@@ -304,6 +304,8 @@ def disk_floor(bs: BenchState, where: Path, repeats: int, *, threads: int = 2) -
     paths (``dcp.save``, a migration, LMDB) are reported against it as well as against each
     other, so a ratio near 1 between two of them can be told apart from both being slow.
     """
+    from tiercheck.backends._fsspec import _write_all
+
     views = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in bs.tensors if t.numel()]
     groups: list[list[Any]] = [[] for _ in range(threads)]
     sizes = [0] * threads
@@ -313,18 +315,9 @@ def disk_floor(bs: BenchState, where: Path, repeats: int, *, threads: int = 2) -
         sizes[i] += len(v)
 
     def write(path: Path, group: list[Any]) -> None:
-        views = [memoryview(v) for v in group]
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            i = 0
-            while i < len(views):
-                n = os.writev(fd, views[i : i + 512])  # under IOV_MAX buffers a call
-                while n:  # advance past what was written (a short write continues)
-                    if n >= len(views[i]):
-                        n -= len(views[i])
-                        i += 1
-                    else:
-                        views[i], n = views[i][n:], 0
+            _write_all(fd, [memoryview(v) for v in group])  # the file tier's own writer
             os.fsync(fd)
         finally:
             os.close(fd)
