@@ -191,7 +191,7 @@ class Budgets:
             )
 
 
-def budget_of(tier: Tier) -> int | None:
+def budget_of(tier: Tier | None) -> int | None:
     """The budget ``tier`` enforces now (None: none)."""
-    value = getattr(tier, "budget", None)
+    value = getattr(tier, "budget", None) if tier is not None else None
     return value if isinstance(value, int) else None

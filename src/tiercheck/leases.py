@@ -127,18 +127,34 @@ class GCFence:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._protected: Counter[str] = Counter()
+        self._scoped: Counter[tuple[str, str]] = Counter()  # (tier, id): in that tier only
         self._deleting: dict[str, frozenset[str]] = {}
         self._sweeps = 0
         self._deferred: list[list[str]] = []
+        self._deferred_scoped: list[list[tuple[str, str]]] = []
 
     def protect(self, ids: Iterable[str]) -> list[str]:
-        """Protect ``ids``; return once no sweep is deleting any of them. Pass the result
-        to :meth:`release` when a commit record names them (or the work was abandoned)."""
+        """Protect ``ids`` in every tier; return once no sweep is deleting any of them. Pass
+        the result to :meth:`release` when a commit record names them (or the work was
+        abandoned)."""
         out = list(ids)
         with self._cond:
             self._protected.update(out)
             wanted = set(out)
             while any(not wanted.isdisjoint(d) for d in self._deleting.values()):
+                self._cond.wait()
+        return out
+
+    def protect_in(self, tiers: Iterable[str], ids: Iterable[str]) -> list[tuple[str, str]]:
+        """Protect ``ids`` in ``tiers`` only (a sweep of another tier may delete them: a
+        migration that reads a version from a more durable tier lets a tier over its memory
+        budget free it); otherwise as :meth:`protect`. Pass the result to
+        :meth:`release_in`."""
+        names, wanted = list(tiers), set(ids)
+        out = [(t, i) for t in names for i in wanted]
+        with self._cond:
+            self._scoped.update(out)
+            while any(not wanted.isdisjoint(self._deleting.get(t, ())) for t in names):
                 self._cond.wait()
         return out
 
@@ -149,14 +165,30 @@ class GCFence:
             else:
                 self._subtract(ids)
 
+    def release_in(self, keys: list[tuple[str, str]]) -> None:
+        with self._cond:
+            if self._sweeps:
+                self._deferred_scoped.append(keys)
+            else:
+                self._subtract_scoped(keys)
+
     def _subtract(self, ids: Iterable[str]) -> None:
         self._protected.subtract(ids)
         for i in [i for i, n in self._protected.items() if n <= 0]:
             del self._protected[i]
 
-    def protected(self) -> set[str]:
+    def _subtract_scoped(self, keys: Iterable[tuple[str, str]]) -> None:
+        self._scoped.subtract(keys)
+        for k in [k for k, n in self._scoped.items() if n <= 0]:
+            del self._scoped[k]
+
+    def protected(self, tier: str | None = None) -> set[str]:
+        """The ids protected in every tier, plus those protected in ``tier`` alone."""
         with self._cond:
-            return set(self._protected)
+            out = set(self._protected)
+            if tier is not None:
+                out.update(i for t, i in self._scoped if t == tier)
+            return out
 
     def begin(self) -> None:
         """A sweep starts (before it reads the catalog it marks from)."""
@@ -167,7 +199,9 @@ class GCFence:
         """The ``candidates`` a sweep of ``tier`` may delete now (those unprotected); they
         count as being deleted until :meth:`done`."""
         with self._cond:
-            out = [c for c in candidates if c not in self._protected]
+            out = [
+                c for c in candidates if c not in self._protected and (tier, c) not in self._scoped
+            ]
             self._deleting[tier] = frozenset(out)
             return out
 
@@ -178,7 +212,10 @@ class GCFence:
             if not self._sweeps:
                 for ids in self._deferred:
                     self._subtract(ids)
+                for keys in self._deferred_scoped:
+                    self._subtract_scoped(keys)
                 self._deferred.clear()
+                self._deferred_scoped.clear()
             self._cond.notify_all()
 
 

@@ -40,7 +40,15 @@ from tiercheck.manifest_log import (
     should_compact,
 )
 from tiercheck.placement import Policy, TierPolicy
-from tiercheck.retention import GCReport, GCState, collect_garbage, drop_versions, plan_drops
+from tiercheck.retention import (
+    GCReport,
+    GCState,
+    Protection,
+    collect_garbage,
+    drop_versions,
+    plan_drops,
+    protection,
+)
 from tiercheck.tierset import TierSet, TierSlot
 
 __all__ = ["Maintenance"]
@@ -113,10 +121,15 @@ class Maintenance:
         None once they fit (or the tier has no budget), else what is missing.
 
         Versions are dropped by retention tightened step by step (first the policy itself,
-        then fewer diffs, down to none, then fewer bases, down to one) and the tier is swept
-        after each step: at once (grace 0) where no other process writes to it, with the
-        policy's grace in a shared tier. Never dropped: a pinned version (a migration still
-        reads it, an in-flight diff follows it), the base of a kept diff, the newest base.
+        then fewer diffs, down to none, then fewer bases, down to one, and last the versions
+        a newer one needs that a more durable tier keeps: a diff's base that LMDB holds) and
+        the tier is swept after each step: at once (grace 0) where no other process writes
+        to it, with the policy's grace in a shared tier. Never dropped: what the tier must
+        keep (:func:`tiercheck.retention.protection`: its newest restorable version and
+        what that needs, until a newer one is committed here or somewhere at least as
+        durable), a pinned version (a migration still reads it, an in-flight diff follows
+        it) unless a more durable tier keeps it. What still does not fit is the *new*
+        version's shortfall: it skips the tier.
         """
         fut: Future[Shortfall | None] = self._executor.submit(self._make_room, slot, needed)
         return fut.result()
@@ -150,7 +163,7 @@ class Maintenance:
         if slot.tier is None or slot.policy is None or not self._manages(slot):
             return
         tl = self._log_of(slot)  # unreachable when last read: read now (retention needs all)
-        drops = plan_drops(tl, slot.policy, self.pinned())
+        drops = plan_drops(tl, slot.policy, self.pinned(), self._protection(slot))
         if drops:
             self.catalog.dropped(slot.name, drop_versions(slot, drops))
             log.debug("retention dropped %s from %s", drops, slot.name)
@@ -220,11 +233,23 @@ class Maintenance:
             return Shortfall(slot.name, needed, held, budget)
         shared = tier.capabilities.shared
         grace = self.policy.gc_grace_seconds if shared else 0.0
-        # first what retention dropped already (waiting out its grace), then tighter steps
-        steps: list[TierPolicy | None] = [None, *_tightened(slot.policy, self._log_of(slot))]
-        for tight in steps:
-            if tight is not None:
-                drops = plan_drops(self._log_of(slot), tight, self.pinned())
+        # first what retention dropped already (waiting out its grace), then tighter steps,
+        # and last what a more durable tier keeps; never what this tier must keep
+        steps: list[tuple[TierPolicy, bool] | None] = [
+            None,
+            *((tight, False) for tight in _tightened(slot.policy, self._log_of(slot))),
+            (replace(slot.policy, keep_diffs=0, keep_bases=1), True),
+        ]
+        for step in steps:
+            if step is not None:
+                tight, last_resort = step
+                drops = plan_drops(
+                    self._log_of(slot),
+                    tight,
+                    self.pinned(),
+                    self._protection(slot),
+                    last_resort=last_resort,
+                )
                 if not drops:
                     continue
                 self.catalog.dropped(slot.name, drop_versions(slot, drops))
@@ -241,6 +266,12 @@ class Maintenance:
             if held + needed <= budget:
                 return None
         return Shortfall(slot.name, needed, held, budget)
+
+    def _protection(self, slot: TierSlot) -> Protection:
+        """What ``slot``'s tier must keep now (:func:`tiercheck.retention.protection`)."""
+        self._log_of(slot)  # the rule reads this tier's whole log
+        caps = {s.name: s.tier.capabilities for s in self.tierset.slots if s.tier is not None}
+        return protection(self.catalog.snapshot(), slot.name, caps)
 
     def _manages(self, slot: TierSlot) -> bool:
         # one rank manages a tier every rank shares

@@ -36,13 +36,14 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from tiercheck import guarantees
+from tiercheck.budgets import budget_of
 from tiercheck.errors import NotFound, OverBudget, TiercheckError, TierUnavailable
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import CommitRecord, VersionInfo
 from tiercheck.handles import Failures, SaveHandle, TierState
 from tiercheck.leases import GCFence, TierLeases
 from tiercheck.maintenance import Maintenance
-from tiercheck.manifest_log import LiveCatalog, append_record, read_tier_log
+from tiercheck.manifest_log import Catalog, LiveCatalog, append_record, read_tier_log
 from tiercheck.migration import migrate_shard
 from tiercheck.placement import Policy
 from tiercheck.tierset import TierSet, TierSlot
@@ -394,6 +395,17 @@ class MigrationService:
         if not self._halted:
             self.maintenance.request(s.name for s in self.tierset.slots)
 
+    def _exempt(self, catalog: Catalog, versions: list[int]) -> set[str]:
+        """The tiers with a memory budget whose copies of ``versions`` a migration need not
+        protect: a tier without a budget holds each of them too."""
+        budgeted = {s.name for s in self.tierset.slots if budget_of(s.tier) is not None}
+        if not budgeted:
+            return set()
+        for v in versions:
+            if not any(n not in budgeted for n in catalog.holders(v)):
+                return set()
+        return budgeted
+
     def _migrate(self, job: _Job) -> None:
         """One attempt at ``job``; raises to be retried, returns when it is done."""
         info, slot, rank = job.info, job.slot, self.rank
@@ -414,7 +426,13 @@ class MigrationService:
             ids = [mid, *(c.id for c in fetcher.manifest(mid, order=sources).chunks)]
             if base_mid is not None:
                 ids += [base_mid, *(c.id for c in fetcher.manifest(base_mid, order=sources).chunks)]
-            protected = self.fence.protect(ids)  # before the target is asked what it has
+            # before the target is asked what it has; not in a tier over its memory budget
+            # while a tier without one holds the version: shm may then free it (the
+            # fetcher reads what shm lost from the other tier)
+            exempt = self._exempt(catalog, [info.id, *([info.base] if base else [])])
+            protected = self.fence.protect_in(
+                [s.name for s in self.tierset.slots if s.name not in exempt], ids
+            )
             try:
                 if shared:
                     self.leases.acquire_write(tier)
@@ -443,7 +461,7 @@ class MigrationService:
                     if shared:
                         self.leases.release_write(tier)
             finally:
-                self.fence.release(protected)
+                self.fence.release_in(protected)
             job.prepared = True
         if cross_rank and rank == 0:
             tl = read_tier_log(slot.name, tier)

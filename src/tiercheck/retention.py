@@ -35,25 +35,110 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tiercheck.backends.base import Tier
+from tiercheck.backends.base import Capabilities, Tier
 from tiercheck.errors import BlobCorrupt, FormatVersionError, NotFound, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE, BLOB_MAGIC, read_header
 from tiercheck.formats.manifest import DropRecord, ShardManifest
 from tiercheck.leases import GCFence, TierLeases, is_lease_id
-from tiercheck.manifest_log import TierLog, append_record
+from tiercheck.manifest_log import Catalog, TierLog, append_record
 from tiercheck.placement import TierPolicy
 from tiercheck.tierset import TierSlot
 
-__all__ = ["GCReport", "GCState", "collect_garbage", "drop_versions", "plan_drops"]
+__all__ = [
+    "GCReport",
+    "GCState",
+    "Protection",
+    "at_least_as_durable",
+    "collect_garbage",
+    "drop_versions",
+    "plan_drops",
+    "protection",
+]
 
 log = logging.getLogger("tiercheck")
 
 
-def plan_drops(tl: TierLog, policy: TierPolicy, pinned: Iterable[int] = ()) -> list[int]:
-    """Versions ``policy`` says to drop from the tier whose log is ``tl``."""
+@dataclass(frozen=True)
+class Protection:
+    """What one tier must keep now, whatever its retention or its budget says: the rule
+    *nothing acknowledged is lost* (docs/concepts.md, "Guarantees"; SPEC.md section 9),
+    computed in one place (:func:`protection`).
+
+    ``keep``: the tier's newest restorable version (unless a newer version is restorable
+    from tiers at least as durable), and every version such a newest version of any tier
+    needs (its base, its log chain) of which this tier is the most durable holder.
+    ``elsewhere``: versions a newest version needs that this tier holds but a more durable
+    tier keeps; only making room under a budget may drop them here (the last resort of
+    :meth:`tiercheck.maintenance.Maintenance.make_room`).
+    """
+
+    keep: frozenset[int] = frozenset()
+    elsewhere: frozenset[int] = frozenset()
+
+
+def at_least_as_durable(a: Capabilities, b: Capabilities) -> bool:
+    """Whether what ``a`` holds survives every failure that what ``b`` holds survives."""
+    return a.survives.order >= b.survives.order and (a.persistent or not b.persistent)
+
+
+def protection(catalog: Catalog, tier: str, caps: Mapping[str, Capabilities]) -> Protection:
+    """What ``tier`` must keep now (:class:`Protection`). ``caps`` gives the capabilities
+    of the store's tiers, in the store's tier order (the tie-break between tiers that are
+    equally durable: the first keeps)."""
+    logs = {name: catalog.logs[name] for name in caps if name in catalog.logs}
+    if tier not in logs:
+        return Protection()
+    versions = catalog.versions
+    restorable = sorted(catalog.restorable_ids)
+    order = list(logs)
+
+    def chain(v: int) -> list[int]:
+        out: list[int] = []
+        cur: int | None = v
+        while cur is not None and cur in versions and cur not in out:
+            out.append(cur)
+            info = versions[cur]
+            cur = info.base if info.role in ("diff", "log") else None
+        return out
+
+    def rank(name: str) -> tuple[int, bool, int]:
+        c = caps[name]
+        return (c.survives.order, c.persistent, -order.index(name))
+
+    def newest(t: str) -> int | None:
+        held = [v for v in logs[t].held() if v in catalog.restorable_ids]
+        if not held:
+            return None
+        others = [u for u in order if u != t and at_least_as_durable(caps[u], caps[t])]
+        for w in restorable:
+            if w > held[-1] and all(any(logs[u].holds(c) for u in others) for c in chain(w)):
+                return None  # superseded where it is at least as safe: the tier may let go
+        return held[-1]
+
+    tops = {t: newest(t) for t in order}
+    needed = {c for v in tops.values() if v is not None for c in chain(v)}
+    mine = {c for c in needed if logs[tier].holds(c)}
+    keep = {c for c in mine if max((u for u in order if logs[u].holds(c)), key=rank) == tier}
+    top = tops[tier]
+    if top is not None:
+        keep.add(top)
+    return Protection(frozenset(keep), frozenset(mine - keep))
+
+
+def plan_drops(
+    tl: TierLog,
+    policy: TierPolicy,
+    pinned: Iterable[int] = (),
+    protect: Protection = Protection(),
+    *,
+    last_resort: bool = False,
+) -> list[int]:
+    """Versions ``policy`` says to drop from the tier whose log is ``tl``; never one of
+    ``protect.keep``. With ``last_resort`` (making room), a version in ``protect.elsewhere``
+    is dropped even if pinned or needed as a base here: a more durable tier keeps it."""
     pinned = set(pinned)
     held = tl.held()
     info = {v: tl.committed[v] for v in held}
@@ -68,13 +153,20 @@ def plan_drops(tl: TierLog, policy: TierPolicy, pinned: Iterable[int] = ()) -> l
     logs = [v for v in held if info[v].role == "log" and info[v].base in full]
     if policy.keep_diffs is not None:
         logs = logs[-policy.keep_diffs :] if policy.keep_diffs else []
-    keep = full | set(logs) | (pinned & set(held))
+    keep = full | set(logs) | (pinned & set(held)) | (protect.keep & set(held))
+    movable = protect.elsewhere - protect.keep if last_resort else frozenset()
+    keep -= movable
     # a kept diff or log version (pinned ones included) keeps its base, and so on down
     todo = list(keep)
     while todo:
         v = todo.pop()
         base = info[v].base
-        if info[v].role in ("diff", "log") and base in info and base not in keep:
+        if (
+            info[v].role in ("diff", "log")
+            and base in info
+            and base not in keep
+            and base not in movable
+        ):
             keep.add(base)
             todo.append(base)
     return [v for v in held if v not in keep]
@@ -283,7 +375,7 @@ def _sweep(
     if _may_hold_deltas(slot, tl):
         cache = state.delta_bases.setdefault(slot.name, {})
         headers = _HeaderReader(slot.tier, slot.name, cache)
-    protected = set(in_flight) | (fence.protected() if fence is not None else set())
+    protected = set(in_flight) | (fence.protected(slot.name) if fence is not None else set())
     live = mark(tl, manifest, protected, rank=rank, delta_base=headers)
     seen = state.first_seen.setdefault(slot.name, {})
     unreferenced = []

@@ -431,7 +431,9 @@ class SaveService:
             assert shard is not None and job.layout is not None
             if not exchange.ok:
                 raise CommitAborted(f"version {job.version} aborted: {exchange.reason}")
-            ids = [shard.manifest_id, *sizes, *(c.id for c in shard.base_chunks or ())]
+            ids = [shard.manifest_id, *sizes]
+            if self._encodes_deltas(job.role):  # its delta blobs are read against these
+                ids += [c.id for c in shard.base_chunks or ()]
             if self.world_size > 1 and self.rank == 0:
                 ids += exchange.ids  # rank 0 sweeps the shared tiers: every rank's ids
             job.protected += self.fence.protect(ids)  # before any tier is asked what it has
@@ -492,6 +494,18 @@ class SaveService:
             for slot in leased:
                 assert slot.tier is not None
                 self.leases.release_write(slot.tier)
+
+    def _encodes_deltas(self, role: Role) -> bool:
+        """Whether a synchronous tier that takes versions of ``role`` stores deltas (then
+        an in-flight diff reads its base's chunks, and a sweep must leave them; otherwise a
+        tier over its budget may free them: :func:`tiercheck.retention.protection`)."""
+        return any(
+            s.policy is not None
+            and s.policy.mode == "sync"
+            and s.policy.codec == "delta"
+            and s.policy.wants(role)
+            for s in self.tierset.slots
+        )
 
     def _encode(self, job: _Job) -> _Shard:
         """Stage, hash and describe this rank's shard (steps 1 and 2), placing its blobs
