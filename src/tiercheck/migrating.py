@@ -429,7 +429,7 @@ class MigrationService:
             # before the target is asked what it has; not in a tier over its memory budget
             # while a tier without one holds the version: shm may then free it (the
             # fetcher reads what shm lost from the other tier)
-            exempt = self._exempt(catalog, [info.id, *([info.base] if base else [])])
+            exempt = self._exempt(catalog, [info.id, *([base.id] if base is not None else [])])
             protected = self.fence.protect_in(
                 [s.name for s in self.tierset.slots if s.name not in exempt], ids
             )
