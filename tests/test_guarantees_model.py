@@ -170,3 +170,129 @@ TestNothingAcknowledgedIsLost.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+class Dense(torch.nn.Module):
+    """Big enough (1.5 MiB of parameters and AdamW state) for shm's default budget to
+    make room between bases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+
+
+def _trainer(seed: int) -> tuple[Dense, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = Dense()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _snapshot(model: Dense, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for pid, group in opt.state_dict()["state"].items():
+        for k, v in group.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim/{pid}/{k}"] = v.clone()
+    return out
+
+
+class GuardedStore(RuleBasedStateMachine):
+    """The same promise for a guarded optimizer: log versions between full ones, checked
+    at every restart (each crash, and the end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="tc-model-log-"))
+        self.model, self.opt = _trainer(0)
+        self.data = torch.Generator().manual_seed(1)
+        self.step = 0
+        self.saved: dict[int, dict[str, torch.Tensor]] = {}
+        self.acked: int | None = None
+        self._open()
+
+    def _open(self) -> None:
+        self.ckpt = Checkpointer(self.dir / "store")
+        self.ckpt.guard(self.opt)
+
+    def _destroy(self) -> None:
+        try:
+            self.ckpt.destroy()
+        except TiercheckError:
+            from tiercheck.lifecycle import destroy_store
+
+            destroy_store(self.dir / "store")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _train(self, steps: int) -> None:
+        for _ in range(steps):
+            x = torch.randn(8, 256, generator=self.data)
+            self.opt.zero_grad()
+            self.model.net(x).square().mean().backward()
+            self.opt.step()
+            self.step += 1
+        self.saved[self.step] = _snapshot(self.model, self.opt)
+
+    def _save(self) -> None:
+        self.ckpt.save(self.step, {"model": self.model, "optim": self.opt}).wait()
+        self.acked = self.step
+
+    @rule(steps=st.integers(1, 3))
+    def train_and_save(self, steps: int) -> None:
+        self._train(steps)
+        self._save()
+
+    @rule(point=st.sampled_from(sorted(POINTS)))
+    def train_save_then_crash(self, point: str) -> None:
+        self._train(1)
+        with crash_after(point):
+            try:
+                self._save()
+            except TiercheckError:
+                pass
+            self.ckpt.flush()
+        self._reopen()
+
+    @rule()
+    def crash(self) -> None:
+        self._reopen()
+
+    @rule()
+    def gc(self) -> None:
+        self.ckpt.gc()
+
+    def _reopen(self) -> None:
+        """A restart: a new process opens the store, guards a fresh optimizer, restores
+        the newest version (replaying a log version) and trains on from it. (A read-only
+        reader cannot replay log versions, so the check is made here, at every restart,
+        rather than after every step.)"""
+        self.ckpt.close(abandon=True)
+        self.ckpt = Checkpointer(self.dir / "store")
+        if self.acked is None:
+            self.ckpt.guard(self.opt)
+            return
+        model, opt = _trainer(5)
+        self.ckpt.guard(opt)
+        info = self.ckpt.restore({"model": model, "optim": opt})
+        assert info.step >= self.acked, (
+            f"acknowledged step {self.acked}, restored step {info.step} ({info.fallback})"
+        )
+        got, expected = _snapshot(model, opt), self.saved[info.step]
+        assert got.keys() == expected.keys()
+        for key, tensor in expected.items():
+            assert torch.equal(got[key], tensor), f"step {info.step}: {key} differs"
+        self.model, self.opt, self.step, self.acked = model, opt, info.step, info.step
+
+    def teardown(self) -> None:
+        try:
+            self._reopen()  # the last check: a restart after the last step
+        finally:
+            self._destroy()
+
+
+TestNothingAcknowledgedIsLostWithLogVersions = GuardedStore.TestCase
+TestNothingAcknowledgedIsLostWithLogVersions.settings = settings(
+    max_examples=int(os.environ.get("TIERCHECK_MODEL_EXAMPLES", "8")),
+    stateful_step_count=14,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
