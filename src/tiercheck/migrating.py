@@ -416,20 +416,24 @@ class MigrationService:
         cross_rank = shared and self.world_size > 1
         if not job.prepared:
             catalog = self.catalog.snapshot()
+            base = catalog.versions.get(info.base) if info.base is not None else None
+            # a tier with a memory budget may free the version while it is migrated when a
+            # tier without one holds it too: its ids are not protected there, and it is
+            # read last (a copy it freed would read as missing or, reused, as corrupt)
+            exempt = self._exempt(catalog, [info.id, *([base.id] if base is not None else [])])
             holders = [self.tierset.get(n) for n in catalog.holders(info.id) if n != slot.name]
-            sources = sorted([s for s in holders if s.tier is not None], key=lambda s: s.speed_rank)
+            sources = sorted(
+                [s for s in holders if s.tier is not None],
+                key=lambda s: (s.name in exempt, s.speed_rank),
+            )
             sources += [s for s in self.tierset.by_speed() if s not in sources and s is not slot]
             fetcher = ChunkFetcher(sources, repair=True, zstd_level=self.policy.zstd_level)
-            base = catalog.versions.get(info.base) if info.base is not None else None
             base_mid = base.shards[rank] if base is not None else None
             mid = info.shards[rank]
             ids = [mid, *(c.id for c in fetcher.manifest(mid, order=sources).chunks)]
             if base_mid is not None:
                 ids += [base_mid, *(c.id for c in fetcher.manifest(base_mid, order=sources).chunks)]
-            # before the target is asked what it has; not in a tier over its memory budget
-            # while a tier without one holds the version: shm may then free it (the
-            # fetcher reads what shm lost from the other tier)
-            exempt = self._exempt(catalog, [info.id, *([base.id] if base is not None else [])])
+            # before the target is asked what it has
             protected = self.fence.protect_in(
                 [s.name for s in self.tierset.slots if s.name not in exempt], ids
             )
