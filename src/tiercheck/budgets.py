@@ -29,8 +29,8 @@ service drops versions by a tightened retention and sweeps the tier at once
 (:meth:`tiercheck.maintenance.Maintenance.make_room`), never the tier's newest restorable
 version or what it needs (:func:`tiercheck.retention.protection`: nothing acknowledged is
 lost); a base that LMDB also holds may go, so that dense diffs fit two copies of the state.
-A version that still does not fit is *skipped* on that tier (see ``docs/concepts.md``, "Guarantees"): the tier takes no
-memory for it, the save goes on with the other tiers.
+A version that still does not fit is *skipped* on that tier (see ``docs/concepts.md``,
+"Guarantees"): the tier takes no memory for it, the save goes on with the other tiers.
 """
 
 from __future__ import annotations
