@@ -19,8 +19,10 @@ migration requests maintenance. What each call promises is written in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tiercheck.background import Halt
 from tiercheck.chunking import plan_layout
 from tiercheck.cluster import Coordinator, DistCoordinator, LocalCoordinator
 from tiercheck.config import (
@@ -100,9 +103,12 @@ class Checkpointer:
     ``Checkpointer(root)`` opens the store described by ``root/tiercheck.toml``, creating the
     embedded default (shm, LMDB and a ``file://`` "remote" tier under the root) if there is
     none. ``tiers`` and ``policy`` set them explicitly (and are written to the config);
-    ``config`` reads another TOML file. ``read_only`` opens for inspection without taking
-    the writer lock. ``allow_pickle`` lets unsupported leaves be stored (and loaded) with
-    pickle; leave it off for checkpoints you do not trust.
+    ``config`` reads another TOML file. Tiers that differ from those an existing store's
+    file names raise :class:`~tiercheck.errors.ConfigError` (its versions are in the tiers it
+    names) unless ``rewrite_config`` says to replace them. ``read_only`` opens for
+    inspection without taking the writer lock (and writes no config). ``allow_pickle`` lets
+    unsupported leaves be stored (and loaded) with pickle; leave it off for checkpoints you
+    do not trust.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class Checkpointer:
         allow_pickle: bool = False,
         coordinator: Coordinator | None = None,
         threads: int | None = None,
+        rewrite_config: bool = False,
     ) -> None:
         self.root = Path(root).expanduser().resolve()
         self.read_only = read_only
@@ -125,18 +132,30 @@ class Checkpointer:
         self.world_size = self.coordinator.world_size
         self._closed = False
         self._lock: StoreLock | None = None
-        self.config = self._resolve_config(tiers, policy, config)
+        self.config, write_config = self._resolve_config(tiers, policy, config)
         self.policy = self.config.policy
         if self.world_size > 1 and self.policy.on_busy == "skip":
             raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
+        self._halt = Halt()
+        self._closer: threading.Thread | None = None
+        self._migrations: MigrationService | None = None
+        self._saves: SaveService | None = None
         if not read_only:
+            self.root.mkdir(parents=True, exist_ok=True)
             self._lock = StoreLock(self.root, self.rank if self.world_size > 1 else None)
         try:
-            specs = [_for_rank(spec, self.coordinator) for spec in self.config.tiers]
-            self.tierset = TierSet(specs, self.policy, read_only=read_only, owner=self.root)
+            if write_config:  # under the lock: never under a writer that has the store open
+                self._write_config(rewrite_config)
+            self._open(allow_pickle, threads)
         except BaseException:
-            self._release_lock()
+            self._abort_open()
             raise
+
+    def _open(self, allow_pickle: bool, threads: int | None) -> None:
+        """Open the tiers, read their logs, start the services (the lock is taken)."""
+        read_only = self.read_only
+        specs = [_for_rank(spec, self.coordinator) for spec in self.config.tiers]
+        self.tierset = TierSet(specs, self.policy, read_only=read_only, owner=self.root)
         cores = os.cpu_count() or 2
         self._pool = ThreadPoolExecutor(
             max_workers=threads or max(4, 2 * cores), thread_name_prefix="tiercheck-io"
@@ -153,8 +172,6 @@ class Checkpointer:
                 for s in self.tierset.open()
             )
         )
-        self._migrations: MigrationService | None = None
-        self._saves: SaveService | None = None
         self._maintenance = Maintenance(
             tierset=self.tierset,
             policy=self.policy,
@@ -164,6 +181,7 @@ class Checkpointer:
             pinned=self._pinned,
             failures=self._failures,
             rank=self.rank,
+            halt=self._halt,
         )
         if not read_only:
             self._migrations = MigrationService(
@@ -178,6 +196,7 @@ class Checkpointer:
                 rank=self.rank,
                 world_size=self.world_size,
                 broken=lambda: getattr(self.coordinator, "broken", None),
+                halt=self._halt,
             )
             self._saves = SaveService(
                 tierset=self.tierset,
@@ -194,9 +213,36 @@ class Checkpointer:
                 allow_pickle=allow_pickle,
                 next_id=next_id,
                 takes_diffs=takes_diffs,
+                halt=self._halt,
             )
             # sweep once after opening: what a crashed writer left behind
             self._maintenance.request(s.name for s in self.tierset.slots)
+
+    def _abort_open(self) -> None:
+        """Opening failed: stop every thread it started, close every tier it opened and
+        release the store lock, so that the caller may open the store again."""
+        self._closed = True
+        self._halt.set("opening the store failed")
+        steps: list[Callable[[], object]] = []
+        if self._saves is not None:
+            steps.append(self._saves.close)
+        if self._migrations is not None:
+            steps += [functools.partial(self._migrations.stop, abandon=True), self._migrations.join]
+        maintenance: Maintenance | None = getattr(self, "_maintenance", None)
+        if maintenance is not None:
+            steps.append(maintenance.close)
+        pool: ThreadPoolExecutor | None = getattr(self, "_pool", None)
+        if pool is not None:
+            steps.append(functools.partial(pool.shutdown, wait=True, cancel_futures=True))
+        tierset: TierSet | None = getattr(self, "tierset", None)
+        if tierset is not None:
+            steps.append(tierset.close)
+        for step in steps:
+            try:
+                step()
+            except Exception:  # the caller hears of what made the open fail, not of this
+                log.exception("releasing what a failed open of %s took", self.root)
+        self._release_lock()
 
     # --- configuration and locking ------------------------------------------------------
 
@@ -205,7 +251,9 @@ class Checkpointer:
         tiers: Sequence[str | TierSpec | tuple[str, str]] | None,
         policy: Policy | None,
         config: str | os.PathLike[str] | None,
-    ) -> StoreConfig:
+    ) -> tuple[StoreConfig, bool]:
+        """The store's configuration, and whether it is to be written to its file (once
+        the lock is taken: :meth:`_write_config`)."""
         path = self.root / CONFIG_NAME
         if config is not None:
             cfg = load_config(Path(config))
@@ -220,15 +268,20 @@ class Checkpointer:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if not save_config(path, cfg, exclusive=True):
                     cfg = load_config(path)
-                return cfg
+                return cfg, False
         else:
             cfg = StoreConfig(coerce_tiers(tiers), Policy())
         if policy is not None:
             cfg = StoreConfig(cfg.tiers, policy)
-        if not self.read_only:
-            self.root.mkdir(parents=True, exist_ok=True)
-            save_config(path, cfg)
-        return cfg
+        return cfg, not self.read_only
+
+    def _write_config(self, rewrite: bool) -> None:
+        """Write the configuration given to the store's file; unless ``rewrite``, refuse
+        other tiers than the file names (:func:`_check_same_tiers`)."""
+        path = self.root / CONFIG_NAME
+        if not rewrite and path.exists():
+            _check_same_tiers(path, load_config(path), self.config)
+        save_config(path, self.config)
 
     def _release_lock(self) -> None:
         if self._lock is not None:
@@ -239,6 +292,13 @@ class Checkpointer:
     def closed(self) -> bool:
         """Whether :meth:`close` has run (versions read from the store need it open)."""
         return self._closed
+
+    @property
+    def failures(self) -> Failures:
+        """Failures nobody has seen yet, which :meth:`close` raises. An integration that
+        runs work of its own on a thread records its failures here too
+        (:func:`tiercheck.background.reporting`)."""
+        return self._failures
 
     @property
     def executor(self) -> Executor:
@@ -736,10 +796,15 @@ class Checkpointer:
     ) -> None:
         """Finish pending saves and migrations, close the tiers, release the store.
 
-        Migrations still pending are retried for up to ``timeout`` seconds (no limit by
-        default). Then the store is closed whatever happened, and if any migration is left
-        unfinished, or any save failed without its handle having raised the error, or an
-        engine thread failed, :class:`~tiercheck.errors.UnfinishedWork` lists them.
+        Saves and then migrations still pending are waited for (migrations retried) for up
+        to ``timeout`` seconds together (no limit by default). Then every background thread
+        is halted: work not started is cancelled, and none starts a new tier call. The
+        tiers are closed and the store lock released once the threads have ended; one still
+        inside a tier call at the deadline is not waited for: ``close`` returns, and the
+        tiers and the lock are released when it ends (:meth:`wait_closed`). If any
+        migration or save is left unfinished, or any save failed without its handle having
+        raised the error, or an engine thread failed,
+        :class:`~tiercheck.errors.UnfinishedWork` lists them.
         ``abandon=True`` does not wait for migrations and logs what was left instead of
         raising (``wait_migrations=False`` is the older spelling of it). Versions committed
         in the synchronous tiers stay committed either way.
@@ -747,22 +812,21 @@ class Checkpointer:
         if self._closed:
             return
         abandon = abandon or not wait_migrations
+        deadline = None if timeout is None else time.monotonic() + timeout
         unfinished: list[tuple[int, str, str]] = []
         try:
             if self._saves is not None:
-                self._saves.flush()
+                self._saves.drain(_left(deadline))  # one still running is named below
             if self._migrations is not None:
-                unfinished = self._migrations.stop(timeout=timeout, abandon=abandon)
+                unfinished = self._migrations.stop(timeout=_left(deadline), abandon=abandon)
         finally:
             self._closed = True
-            if self._saves is not None:
-                self._saves.close()
-            self._maintenance.close()
-            self._pool.shutdown(wait=True)
-            self.tierset.close()
-            self._release_lock()
+            running = self._shut_down(deadline)
+        migration = self._migrations.running() if running and self._migrations else None
+        if migration is not None:
+            unfinished.append((*migration, "still running at close"))
         saves, background = self._failures.unseen()
-        if not (unfinished or saves or background):
+        if not (unfinished or saves or background or running):
             return
         parts = []
         if unfinished:
@@ -777,6 +841,12 @@ class Checkpointer:
             )
         if background:
             parts.append("background failures: " + "; ".join(background))
+        if running:
+            parts.append(
+                f"still running at close, in a tier call: {'; '.join(running)} (halted: it "
+                "starts no further tier call; the tiers are closed and the store lock "
+                "released when it ends, see wait_closed())"
+            )
         message = f"{self.root} closed with " + "; ".join(parts)
         if abandon:
             log.warning("%s (abandoned)", message)
@@ -786,7 +856,58 @@ class Checkpointer:
             migrations=tuple(unfinished),
             saves=tuple(saves),
             background=tuple(background),
+            running=tuple(running),
         )
+
+    def _shut_down(self, deadline: float | None) -> list[str]:
+        """Halt every background thread (no new tier call from now on; the work queued is
+        cancelled), then wait for them until ``deadline``. The tiers are closed and the
+        lock released after the last one ends: here, or by a closing thread left to it
+        when one is still in a tier call at the deadline. Returns what still runs then."""
+        self._halt.set("the store is closing")
+        if self._saves is not None:
+            self._saves.stop()
+        self._maintenance.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        closer = threading.Thread(target=self._release_all, name="tiercheck-close", daemon=True)
+        self._closer = closer
+        closer.start()
+        closer.join(_left(deadline))
+        if not closer.is_alive():
+            return []
+        running: list[str] = []
+        migration = self._migrations.running() if self._migrations is not None else None
+        if migration is not None:
+            running.append(f"the migration of version {migration[0]} to {migration[1]}")
+        if self._saves is not None:
+            running += self._saves.running()
+        active = self._maintenance.active()
+        if active is not None:
+            running.append(active)
+        return running or ["the store's I/O threads"]
+
+    def _release_all(self) -> None:
+        """Once every background thread has ended: close the tiers, release the lock."""
+        try:
+            if self._migrations is not None:
+                self._migrations.join()
+            if self._saves is not None:
+                self._saves.join()
+            self._maintenance.join()
+            self._pool.shutdown(wait=True)
+        finally:
+            self.tierset.close()
+            self._release_lock()
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`close` has closed the tiers and released the store lock, or
+        ``timeout`` passed; True once it has. A close that reached its timeout while a
+        background thread was still in a tier call leaves that to when the thread ends."""
+        closer = self._closer
+        if closer is None:
+            return self._closed
+        closer.join(timeout)
+        return not closer.is_alive()
 
     def destroy(self) -> None:
         """Close, then delete this store: its root, shm segments and LMDB environments
@@ -844,6 +965,28 @@ def _gradient_entries(manifest: ShardManifest) -> int:
         return 0
     used = [g for s in manifest.log.steps for g in s.grads if g is not None]
     return max(used) + 1 if used else 0
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0; None for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _check_same_tiers(path: Path, stored: StoreConfig, wanted: StoreConfig) -> None:
+    """Raise ConfigError if ``wanted`` names other tiers than the store's file at ``path``:
+    rewriting it would leave the store's versions behind in tiers it no longer opens."""
+    if stored.tiers == wanted.tiers:
+        return
+
+    def names(cfg: StoreConfig) -> str:
+        return ", ".join(f"{t.name} = {t.url}" for t in cfg.tiers)
+
+    raise ConfigError(
+        f"{path} configures the tiers [{names(stored)}], not [{names(wanted)}]: the store's "
+        "versions are in the configured tiers. Open it without tiers= to use them, with "
+        "read_only=True to read other tiers without changing the file, or pass "
+        "rewrite_config=True to replace its tiers"
+    )
 
 
 def _default_coordinator() -> Coordinator:

@@ -1029,7 +1029,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 console.print(
                     f"{report.url} is not a tier of this store: it now holds a self-contained "
                     f"copy; browse it with `tiercheck ls {report.url}`, restore from it with "
-                    "Checkpointer(root, tiers=[url])"
+                    "Checkpointer(root, tiers=[url], read_only=True)"
                 )
     return 0
 

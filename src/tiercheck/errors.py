@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "DurabilityError",
     "FormatVersionError",
+    "Halted",
     "InvalidURL",
     "NoRestorableVersion",
     "NotFound",
@@ -191,12 +192,21 @@ class DurabilityError(CheckpointError):
         self.failed = dict(failed or {})
 
 
+class Halted(CheckpointError):
+    """Background work (a save, a migration, maintenance) was stopped by ``close()`` before
+    it started its next call to a tier. Nothing it had not committed is committed; a save
+    or migration stopped so is listed by the ``UnfinishedWork`` that ``close()`` raises."""
+
+
 class UnfinishedWork(CheckpointError):
     """``close()`` found work it could not finish: migrations still pending, saves that
-    failed without anyone having seen their error, or a background failure.
+    failed without anyone having seen their error, a background failure, or a background
+    thread still inside a tier call at its timeout.
 
     ``migrations`` lists ``(version, tier, why)``, ``saves`` ``(step, version, error)``,
-    ``background`` other failures. The store is closed all the same; what was committed
+    ``background`` other failures, ``running`` the work still in a tier call (halted: it
+    starts no other; the tiers are closed and the store lock released when it ends, see
+    ``Checkpointer.wait_closed``). The store is closed all the same; what was committed
     stays committed. ``close(abandon=True)`` logs these instead of raising.
     """
 
@@ -207,11 +217,13 @@ class UnfinishedWork(CheckpointError):
         migrations: tuple[tuple[int, str, str], ...] = (),
         saves: tuple[tuple[int, int | None, str], ...] = (),
         background: tuple[str, ...] = (),
+        running: tuple[str, ...] = (),
     ) -> None:
         super().__init__(message)
         self.migrations = migrations
         self.saves = saves
         self.background = background
+        self.running = running
 
 
 class WaitTimeout(CheckpointError, TimeoutError):

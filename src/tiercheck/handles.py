@@ -262,7 +262,7 @@ class Failures:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._handles: list[SaveHandle] = []
-        self._background: list[str] = []
+        self._background: list[tuple[str, BaseException | None]] = []
         self._dropped = 0
 
     def add(self, handle: SaveHandle) -> None:
@@ -276,18 +276,28 @@ class Failures:
                 self._dropped += 1
             self._handles.append(handle)
 
-    def background(self, what: str) -> None:
-        """A failure of an engine thread outside any one save (it goes on running)."""
+    def background(self, what: str, error: BaseException | None = None) -> None:
+        """A failure of an engine thread outside any one save (``error``, if given, is the
+        exception, for :meth:`take`)."""
         with self._lock:
             if len(self._background) < self.KEEP:
-                self._background.append(what)
+                self._background.append((what, error))
+
+    def take(self, error: BaseException) -> bool:
+        """Forget the background failure ``error`` (its owner raised it where it was seen,
+        so ``close()`` need not); True if it was kept."""
+        with self._lock:
+            kept = [b for b in self._background if b[1] is not error]
+            found = len(kept) != len(self._background)
+            self._background = kept
+            return found
 
     def unseen(self) -> tuple[list[tuple[int, int | None, str]], list[str]]:
         """``(saves, background)``: each save's step, version and unseen errors; and the
         background failures."""
         with self._lock:
             handles = list(self._handles)
-            background = list(self._background)
+            background = [what for what, _ in self._background]
             if self._dropped:
                 background.append(f"{self._dropped} older failed saves, not listed")
         saves = []

@@ -282,7 +282,10 @@ def read_lease(tier: Tier, lease_id: str) -> Lease | None:
 
 class TierLeases:
     """This process's leases in shared tiers (see the module docstring). ``holder`` names
-    the process (a random id by default). Thread-safe; a tier is called without the lock."""
+    the process (a random id by default). Thread-safe: the write lease in one tier is put
+    and deleted in the order its holds begin and end (a writer starting while the last one
+    deletes the lease waits for the delete, then puts it again); waiting for a sweep holds
+    no lock."""
 
     def __init__(self, holder: str | None = None) -> None:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -290,6 +293,9 @@ class TierLeases:
         self._lock = threading.Lock()
         self._writers: Counter[str] = Counter()  # tier url -> holds
         self._since: dict[str, float] = {}  # tier url -> when the lease was (re)written
+        # tier url -> held across the put or delete of this process's lease there and the
+        # change of its count, so that the lease object follows the count in order
+        self._ordering: dict[str, threading.RLock] = {}
 
     def _lease(self, kind: Literal["write", "sweep"], ttl: float) -> Lease:
         return Lease(kind, self.holder, _boot_id(), _pid_namespace(), os.getpid(), time.time(), ttl)
@@ -303,15 +309,21 @@ class TierLeases:
         ``wait``, wait while another process sweeps it (a writer must, before it asks the
         tier what it has). Raises :class:`TierUnavailable` if the sweep does not end by
         ``deadline`` (``time.monotonic()``; default: the sweep lease's time to live)."""
-        with self._lock:
-            first = self._writers[tier.url] == 0
-            self._writers[tier.url] += 1
-            stale = time.monotonic() - self._since.get(tier.url, 0.0) > WRITE_TTL / 4
+        with self._ordered(tier):  # reentrant: a failed put releases the hold under it
+            with self._lock:
+                first = self._writers[tier.url] == 0
+                self._writers[tier.url] += 1
+                stale = time.monotonic() - self._since.get(tier.url, 0.0) > WRITE_TTL / 4
+            try:
+                if first or stale:
+                    lease = self._lease("write", WRITE_TTL).encode()
+                    tier.put(self.write_id, lease, overwrite=True)
+                    with self._lock:
+                        self._since[tier.url] = time.monotonic()
+            except BaseException:
+                self.release_write(tier)
+                raise
         try:
-            if first or stale:
-                tier.put(self.write_id, self._lease("write", WRITE_TTL).encode(), overwrite=True)
-                with self._lock:
-                    self._since[tier.url] = time.monotonic()
             if wait:
                 self._wait_for_sweep(tier, deadline)
         except BaseException:
@@ -346,18 +358,28 @@ class TierLeases:
             since = self._since.get(tier.url)
         return since is not None and time.monotonic() - since < WRITE_TTL * 0.9
 
-    def release_write(self, tier: Tier) -> None:
+    def _ordered(self, tier: Tier) -> threading.RLock:
+        """The lock ordering the puts and deletes of the write lease in ``tier``."""
         with self._lock:
-            self._writers[tier.url] -= 1
-            last = self._writers[tier.url] <= 0
+            return self._ordering.setdefault(tier.url, threading.RLock())
+
+    def release_write(self, tier: Tier) -> None:
+        """End one hold of the write lease in ``tier``; the last one deletes the lease,
+        before any hold that begins after it puts the lease again."""
+        with self._ordered(tier):
+            with self._lock:
+                self._writers[tier.url] -= 1
+                last = self._writers[tier.url] <= 0
+                if last:
+                    del self._writers[tier.url]
+                    self._since.pop(tier.url, None)
             if last:
-                del self._writers[tier.url]
-                self._since.pop(tier.url, None)
-        if last:
-            try:
-                tier.delete([self.write_id])
-            except TierError as exc:  # it goes stale by itself; a sweep removes it then
-                log.warning("%s: could not remove this process's write lease: %s", tier.url, exc)
+                try:
+                    tier.delete([self.write_id])
+                except TierError as exc:  # it goes stale by itself; a sweep removes it then
+                    log.warning(
+                        "%s: could not remove this process's write lease: %s", tier.url, exc
+                    )
 
     @contextlib.contextmanager
     def writing(self, tier: Tier) -> Iterator[None]:

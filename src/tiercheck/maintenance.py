@@ -14,6 +14,10 @@ and its result replaces that tier's log in the live catalog. A tier that cannot 
 (``NotSupported``, or a record this version cannot summarise) is not asked again by this
 process: each attempt reads the whole log.
 
+Once ``close()`` halts it (:class:`~tiercheck.background.Halt`), no request is taken, the
+work queued is cancelled and no further tier is maintained; a request's unexpected failure
+is recorded by :func:`~tiercheck.background.reporting` for ``close()`` to raise.
+
 :meth:`Maintenance.make_room` runs on the same thread, so retention, GC and eviction never
 race on a tier (see :mod:`tiercheck.budgets`).
 """
@@ -23,11 +27,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any, TypeVar
 
+from tiercheck.background import Halt, reporting
 from tiercheck.budgets import Shortfall, budget_of
-from tiercheck.errors import TiercheckError
+from tiercheck.errors import Halted, TiercheckError
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.handles import Failures
 from tiercheck.leases import GCFence, TierLeases
@@ -55,6 +61,8 @@ __all__ = ["Maintenance"]
 
 log = logging.getLogger("tiercheck")
 
+R = TypeVar("R")
+
 
 class Maintenance:
     """Retention and GC for the tiers of one store (see the module docstring).
@@ -75,6 +83,7 @@ class Maintenance:
         pinned: Callable[[], set[int]],
         failures: Failures,
         rank: int = 0,
+        halt: Halt | None = None,
     ) -> None:
         self.tierset = tierset
         self.policy = policy
@@ -84,11 +93,14 @@ class Maintenance:
         self.pinned = pinned
         self.failures = failures
         self.rank = rank
+        self.halt = halt or Halt()
         self.last_errors: dict[str, str] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-maint")
         self._lock = threading.Lock()
         self._due: set[str] = set()
         self._scheduled = False
+        self._stopped = False  # halted: no work is taken
+        self._active: str | None = None  # what the thread is doing, for close() to name
         # sweep every tier once after opening (what a crashed writer left behind); after
         # that only after a drop, and while swept candidates wait out their grace
         self._gc_due: set[str] = {s.name for s in tierset.slots}
@@ -101,20 +113,23 @@ class Maintenance:
         """Maintain ``tiers`` soon (returns at once)."""
         with self._lock:
             self._due.update(tiers)
-            if self._scheduled or not self._due:
+            if self._scheduled or not self._due or self._stopped:
                 return
             self._scheduled = True
-        self._executor.submit(self._run)
+            run = reporting(self.failures, "maintenance", self._run)
+            self._executor.submit(self._as, "maintenance", run)
 
     def flush(self) -> None:
-        """Block until the maintenance requested so far has run."""
-        self._executor.submit(lambda: None).result()
+        """Block until the maintenance requested so far has run (at once once halted)."""
+        try:
+            self._wait(self._submit("flush", lambda: None), "flush")
+        except Halted:
+            return
 
     def collect(self, *, dry_run: bool = False, grace: float | None = None) -> list[GCReport]:
         """Sweep every tier now, on the maintenance thread; ``grace`` overrides the policy's
         (with a fresh clock: a blob counts as first seen now). Returns one report per tier."""
-        fut: Future[list[GCReport]] = self._executor.submit(self._collect_all, dry_run, grace)
-        return fut.result()
+        return self._wait(self._submit("gc", self._collect_all, dry_run, grace), "gc")
 
     def make_room(self, slot: TierSlot, needed: int) -> Shortfall | None:
         """Make ``needed`` bytes fit ``slot``'s budget, on the maintenance thread; return
@@ -131,11 +146,46 @@ class Maintenance:
         it) unless a more durable tier keeps it. What still does not fit is the *new*
         version's shortfall: it skips the tier.
         """
-        fut: Future[Shortfall | None] = self._executor.submit(self._make_room, slot, needed)
-        return fut.result()
+        what = f"making room in tier {slot.name}"
+        return self._wait(self._submit(what, self._make_room, slot, needed), what)
 
     def close(self) -> None:
+        self.stop()
+        self.join()
+
+    def stop(self) -> None:
+        """Take no more work and cancel what is queued (returns at once; see :meth:`join`)."""
+        with self._lock:
+            self._stopped = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def join(self) -> None:
+        """Block until the thread has ended (after :meth:`stop`)."""
         self._executor.shutdown(wait=True)
+
+    def active(self) -> str | None:
+        """What the maintenance thread is doing now (None when idle)."""
+        return self._active
+
+    def _submit(self, what: str, fn: Callable[..., R], *args: Any) -> Future[R]:
+        with self._lock:
+            if self._stopped:
+                raise Halted(f"{what} was not started: the store is closing")
+            return self._executor.submit(self._as, what, fn, *args)
+
+    @staticmethod
+    def _wait(fut: Future[R], what: str) -> R:
+        try:
+            return fut.result()
+        except CancelledError:
+            raise Halted(f"{what} was not started: the store is closing") from None
+
+    def _as(self, what: str, fn: Callable[..., R], *args: Any) -> R:
+        self._active = what
+        try:
+            return fn(*args)
+        finally:
+            self._active = None
 
     # --- the maintenance thread ----------------------------------------------------------
 
@@ -146,6 +196,9 @@ class Maintenance:
         for slot in self.tierset.open():
             if slot.name not in due:
                 continue
+            if self.halt.is_set():  # close(): no tier is started after it
+                return
+            self._active = f"maintenance of tier {slot.name}"
             try:
                 self.maintain_tier(slot)
                 self.last_errors.pop(slot.name, None)

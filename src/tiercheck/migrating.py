@@ -14,7 +14,10 @@ tier's state, and what ``wait_migrated()`` raises), never elsewhere. A version i
 settle. An exception that is not a tiercheck error fails that migration, is logged, and is
 reported by ``close()``; the thread goes on. A target that refuses the version for its
 memory budget (:class:`~tiercheck.errors.OverBudget`) is *skipped* for it, not retried.
-``stop`` drains or abandons the queue and returns what was left unfinished.
+``stop`` drains or abandons the queue and returns what was left unfinished; once
+``close()`` halts the store (:class:`~tiercheck.background.Halt`), the migration running
+starts no further tier call and settles as abandoned, and :meth:`MigrationService.join`
+waits for the thread to end.
 
 In a multi-rank job each rank migrates its own shard; to a tier the ranks share, each
 writes only the chunks it owns, and rank 0 records the commit once every rank's
@@ -36,8 +39,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from tiercheck import guarantees
+from tiercheck.background import Halt, reporting
 from tiercheck.budgets import budget_of
-from tiercheck.errors import NotFound, OverBudget, TiercheckError, TierUnavailable
+from tiercheck.errors import Halted, NotFound, OverBudget, TiercheckError, TierUnavailable
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import CommitRecord, VersionInfo
 from tiercheck.handles import Failures, SaveHandle, TierState
@@ -104,6 +108,7 @@ class MigrationService:
         world_size: int = 1,
         commit_timeout: float = 300.0,
         broken: Callable[[], str | None] = lambda: None,
+        halt: Halt | None = None,
     ) -> None:
         self.tierset = tierset
         self.policy = policy
@@ -117,6 +122,7 @@ class MigrationService:
         self.world_size = world_size
         self.commit_timeout = commit_timeout
         self.broken = broken  # why the ranks can no longer agree, once they cannot
+        self.halt = halt or Halt()
         self._cond = threading.Condition()
         self._queue: list[tuple[float, int, _Job]] = []  # (due, order, job), a heap
         self._order = itertools.count()
@@ -125,7 +131,11 @@ class MigrationService:
         self._halted = False  # stop() gave up: settle what is left as abandoned
         self._abandoned: list[tuple[int, str, str]] = []
         self._rng = random.Random()
-        self._thread = threading.Thread(target=self._loop, name="tiercheck-migrate", daemon=True)
+        self._thread = threading.Thread(
+            target=reporting(failures, "the migration thread stopped", self._loop),
+            name="tiercheck-migrate",
+            daemon=True,
+        )
         self._thread.start()
 
     # --- called by the save pipeline ---------------------------------------------------
@@ -182,9 +192,14 @@ class MigrationService:
             return
         jobs = [_Job(info, s, handle, owned, reservation) for s in targets]
         with self._cond:
+            halted = self._halted
+            if not halted:
+                for job in jobs:
+                    heapq.heappush(self._queue, (time.monotonic(), next(self._order), job))
+                self._cond.notify_all()
+        if halted:  # a save committed after close() gave up on it: its handle must settle
             for job in jobs:
-                heapq.heappush(self._queue, (time.monotonic(), next(self._order), job))
-            self._cond.notify_all()
+                self._abandon(job, "not started before close")
 
     # --- queries ------------------------------------------------------------------------
 
@@ -233,12 +248,12 @@ class MigrationService:
     def stop(
         self, *, timeout: float | None = None, abandon: bool = False
     ) -> list[tuple[int, str, str]]:
-        """Finish the queue unless ``abandon``, for at most ``timeout`` seconds, then stop
-        the thread. Finishing tries each pending migration once more at once; one whose
+        """Finish the queue unless ``abandon``, for at most ``timeout`` seconds, then take
+        no more work. Finishing tries each pending migration once more at once; one whose
         tier is still unreachable is not waited for, and other failures get their usual
-        retries. Returns ``(version, tier, why)`` of each migration left unfinished; their
-        handles settle as failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        retries. Returns ``(version, tier, why)`` of each migration left unfinished, but
+        for the one still running (:meth:`running`); their handles settle as failed. The
+        thread may still be in that migration: :meth:`join` waits for it."""
         if not abandon:
             with self._cond:
                 self._closing = True
@@ -246,14 +261,19 @@ class MigrationService:
             self.wait(timeout)
         for job in self._halt():
             self._abandon(job, job.error or "not started before close")
-        join = None if deadline is None else max(0.0, deadline - time.monotonic())
-        self._thread.join(join)
         with self._cond:
-            out = list(self._abandoned)
-            running = self._running
-        if running is not None and self._thread.is_alive():
-            out.append((running.info.id, running.slot.name, "still running at close"))
-        return out
+            return list(self._abandoned)
+
+    def running(self) -> tuple[int, str] | None:
+        """``(version, tier)`` of the migration the thread is in, if it is in one."""
+        with self._cond:
+            job = self._running
+        return None if job is None else (job.info.id, job.slot.name)
+
+    def join(self) -> None:
+        """Block until the migration thread has ended (after :meth:`stop`)."""
+        self._halt()
+        self._thread.join()
 
     def _abandon(self, job: _Job, why: str) -> None:
         with self._cond:
@@ -290,16 +310,17 @@ class MigrationService:
                     with self._cond:
                         self._running = None
                         self._cond.notify_all()
-        except BaseException as exc:  # never silent: fail what is queued and report it
-            log.exception("the migration thread stopped")
-            self.failures.background(f"the migration thread stopped: {exc!r}")
+        except BaseException as exc:  # never silent: fail what is queued (reporting logs it)
             for job in self._halt():
                 self._settle(job, "failed", f"the migration thread stopped: {exc!r}")
+            raise
 
     def _attempt(self, job: _Job) -> None:
         name, vid = job.slot.name, job.info.id
         try:
             self._migrate(job)
+        except Halted as exc:  # close() halted the store: no tier call after it
+            self._abandon(job, str(exc))
         except _NotYet as exc:
             assert job.waiting_since is not None
             if self.broken() is not None:  # a rank died: its prepare will never come
@@ -340,9 +361,13 @@ class MigrationService:
                     exc,
                 )
                 self._later(job, delay)
-        except Exception as exc:  # a bug, not a tier: fail this migration, keep the thread
+        except Exception as exc:
+            if self.halt.is_set():  # close() cancelled the reads it queued
+                self._abandon(job, f"stopped by close: {type(exc).__name__}: {exc}")
+                return
+            # a bug, not a tier: fail this migration, keep the thread
             log.exception("migration of version %d to %s failed unexpectedly", vid, name)
-            self.failures.background(f"migration of version {vid} to {name}: {exc!r}")
+            self.failures.background(f"migration of version {vid} to {name}: {exc!r}", exc)
             self._fail(job, f"{type(exc).__name__}: {exc}")
         else:
             self._settle(job, "committed", None)
@@ -409,6 +434,8 @@ class MigrationService:
     def _migrate(self, job: _Job) -> None:
         """One attempt at ``job``; raises to be retried, returns when it is done."""
         info, slot, rank = job.info, job.slot, self.rank
+        what = f"the migration of version {info.id} to {slot.name}"
+        self.halt.check(what)
         tier = slot.tier
         if tier is None:
             raise TierUnavailable(f"tier {slot.name} could not be opened: {slot.error}")
@@ -438,6 +465,7 @@ class MigrationService:
                 [s.name for s in self.tierset.slots if s.name not in exempt], ids
             )
             try:
+                self.halt.check(what)
                 if shared:
                     self.leases.acquire_write(tier)
                 try:
@@ -452,6 +480,7 @@ class MigrationService:
                         base_manifest_id=base_mid,
                         commit=False,
                         only=set(job.owned) if cross_rank and job.owned is not None else None,
+                        halt=self.halt,
                     )
                     if not cross_rank:
                         if shared and not self.leases.write_valid(tier):
@@ -459,6 +488,7 @@ class MigrationService:
                                 "the write lease lapsed while migrating; trying again",
                                 url=tier.url,
                             )
+                        self.halt.check(f"the commit of version {info.id} in {slot.name}")
                         append_record(tier, CommitRecord(info))
                         self.catalog.committed(slot.name, info)
                 finally:
@@ -468,6 +498,7 @@ class MigrationService:
                 self.fence.release_in(protected)
             job.prepared = True
         if cross_rank and rank == 0:
+            self.halt.check(what)
             tl = read_tier_log(slot.name, tier)
             missing = set(range(self.world_size)) - set(tl.prepared.get(info.id, {}))
             if missing:

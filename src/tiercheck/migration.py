@@ -24,6 +24,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tiercheck.backends.base import PendingPut
+from tiercheck.background import Halt
 from tiercheck.errors import NotFound, TierError
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
@@ -59,13 +60,21 @@ def migrate_shard(
     base_manifest_id: str | None = None,
     commit: bool = True,
     only: set[str] | None = None,
+    halt: Halt | None = None,
 ) -> MigrationResult:
     """Copy rank ``rank``'s shard of ``info`` into ``target``; record prepare (and commit).
 
     ``only`` limits the chunks copied (on a shared tier the others are other ranks' to
     write, see :func:`tiercheck.cluster.owned_chunks`); ``commit=False`` leaves the commit
-    record to the coordinator rank.
+    record to the coordinator rank. Once ``halt`` is set no further chunk is read or
+    written and no record appended (:class:`~tiercheck.errors.Halted` is raised).
     """
+    what = f"the migration of version {info.id} to {target.name}"
+
+    def check() -> None:
+        if halt is not None:
+            halt.check(what)
+
     t0 = time.perf_counter()
     tier = target.tier
     assert tier is not None and target.policy is not None
@@ -92,6 +101,7 @@ def migrate_shard(
     local = threading.local()
 
     def copy(cid: str) -> int:
+        check()
         index = first[cid]
         length = manifest.chunks[index].length
         # decode into this thread's buffer: no fresh pages, and no copy out of the
@@ -123,6 +133,7 @@ def migrate_shard(
         window.acquire()
         try:
             pending: PendingPut | None = None
+            check()  # close() began: this blob is not written
             if codec == "raw":  # the parts hold this thread's buffer, reused next: the
                 # tier copies them out now and makes them durable on a write thread
                 pending = tier.begin_put(cid, parts)
@@ -162,6 +173,7 @@ def migrate_shard(
         mblob = encode_blob(manifest_raw, Codec.ZSTD, level=zstd_level)
         blobs.append((manifest_id, mblob))
         nbytes += len(mblob)
+    check()
     append_record(
         tier,
         PrepareRecord(
@@ -179,5 +191,6 @@ def migrate_shard(
         blobs=blobs,
     )
     if commit:
+        check()
         append_record(tier, CommitRecord(info))
     return MigrationResult(info.id, target.name, len(written), nbytes, time.perf_counter() - t0)

@@ -23,6 +23,10 @@ in-flight saves and the base chunks diffs are encoded against; it borrows the st
 buffer (``StagingBuffer`` acquire/release) and the I/O pool. No lock is held while a tier
 is called, and each save's outcome travels in return values to its handle, nowhere else.
 
+Once ``close()`` halts the store (:class:`~tiercheck.background.Halt`), the saves queued
+are cancelled (their handles fail with :class:`~tiercheck.errors.Halted`), and the save
+running starts no new placement or commit.
+
 Log versions (issue 11): while an optimizer is guarded with its update log
 (:mod:`tiercheck.log_versions`), every save is planned on the pipeline thread instead, in
 order, while the guard holds the trainer: :meth:`SaveService._decide` makes it a log
@@ -48,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercheck import guarantees
+from tiercheck.background import Halt, reporting
 from tiercheck.budgets import Budgets, budget_of, bytes_needed, version_bytes
 from tiercheck.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.cluster import Coordinator, Vote
@@ -56,6 +61,7 @@ from tiercheck.errors import (
     CheckpointError,
     CommitAborted,
     DurabilityError,
+    Halted,
     OverBudget,
     TiercheckError,
 )
@@ -105,6 +111,7 @@ class _Job:
     proposal: LogProposal | None = None  # a log version's steps
     replay: Any = None  # a log version's ReplayLog, fingerprints filled in at staging
     skipped: dict[str, str] = field(default_factory=dict)  # tier -> why (its memory budget)
+    future: Future[None] | None = None  # its run on the pipeline thread
 
 
 @dataclass
@@ -140,6 +147,7 @@ class SaveService:
         allow_pickle: bool,
         next_id: int,
         takes_diffs: bool,
+        halt: Halt | None = None,
     ) -> None:
         self.tierset = tierset
         self.policy = policy
@@ -155,6 +163,7 @@ class SaveService:
         self.maintenance = maintenance
         self.failures = failures
         self.allow_pickle = allow_pickle
+        self.halt = halt or Halt()
         self._pipeline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-save")
         self._tier_pool = ThreadPoolExecutor(
             max_workers=max(2, len(tierset.slots)), thread_name_prefix="tiercheck-tier"
@@ -258,7 +267,9 @@ class SaveService:
         if layout is not None:
             handle._logical = layout.stream_bytes
         handle._time("blocked", time.perf_counter() - t_call)
-        self._pipeline.submit(self._run, job)
+        run = reporting(self.failures, f"the save of step {step} (version {version})", self._run)
+        with self._lock:
+            job.future = self._pipeline.submit(run, job)
         return handle
 
     def _plan(self, layout: Layout | None, role: Role | None) -> tuple[Role, int | None]:
@@ -378,9 +389,40 @@ class SaveService:
         """Block until every save submitted so far has finished."""
         self._pipeline.submit(lambda: None).result()
 
-    def close(self) -> None:
+    def drain(self, timeout: float | None) -> bool:
+        """Block until every save submitted so far has finished, or ``timeout`` passed;
+        True if they finished."""
+        try:
+            self._pipeline.submit(lambda: None).result(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def running(self) -> list[str]:
+        """The saves not finished yet, by step and version."""
+        with self._lock:
+            return [f"the save of step {j.step} (version {j.version})" for j in self._inflight]
+
+    def stop(self) -> None:
+        """Take no more saves: those queued are cancelled and their handles fail (returns
+        at once; see :meth:`join`)."""
+        self._pipeline.shutdown(wait=False, cancel_futures=True)
+        self._tier_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            cancelled = [j for j in self._inflight if j.future is not None and j.future.cancelled()]
+        for job in cancelled:
+            why = f"the save of step {job.step} was not started: {self.halt.why}"
+            job.handle._fail(Halted(why))
+            self._finished(job)
+
+    def join(self) -> None:
+        """Block until the pipeline's threads have ended (after :meth:`stop`)."""
         self._pipeline.shutdown(wait=True)
         self._tier_pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        self.stop()
+        self.join()
 
     # --- the pipeline thread -------------------------------------------------------------
 
@@ -392,15 +434,20 @@ class SaveService:
             log.log(level, "save of step %d (version %d) failed: %s", job.step, job.version, exc)
             job.handle._fail(exc)
         finally:
-            self.fence.release(job.protected)
-            job.protected = []
-            with self._lock:
-                if job in self._inflight:
-                    self._inflight.remove(job)
-            self._outstanding.release()
+            self._finished(job)
+
+    def _finished(self, job: _Job) -> None:
+        """``job`` ran, or was cancelled: release what it held."""
+        self.fence.release(job.protected)
+        job.protected = []
+        with self._lock:
+            if job in self._inflight:
+                self._inflight.remove(job)
+        self._outstanding.release()
 
     def _save(self, job: _Job) -> None:
         handle = job.handle
+        self.halt.check(f"the save of step {job.step}")
         if not self.staging.acquire():
             raise CheckpointError("the staging buffer is unavailable")
         held = True  # the staging buffer, until every tier write that reads it has ended
@@ -452,6 +499,7 @@ class SaveService:
             def base_lookup(cid: str) -> bytes:
                 return bytes(fetcher.fetch(cid)[0])
 
+            self.halt.check(f"placing the save of step {job.step}")
             futures = {
                 self._tier_pool.submit(
                     place_shard,
@@ -727,8 +775,10 @@ class SaveService:
     def _commit(self, slot: TierSlot, info: VersionInfo, handle: SaveHandle, t0: float) -> bool:
         """Append the commit record of ``info`` to ``slot``; report it on ``handle``."""
         assert slot.tier is not None
-        if _shared(slot) and not self.leases.write_valid(slot.tier):
-            error: str | None = "the write lease lapsed while preparing; not committed here"
+        if self.halt.is_set():  # close() gave up waiting: no commit record after it
+            error: str | None = f"not committed: {self.halt.why}"
+        elif _shared(slot) and not self.leases.write_valid(slot.tier):
+            error = "the write lease lapsed while preparing; not committed here"
         else:
             error = commit_on(slot, info)
         if error is not None:

@@ -52,6 +52,16 @@ class TierSet:
         told (``Tier.bind_store``) so that its node memory can be reclaimed once the store
         is deleted, and orphans of deleted stores on this node are warned about."""
         self.slots: list[TierSlot] = []
+        try:
+            self._open_all(specs, policy, read_only)
+        except BaseException:
+            self.close()  # the tiers opened before the one that failed
+            raise
+        self._ensure_a_sync_tier(policy, writing=not read_only)
+        if owner is not None and not read_only:
+            self._bind(os.fspath(owner), specs)
+
+    def _open_all(self, specs: Sequence[TierSpec], policy: Policy, read_only: bool) -> None:
         for spec in specs:
             try:
                 # secrets referenced as {env = NAME} / {file = PATH} are read now
@@ -71,9 +81,6 @@ class TierSet:
                 self.slots.append(TierSlot(spec, None, None, str(exc)))
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
-        self._ensure_a_sync_tier(policy, writing=not read_only)
-        if owner is not None and not read_only:
-            self._bind(os.fspath(owner), specs)
 
     def _bind(self, owner: str, specs: Sequence[TierSpec]) -> None:
         from tiercheck import lifecycle

@@ -53,6 +53,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 
+from tiercheck.background import reporting
 from tiercheck.checkpointer import Checkpointer
 from tiercheck.cluster import LocalCoordinator
 from tiercheck.config import TierSpec
@@ -183,28 +184,36 @@ class TiercheckIO(CheckpointIO, Callback):
 
     # --- background pointer writes, in save order -------------------------------------
 
-    def _submit(self, fn: Callable[[], None]) -> None:
+    def _submit(self, fn: Callable[[], None], what: str) -> None:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-ptl")
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:
-                self._error = self._error or exc
-                raise
-
+        # recorded in the store's failures too: close() raises it if no save or teardown did
+        run = reporting(self.checkpointer.failures, what, fn, then=self._failed)
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._writer.submit(run))
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+
+    def _raise_failure(self) -> None:
+        """Raise the first background failure not raised yet (then close() does not)."""
+        with self._lock:
+            err, self._error = self._error, None
+            store = self._store
+        if err is None:
+            return
+        if store is not None:
+            store.failures.take(err)
+        raise CheckpointError(f"a background checkpoint save failed: {err}") from err
 
     def _drain(self) -> None:
         """Wait for queued commits and pointer writes; raise the first failure."""
         for f in self._pending:
             f.exception()
         self._pending = []
-        err, self._error = self._error, None
-        if err is not None:
-            raise CheckpointError(f"a background checkpoint save failed: {err}") from err
+        self._raise_failure()
 
     # --- CheckpointIO ------------------------------------------------------------------
 
@@ -216,9 +225,7 @@ class TiercheckIO(CheckpointIO, Callback):
                 f"TiercheckIO does not take storage_options (got {storage_options!r}); "
                 "configure the store's tiers instead"
             )
-        err, self._error = self._error, None
-        if err is not None:
-            raise CheckpointError(f"a background checkpoint save failed: {err}") from err
+        self._raise_failure()
         state = escape_keys(checkpoint)
         if self.rng:
             state[RNG_KEY] = rng_state()
@@ -241,7 +248,7 @@ class TiercheckIO(CheckpointIO, Callback):
             handle.wait()
             write_pointer(path, pointer)
 
-        self._submit(commit_then_point)
+        self._submit(commit_then_point, f"the checkpoint of step {step} ({path})")
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -290,7 +297,7 @@ class TiercheckIO(CheckpointIO, Callback):
                 fs.rm(fs_path)
 
         if self.async_save:
-            self._submit(remove)  # after the pointer writes queued before it
+            self._submit(remove, f"removing {path}")  # after the pointer writes queued before it
         else:
             remove()
 
