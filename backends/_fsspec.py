@@ -120,6 +120,12 @@ __all__ = ["FsspecTier"]
 
 log = logging.getLogger(__name__)
 
+# Every call that changes the local file system (and the descriptors it writes through)
+# goes through this name, so a test can record a save's operations in order and replay
+# the states a power cut could leave (tests/test_power_loss.py). In production it is the
+# os module itself: no wrapper, no cost.
+_os = os
+
 LAYOUT_VERSION = 1
 _MARKER = "tier.json"
 _MARKER_KIND = "tiercheck-fsspec"
@@ -305,7 +311,7 @@ class _LocalStore(_Store):
             d = os.path.dirname(d)
         for d in reversed(missing):
             try:
-                os.mkdir(d)
+                _os.mkdir(d)
             except FileExistsError:
                 continue
             self._named_in(os.path.dirname(d))
@@ -316,11 +322,11 @@ class _LocalStore(_Store):
         """``parts`` written to a new temporary file beside ``name`` (not yet fsynced)."""
         self._ensure_dir(directory)
         tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, parts)
         except BaseException:
-            os.close(fd)
+            _os.close(fd)
             _unlink_quietly(tmp)
             raise
         return _LocalPut(self, fd, tmp, os.path.join(directory, name))
@@ -364,7 +370,7 @@ class _LocalStore(_Store):
         if self._can_link:
             tmp = self._write_temp(directory, name, (data,))
             try:
-                os.link(tmp, path)
+                _os.link(tmp, path)
             except FileExistsError:
                 raise
             except OSError as exc:
@@ -378,12 +384,12 @@ class _LocalStore(_Store):
             finally:
                 _unlink_quietly(tmp)
         self._ensure_dir(directory)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, (data,))
-            os.fsync(fd)
+            _os.fsync(fd)
         finally:
-            os.close(fd)
+            _os.close(fd)
         self._named_in(directory)
         self.sync()
 
@@ -437,7 +443,7 @@ class _LocalStore(_Store):
         dirs: set[str] = set()
         for path in paths:
             try:
-                os.unlink(path)
+                _os.unlink(path)
             except FileNotFoundError:
                 continue
             dirs.add(os.path.dirname(path))
@@ -470,17 +476,17 @@ class _LocalPut(PendingPut):
     def sync(self) -> None:
         """fsync and close the temporary file (removed if that fails)."""
         try:
-            os.fsync(self._fd)
+            _os.fsync(self._fd)
         except BaseException:
             self.abort()
             raise
-        os.close(self._fd)
+        _os.close(self._fd)
         self._fd = -1
 
     def finish(self) -> bool:
         self.sync()
         try:
-            os.replace(self.tmp, self._path)
+            _os.replace(self.tmp, self._path)
         except BaseException:
             _unlink_quietly(self.tmp)
             raise
@@ -489,7 +495,7 @@ class _LocalPut(PendingPut):
 
     def abort(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            _os.close(self._fd)
             self._fd = -1
         _unlink_quietly(self.tmp)
 
@@ -499,7 +505,7 @@ def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
     views = [v for v in parts if len(v)]
     i = 0
     while i < len(views):
-        n = os.writev(fd, views[i : i + _IOV_MAX])
+        n = _os.writev(fd, views[i : i + _IOV_MAX])
         while i < len(views) and n >= len(views[i]):
             n -= len(views[i])
             i += 1
@@ -508,16 +514,16 @@ def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
 
 
 def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+    fd = _os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        _os.fsync(fd)
     finally:
-        os.close(fd)
+        _os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:
     try:
-        os.unlink(path)
+        _os.unlink(path)
     except FileNotFoundError:
         pass
 
