@@ -43,7 +43,10 @@ sequence numbers continue after checkpoints too.
 ``rename``; the directories new blobs were named in are fsynced once each before the next
 log record is written (and at close), so a record never names a blob whose name a power
 loss could undo, and a version of many blobs pays one directory fsync per directory, not
-per blob. Reads go straight into the caller's buffer. Object
+per blob. A blob or directory found already there (``has``, a put of an id present, a
+blob directory made earlier) may have been named by a writer that crashed before its
+directory fsync: its directories, up to the root, are fsynced too before the next record,
+once per directory per process. Reads go straight into the caller's buffer. Object
 stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *`` on S3 for
 a put without ``overwrite``, which saves the existence check). Other fsspec file systems
 write in place: a crash may leave a partial blob, which the codec layer detects by hash.
@@ -289,17 +292,33 @@ class _LocalStore(_Store):
 
     exclusive_create = True
 
-    def __init__(self) -> None:
+    def __init__(self, root: str) -> None:
+        self._root = root
         self._made: set[str] = set()
         self._made_lock = threading.Lock()
         self._can_link = True
         # directories with a new entry (a blob, a directory) since the last sync(): their
         # fsync waits for the next log record, once per directory instead of once per blob
         self._unsynced: set[str] = set()
+        # directories this store has fsynced: every name they held then is durable
+        self._durable: set[str] = set()
 
     def _named_in(self, directory: str) -> None:
         with self._made_lock:
             self._unsynced.add(directory)
+
+    def _found(self, paths: Iterable[str]) -> None:
+        """``paths`` exist, maybe named by a writer that crashed before fsyncing their
+        directories: the next :meth:`sync` makes their names and those of the directories
+        above them, up to the root, durable, because a record may now rely on them. Once
+        per directory per store, not per blob."""
+        dirs = {os.path.dirname(p) for p in paths}
+        with self._made_lock:
+            for d in dirs - self._durable:
+                while d == self._root or d.startswith(self._root + os.sep):
+                    if d not in self._durable:
+                        self._unsynced.add(d)
+                    d = os.path.dirname(d)
 
     def _ensure_dir(self, directory: str) -> None:
         if directory in self._made:
@@ -309,6 +328,7 @@ class _LocalStore(_Store):
         while not os.path.isdir(d):
             missing.append(d)
             d = os.path.dirname(d)
+        self._found((d,))
         for d in reversed(missing):
             try:
                 _os.mkdir(d)
@@ -340,11 +360,13 @@ class _LocalStore(_Store):
         """``put(path, parts, if_absent=True)`` in two steps: the write now (into the page
         cache), the fsync and the rename in :meth:`_LocalPut.finish`."""
         if os.path.exists(path):
+            self._found((path,))
             return PendingPut(False)
         return self._open_temp(*os.path.split(path), parts)
 
     def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
         if if_absent and os.path.exists(path):
+            self._found((path,))
             return False
         directory, name = os.path.split(path)
         self._open_temp(directory, name, parts).finish()
@@ -362,6 +384,8 @@ class _LocalStore(_Store):
             with self._made_lock:
                 self._unsynced |= dirs  # not known durable: the next sync tries again
             raise
+        with self._made_lock:
+            self._durable |= dirs
 
     def create(self, path: str, data: memoryview) -> None:
         directory, name = os.path.split(path)
@@ -437,7 +461,9 @@ class _LocalStore(_Store):
         return os.stat(path).st_size
 
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
-        return [os.path.isfile(p) for p in paths]
+        found = [os.path.isfile(p) for p in paths]
+        self._found(p for p, there in zip(paths, found) if there)
+        return found
 
     def remove_many(self, paths: Sequence[str]) -> None:
         dirs: set[str] = set()
@@ -1136,7 +1162,7 @@ def _open_store(url: str, storage_options: dict[str, Any]) -> tuple[str, str, _S
         root = os.path.normpath(parts.path)
         if root in ("/", "//"):
             raise invalid_url(url, "refusing to use / as a tier root")
-        return protocol, root, _LocalStore()
+        return protocol, root, _LocalStore(root)
 
     import fsspec
 

@@ -170,6 +170,48 @@ def test_file_tier_keeps_every_acknowledged_record_through_power_loss(
     check_states(states, tmp_path, check)
 
 
+@pytest.mark.parametrize("relied_on", ["its blob", "its directory"])
+def test_what_a_crashed_writer_left_is_made_durable_before_a_record_relies_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relied_on: str
+) -> None:
+    """A writer that crashed after a put leaves a named blob whose directories were never
+    fsynced. The next writer finds the blob present and does not write it again (the
+    engine asks ``has`` first), or puts another blob into a directory the crashed writer
+    made: either way its record relies on names a power cut could still undo, so they
+    must be made durable before the record is written."""
+    root = tmp_path / "tier"
+    root.mkdir()
+    rec = Recorder(str(root))
+    monkeypatch.setattr(_fsspec, "_os", rec)
+    crashed = open_tier(f"file://{root}")
+    bid, data = blob(0)
+    crashed.put(bid, data)
+    del crashed  # SIGKILLed: no close, no record
+    tier = open_tier(f"file://{root}")
+    if relied_on == "its blob":
+        assert tier.has([bid]) == {bid}
+        tier.append(record(0, [bid]))
+    else:
+        other = next(b for b in (blob(n) for n in range(1, 5000)) if b[0][:2] == bid[:2])
+        tier.put(*other)
+        tier.append(record(0, [other[0]]))
+    rec.mark("ack 0")
+    tier.close()
+    monkeypatch.undo()
+    rec.check_trace()
+
+    states = power_loss_states(rec.ops, rec.base, seed=SEED, reorders=REORDERS)
+
+    def check(where: Path, state: CrashState) -> None:
+        t = open_tier(f"file://{where}")
+        try:
+            check_log(t, acked_number(state), state)
+        finally:
+            t.close()
+
+    check_states(states, tmp_path, check)
+
+
 # --- a Checkpointer over file:// -----------------------------------------------------
 
 
