@@ -349,21 +349,25 @@ def test_checkpointer_over_shm_tier_after_a_killed_writer_and_after_power_loss(
 
 
 def test_lmdb_tier_opens_its_environment_with_durable_flags(tmp_path: Path) -> None:
-    """Every commit fsyncs data and meta pages (``sync``, ``metasync``), asynchronous
-    flushing of the writable map is off (``map_async``), and the lock file is used
-    (``lock``), so a commit that returned survives power loss (formats/SPEC.md section 13,
-    docs/concepts.md Guarantees). A change to any of these must fail here."""
+    """A commit that returned survives power loss only with these flags (docs/concepts.md,
+    Guarantees; formats/SPEC.md section 13): ``sync`` and ``metasync`` (the data pages,
+    then the meta page, flushed at every commit), ``map_async`` off (with ``writemap``
+    LMDB flushes the map with a synchronous ``msync``, and writes the meta page only after
+    it), and ``lock`` (the reader table that keeps a writer off pages a reader still uses).
+    A change to any of them must fail here."""
     tier = LmdbTier(f"lmdb://{tmp_path / 'env'}")
     try:
         env = tier._e().env
         flags = env.flags()
-        assert flags["sync"] is True
-        assert flags["metasync"] is True
-        assert flags["map_async"] is False
-        assert flags["lock"] is True
         assert flags["readonly"] is False
-        # writemap: LMDB writes into the mapped file and msyncs it at commit (MDB_WRITEMAP
-        # with sync: a synchronous msync, MS_SYNC, before the meta page is written)
+        assert flags["sync"] is True, "MDB_NOSYNC: commits no longer reach the disk"
+        assert flags["metasync"] is True, "MDB_NOMETASYNC: the last commit may be undone"
+        assert flags["map_async"] is False, "MDB_MAPASYNC: asynchronous flushes of the map"
+        assert flags["lock"] is True, "MDB_NOLOCK: nothing keeps writers off readers' pages"
+        # writemap is the default where the file system can reserve blocks (this one can);
+        # it is durable only together with the flags above
         assert flags["writemap"] is True
+        tier.append(b"rec 0 ")
+        assert env.info()["last_txnid"] >= 1  # a write transaction committed under them
     finally:
         tier.close()
