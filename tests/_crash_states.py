@@ -323,7 +323,7 @@ class CrashState:
     cut: int
     variant: str
     acked: str
-    tree: Tree
+    tree: Tree = field(repr=False)
 
 
 def _units(ops: Sequence[Op], cut: int) -> tuple[dict[int, list[int]], set[int]]:
