@@ -43,7 +43,10 @@ sequence numbers continue after checkpoints too.
 ``rename``; the directories new blobs were named in are fsynced once each before the next
 log record is written (and at close), so a record never names a blob whose name a power
 loss could undo, and a version of many blobs pays one directory fsync per directory, not
-per blob. Reads go straight into the caller's buffer. Object
+per blob. A blob or directory found already there (``has``, a put of an id present, a
+blob directory made earlier) may have been named by a writer that crashed before its
+directory fsync: its directories, up to the root, are fsynced too before the next record,
+once per directory per process. Reads go straight into the caller's buffer. Object
 stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *`` on S3 for
 a put without ``overwrite``, which saves the existence check). Other fsspec file systems
 write in place: a crash may leave a partial blob, which the codec layer detects by hash.
@@ -119,6 +122,12 @@ from tiercheck.formats.framing import frame_record, unframe_record
 __all__ = ["FsspecTier"]
 
 log = logging.getLogger(__name__)
+
+# Every call that changes the local file system (and the descriptors it writes through)
+# goes through this name, so a test can record a save's operations in order and replay
+# the states a power cut could leave (tests/test_power_loss.py). In production it is the
+# os module itself: no wrapper, no cost.
+_os = os
 
 LAYOUT_VERSION = 1
 _MARKER = "tier.json"
@@ -283,17 +292,33 @@ class _LocalStore(_Store):
 
     exclusive_create = True
 
-    def __init__(self) -> None:
+    def __init__(self, root: str) -> None:
+        self._root = root
         self._made: set[str] = set()
         self._made_lock = threading.Lock()
         self._can_link = True
         # directories with a new entry (a blob, a directory) since the last sync(): their
         # fsync waits for the next log record, once per directory instead of once per blob
         self._unsynced: set[str] = set()
+        # directories this store has fsynced: every name they held then is durable
+        self._durable: set[str] = set()
 
     def _named_in(self, directory: str) -> None:
         with self._made_lock:
             self._unsynced.add(directory)
+
+    def _found(self, paths: Iterable[str]) -> None:
+        """``paths`` exist, maybe named by a writer that crashed before fsyncing their
+        directories: the next :meth:`sync` makes their names and those of the directories
+        above them, up to the root, durable, because a record may now rely on them. Once
+        per directory per store, not per blob."""
+        dirs = {os.path.dirname(p) for p in paths}
+        with self._made_lock:
+            for d in dirs - self._durable:
+                while d == self._root or d.startswith(self._root + os.sep):
+                    if d not in self._durable:
+                        self._unsynced.add(d)
+                    d = os.path.dirname(d)
 
     def _ensure_dir(self, directory: str) -> None:
         if directory in self._made:
@@ -303,9 +328,10 @@ class _LocalStore(_Store):
         while not os.path.isdir(d):
             missing.append(d)
             d = os.path.dirname(d)
+        self._found((d,))
         for d in reversed(missing):
             try:
-                os.mkdir(d)
+                _os.mkdir(d)
             except FileExistsError:
                 continue
             self._named_in(os.path.dirname(d))
@@ -316,11 +342,11 @@ class _LocalStore(_Store):
         """``parts`` written to a new temporary file beside ``name`` (not yet fsynced)."""
         self._ensure_dir(directory)
         tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, parts)
         except BaseException:
-            os.close(fd)
+            _os.close(fd)
             _unlink_quietly(tmp)
             raise
         return _LocalPut(self, fd, tmp, os.path.join(directory, name))
@@ -334,11 +360,13 @@ class _LocalStore(_Store):
         """``put(path, parts, if_absent=True)`` in two steps: the write now (into the page
         cache), the fsync and the rename in :meth:`_LocalPut.finish`."""
         if os.path.exists(path):
+            self._found((path,))
             return PendingPut(False)
         return self._open_temp(*os.path.split(path), parts)
 
     def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
         if if_absent and os.path.exists(path):
+            self._found((path,))
             return False
         directory, name = os.path.split(path)
         self._open_temp(directory, name, parts).finish()
@@ -356,6 +384,8 @@ class _LocalStore(_Store):
             with self._made_lock:
                 self._unsynced |= dirs  # not known durable: the next sync tries again
             raise
+        with self._made_lock:
+            self._durable |= dirs
 
     def create(self, path: str, data: memoryview) -> None:
         directory, name = os.path.split(path)
@@ -364,7 +394,7 @@ class _LocalStore(_Store):
         if self._can_link:
             tmp = self._write_temp(directory, name, (data,))
             try:
-                os.link(tmp, path)
+                _os.link(tmp, path)
             except FileExistsError:
                 raise
             except OSError as exc:
@@ -378,12 +408,12 @@ class _LocalStore(_Store):
             finally:
                 _unlink_quietly(tmp)
         self._ensure_dir(directory)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, (data,))
-            os.fsync(fd)
+            _os.fsync(fd)
         finally:
-            os.close(fd)
+            _os.close(fd)
         self._named_in(directory)
         self.sync()
 
@@ -431,13 +461,15 @@ class _LocalStore(_Store):
         return os.stat(path).st_size
 
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
-        return [os.path.isfile(p) for p in paths]
+        found = [os.path.isfile(p) for p in paths]
+        self._found(p for p, there in zip(paths, found) if there)
+        return found
 
     def remove_many(self, paths: Sequence[str]) -> None:
         dirs: set[str] = set()
         for path in paths:
             try:
-                os.unlink(path)
+                _os.unlink(path)
             except FileNotFoundError:
                 continue
             dirs.add(os.path.dirname(path))
@@ -470,17 +502,17 @@ class _LocalPut(PendingPut):
     def sync(self) -> None:
         """fsync and close the temporary file (removed if that fails)."""
         try:
-            os.fsync(self._fd)
+            _os.fsync(self._fd)
         except BaseException:
             self.abort()
             raise
-        os.close(self._fd)
+        _os.close(self._fd)
         self._fd = -1
 
     def finish(self) -> bool:
         self.sync()
         try:
-            os.replace(self.tmp, self._path)
+            _os.replace(self.tmp, self._path)
         except BaseException:
             _unlink_quietly(self.tmp)
             raise
@@ -489,7 +521,7 @@ class _LocalPut(PendingPut):
 
     def abort(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            _os.close(self._fd)
             self._fd = -1
         _unlink_quietly(self.tmp)
 
@@ -499,7 +531,7 @@ def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
     views = [v for v in parts if len(v)]
     i = 0
     while i < len(views):
-        n = os.writev(fd, views[i : i + _IOV_MAX])
+        n = _os.writev(fd, views[i : i + _IOV_MAX])
         while i < len(views) and n >= len(views[i]):
             n -= len(views[i])
             i += 1
@@ -508,16 +540,16 @@ def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
 
 
 def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+    fd = _os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        _os.fsync(fd)
     finally:
-        os.close(fd)
+        _os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:
     try:
-        os.unlink(path)
+        _os.unlink(path)
     except FileNotFoundError:
         pass
 
@@ -1130,7 +1162,7 @@ def _open_store(url: str, storage_options: dict[str, Any]) -> tuple[str, str, _S
         root = os.path.normpath(parts.path)
         if root in ("/", "//"):
             raise invalid_url(url, "refusing to use / as a tier root")
-        return protocol, root, _LocalStore()
+        return protocol, root, _LocalStore(root)
 
     import fsspec
 

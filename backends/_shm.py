@@ -95,6 +95,10 @@ __all__ = [
 
 DEFAULT_ROOT = "/dev/shm/tiercheck"
 DEFAULT_POOL_LIMIT = 4 << 30
+# Every call that changes the store's files goes through this name, so a test can record
+# an operation trace and replay the states a crash could leave (tests/test_power_loss.py).
+# In production it is the os module itself: no wrapper, no cost.
+_os = os
 _PREFIX = "shm://"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -106,7 +110,7 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset`` (a short write is continued, not an error)."""
     pos = 0
     while pos < len(data):
-        pos += os.pwrite(fd, data[pos : pos + _IO_STEP], offset + pos)
+        pos += _os.pwrite(fd, data[pos : pos + _IO_STEP], offset + pos)
 
 
 def _read_exact(fd: int, into: memoryview) -> int:
@@ -133,9 +137,12 @@ def shm_free_bytes(path: str | os.PathLike[str]) -> int:
 
 def _write_json_atomic(path: str, obj: dict[str, Any]) -> None:
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, memoryview(json.dumps(obj).encode()), 0)
+    finally:
+        _os.close(fd)
+    _os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -337,10 +344,10 @@ class ShmTier(Tier):
             return
         try:
             for d in (self._blobs, self._pool_dir, self._tmp):
-                os.makedirs(d, exist_ok=True)
+                _os.makedirs(d, exist_ok=True)
             if read_owner(self.path) is None:
                 self._write_owner(None)
-            self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
             self._recover()
         except OSError as exc:
             self.close()
@@ -387,9 +394,9 @@ class ShmTier(Tier):
                 data = self._read_log_bytes()
                 good = scan_frames(data).intact_end
                 if good < len(data):
-                    os.ftruncate(self._log_fd, good)
+                    _os.ftruncate(self._log_fd, good)
                 try:
-                    os.unlink(os.path.join(self.path, _COMPACT_NAME))
+                    _os.unlink(os.path.join(self.path, _COMPACT_NAME))
                 except FileNotFoundError:
                     pass
             finally:
@@ -405,7 +412,7 @@ class ShmTier(Tier):
             if st.st_nlink > 1:
                 # Crashed between linking into blobs/ and unlinking the temp name: the
                 # inode is a published blob and must never be reused.
-                os.unlink(entry.path)
+                _os.unlink(entry.path)
             else:
                 self._to_pool(entry.path, st.st_size)
 
@@ -413,7 +420,7 @@ class ShmTier(Tier):
         """Release the log file descriptor. Idempotent."""
         with self._log_lock:
             if self._log_fd >= 0:
-                os.close(self._log_fd)
+                _os.close(self._log_fd)
                 self._log_fd = -1
 
     # --- helpers -------------------------------------------------------------------
@@ -480,10 +487,10 @@ class ShmTier(Tier):
     def _to_pool(self, path: str, size: int) -> bool:
         """Move the file at ``path`` into the pool, or unlink it when the pool is full."""
         if self._pool.total + size > self.pool_limit:
-            os.unlink(path)
+            _os.unlink(path)
             return False
         token = self._new_token()
-        os.rename(path, os.path.join(self._pool_dir, token))
+        _os.rename(path, os.path.join(self._pool_dir, token))
         self._pool.add(token, size)
         return True
 
@@ -493,13 +500,13 @@ class ShmTier(Tier):
         while (found := self._pool.take(size)) is not None:
             token, seg_size = found
             try:
-                os.rename(os.path.join(self._pool_dir, token), tmp)
+                _os.rename(os.path.join(self._pool_dir, token), tmp)
             except FileNotFoundError:
                 continue  # another instance on this store took it first
             self.segments_reused += 1
-            return tmp, os.open(tmp, os.O_RDWR), seg_size
+            return tmp, _os.open(tmp, os.O_RDWR), seg_size
         self.segments_created += 1
-        return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), 0
+        return tmp, _os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), 0
 
     # --- blobs ---------------------------------------------------------------------
 
@@ -531,38 +538,38 @@ class ShmTier(Tier):
             try:
                 self._check_free(blob_id, size - seg_size)
             except OverBudget:
-                os.close(fd)
+                _os.close(fd)
                 fd = -1
                 self._to_pool(tmp, seg_size)  # unused: back to the pool (or freed)
                 tmp = ""
                 raise
             if seg_size > size:
-                os.ftruncate(fd, size)  # frees only the pages past the new end
+                _os.ftruncate(fd, size)  # frees only the pages past the new end
             offset = 0
             for view in views:
                 _write_all(fd, view, offset)
                 offset += len(view)
-            os.close(fd)
+            _os.close(fd)
             fd = -1
             if overwrite:
-                os.replace(tmp, final)
+                _os.replace(tmp, final)
                 kept = True
                 self._release(replaced)
                 return True
             try:
-                os.link(tmp, final)
+                _os.link(tmp, final)
             except FileExistsError:
                 self._to_pool(tmp, size)  # lost a race with an equal put: recycle
                 return False
-            os.unlink(tmp)
+            _os.unlink(tmp)
             kept = True
             return True
         except OSError as exc:
             if fd >= 0:
-                os.close(fd)
+                _os.close(fd)
             if tmp:
                 try:
-                    os.unlink(tmp)
+                    _os.unlink(tmp)
                 except FileNotFoundError:
                     pass
             raise self._os_error(exc, "put", blob_id) from exc
@@ -683,7 +690,7 @@ class ShmTier(Tier):
         while self._pool.total > keep_bytes and (found := self._pool.take(0)) is not None:
             token, size = found
             try:
-                os.unlink(os.path.join(self._pool_dir, token))
+                _os.unlink(os.path.join(self._pool_dir, token))
             except FileNotFoundError:
                 continue
             freed += size
@@ -731,7 +738,7 @@ class ShmTier(Tier):
                     _write_all(self._log_fd, frame, end)
                 except BaseException:
                     # Never leave a torn frame in front of the next record.
-                    os.ftruncate(self._log_fd, end)
+                    _os.ftruncate(self._log_fd, end)
                     raise
             except OSError as exc:
                 raise self._os_error(exc, "log append") from exc
@@ -761,9 +768,9 @@ class ShmTier(Tier):
             if named is not None and (named.st_ino, named.st_dev) == (held.st_ino, held.st_dev):
                 return
             fcntl.flock(self._log_fd, fcntl.LOCK_UN)
-            os.close(self._log_fd)
+            _os.close(self._log_fd)
             self._log_fd = -1
-            self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
 
     def read_log(self) -> builtins.list[bytes]:
         """Every intact record; a damaged frame in the middle is skipped, not the rest."""
@@ -791,20 +798,20 @@ class ShmTier(Tier):
                 if not 1 <= count <= len(scan.spans):
                     raise ValueError(f"count {count} is outside the log of {len(scan.spans)}")
                 cut = scan.spans[count - 1][1]
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     _write_all(fd, memoryview(frame), 0)
                     _write_all(fd, memoryview(data)[cut:], len(frame))
                 finally:
-                    os.close(fd)
-                os.replace(tmp, self._log_path)
+                    _os.close(fd)
+                _os.replace(tmp, self._log_path)
             except OSError as exc:
                 try:
-                    os.unlink(tmp)
+                    _os.unlink(tmp)
                 except FileNotFoundError:
                     pass
                 raise self._os_error(exc, "log compaction") from exc
             finally:
                 fcntl.flock(self._log_fd, fcntl.LOCK_UN)
-            os.close(self._log_fd)
-            self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
+            _os.close(self._log_fd)
+            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
