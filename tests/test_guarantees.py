@@ -135,6 +135,21 @@ def test_the_newest_diff_is_kept_and_its_base_may_go_where_lmdb_keeps_it() -> No
     assert plan_drops(cat.logs["shm"], replace(tight, keep_diffs=0), (), p) == []
 
 
+def test_making_room_as_a_last_resort_lets_go_of_an_old_base_nothing_needs() -> None:
+    """shm holds base 1 and diff 3 of base 2 (base 2 went to LMDB only): the tightest
+    policy keeps base 1 as shm's newest base, the last resort drops it (seen in a SIGKILL
+    run: every other dense diff then skipped shm)."""
+    from tiercheck.placement import TierPolicy
+
+    b1, b2, d3 = _info(1), _info(2), _info(3, "diff", 2)
+    cat = _catalog({"shm": [b1, d3], "lmdb": [b1, b2]})
+    p = protection(cat, "shm", CAPS)
+    assert p.keep == {3}
+    tight = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1, keep_diffs=0)
+    assert plan_drops(cat.logs["shm"], tight, (), p) == []
+    assert plan_drops(cat.logs["shm"], tight, (), p, last_resort=True) == [1]
+
+
 def test_a_tier_lets_go_once_a_newer_version_is_as_safe_elsewhere() -> None:
     b, d1, d2 = _info(1), _info(2, "diff", 1), _info(3, "diff", 1)
     # diff 3 went to LMDB (shm had no room): shm's diff 2 is superseded

@@ -137,8 +137,10 @@ def plan_drops(
     last_resort: bool = False,
 ) -> list[int]:
     """Versions ``policy`` says to drop from the tier whose log is ``tl``; never one of
-    ``protect.keep``. With ``last_resort`` (making room), a version in ``protect.elsewhere``
-    is dropped even if pinned or needed as a base here: a more durable tier keeps it."""
+    ``protect.keep``. With ``last_resort`` (making room when the tightest policy did not
+    free enough), the policy is set aside: everything goes but ``protect.keep``, pinned
+    versions and what those need here; a version in ``protect.elsewhere`` goes even if
+    pinned or needed as a base here, since a more durable tier keeps it."""
     pinned = set(pinned)
     held = tl.held()
     info = {v: tl.committed[v] for v in held}
@@ -153,6 +155,8 @@ def plan_drops(
     logs = [v for v in held if info[v].role == "log" and info[v].base in full]
     if policy.keep_diffs is not None:
         logs = logs[-policy.keep_diffs :] if policy.keep_diffs else []
+    if last_resort:  # making room: only what must stay (and what a version in flight needs)
+        full, logs = set(), []
     keep = full | set(logs) | (pinned & set(held)) | (protect.keep & set(held))
     movable = protect.elsewhere - protect.keep if last_resort else frozenset()
     keep -= movable
