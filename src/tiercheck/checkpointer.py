@@ -40,7 +40,7 @@ from tiercheck.config import (
     load_config,
     save_config,
 )
-from tiercheck.entries import flatten
+from tiercheck.entries import flatten, is_stateful
 from tiercheck.errors import (
     BlobCorrupt,
     CheckpointError,
@@ -67,6 +67,7 @@ from tiercheck.placement import Policy
 from tiercheck.restore import (
     Binding,
     RestoreInfo,
+    Undo,
     bind,
     choose_version,
     fetch_stream,
@@ -593,12 +594,22 @@ class Checkpointer:
         return _Staged(info, manifest, binding, stream, fetcher, order, pieces)
 
     def _load(self, staged: _Staged, state: dict[str, Any] | None, t0: float) -> RestoreInfo:
+        """Load the staged version into ``state``, all or nothing: what it overwrites is
+        kept first (:class:`~tiercheck.restore.Undo`), and put back if anything fails, a
+        ``load_state_dict`` that raises included."""
         target = state if state is not None else {}
-        load_stream(staged.manifest, staged.binding, staged.stream)
-        staged.pieces.apply()
-        restored = materialize(
-            staged.manifest, staged.binding, target, allow_pickle=self.allow_pickle
-        )
+        undo = Undo()
+        undo.cover(staged.binding)
+        with undo.on_failure(f"restoring version {staged.info.id}"):
+            load_stream(staged.manifest, staged.binding, staged.stream)
+            staged.pieces.apply()
+            restored = materialize(
+                staged.manifest,
+                staged.binding,
+                target,
+                allow_pickle=self.allow_pickle,
+                undo=undo,
+            )
         return self._info(staged, restored, t0)
 
     def _info(
@@ -644,41 +655,90 @@ class Checkpointer:
     ) -> RestoreInfo:
         """Load a log version's base, replay the steps, load its own leaves. If the replay
         is refused or does not verify on any rank, load the base again (it is staged and
-        verified): the state is then the base version's, and ``fallback`` says why."""
+        verified): the state is then the base version's, and ``fallback`` says why.
+
+        All or nothing like :meth:`_load`: what the base, the replay (the guarded
+        optimizer, its parameters' gradients, the GradScaler, the mirrors) and the log
+        version's own leaves overwrite is kept first; if any of it raises (a replayed
+        ``optimizer.step()``, a ``load_state_dict``), the state is put back as it was and
+        a typed error says what failed. A refused or unverified replay is no failure:
+        the base is restored instead, as above."""
         base = staged.log
         assert base is not None and state is not None
         target = state
-        load_stream(base.manifest, base.binding, base.stream)
-        base.pieces.apply()
-        materialize(base.manifest, base.binding, target, allow_pickle=self.allow_pickle)
-        error: Exception | None = None
-        try:
-            report, replayed = replay_version(source, staged.manifest, staged.stream)
-        except ReplayError as exc:
-            error = exc
-        if not self.coordinator.all_true(error is None):
-            why = str(error) if error is not None else "another rank could not replay it"
-            source.invalidate("the state was restored")
+        what = f"restoring log version {staged.info.id}"
+        undo = Undo()
+        undo.cover(base.binding)
+        undo.cover(staged.binding)
+        optimizer = source.optimizer
+        undo.object("the guarded optimizer", optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for p in params:
+            undo.tensor(p)
+        undo.grads(params)
+        for _, copy in source.mirrors:
+            undo.tensor(copy)
+        if source.scaler is not None and is_stateful(source.scaler):
+            undo.object("the guarded GradScaler", source.scaler)
+        with undo.on_failure(what):
             load_stream(base.manifest, base.binding, base.stream)
             base.pieces.apply()
-            materialize(base.manifest, base.binding, target, allow_pickle=self.allow_pickle)
-            note = (
-                f"log version {staged.info.id} could not be replayed exactly ({why}); "
-                f"restored its base, version {base.info.id}"
+            materialize(
+                base.manifest, base.binding, target, allow_pickle=self.allow_pickle, undo=undo
             )
-            log.warning("%s", note)
-            info = self._info(base, target, t0, staged)
-            return dataclasses.replace(info, fallback=note)
+            error: Exception | None = None
+            crash: Exception | None = None
+            undo.touched(optimizer)
+            if source.scaler is not None and is_stateful(source.scaler):
+                undo.touched(source.scaler)
+            try:
+                report, replayed = replay_version(source, staged.manifest, staged.stream)
+            except ReplayError as exc:
+                error = exc
+            except Exception as exc:  # not a refusal: the replay itself broke
+                error = crash = exc
+            if not self.coordinator.all_true(error is None):
+                # every rank agrees first whether any replay broke (then all undo), else
+                # all fall back to the base
+                if not self.coordinator.all_true(crash is None):
+                    why = (
+                        f"{type(crash).__name__}: {crash}"
+                        if crash is not None
+                        else "it failed on another rank"
+                    )
+                    raise StateError(
+                        f"replaying the optimizer steps of log version {staged.info.id} "
+                        f"failed ({why})"
+                    ) from crash
+                why = str(error) if error is not None else "another rank could not replay it"
+                load_stream(base.manifest, base.binding, base.stream)
+                base.pieces.apply()
+                materialize(
+                    base.manifest,
+                    base.binding,
+                    target,
+                    allow_pickle=self.allow_pickle,
+                    undo=undo,
+                )
+                source.invalidate("the state was restored")
+                note = (
+                    f"log version {staged.info.id} could not be replayed exactly ({why}); "
+                    f"restored its base, version {base.info.id}"
+                )
+                log.warning("%s", note)
+                info = self._info(base, target, t0, staged)
+                return dataclasses.replace(info, fallback=note)
+            load_stream(staged.manifest, staged.binding, staged.stream)
+            staged.pieces.apply()
+            restored = materialize(
+                staged.manifest,
+                staged.binding,
+                target,
+                allow_pickle=self.allow_pickle,
+                replayed=replayed,
+                undo=undo,
+            )
         source.invalidate("the state was restored")
-        load_stream(staged.manifest, staged.binding, staged.stream)
-        staged.pieces.apply()
-        restored = materialize(
-            staged.manifest,
-            staged.binding,
-            target,
-            allow_pickle=self.allow_pickle,
-            replayed=replayed,
-        )
         info = self._info(staged, restored, t0, base)
         log.info(
             "restored log version %d: base %d and %d step(s) replayed and verified",
