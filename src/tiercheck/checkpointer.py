@@ -429,7 +429,10 @@ class Checkpointer:
         All or nothing: every chunk is read and verified into a staging buffer first; only
         then are the caller's tensors written (where dtype and shape match) and modules and
         optimizers given ``load_state_dict``. If no version can be read, ``state`` is left
-        as it was. A ``None`` value is a placeholder for what was saved under its key
+        as it was; if loading fails (a ``load_state_dict`` raises, say an optimizer with
+        other param groups, after the model was loaded), everything written is put back
+        first, so ``state`` is again bit for bit as it was, and the error says what failed.
+        A ``None`` value is a placeholder for what was saved under its key
         (``info.state[key]``). A DTensor (FSDP2) target is filled in place from its saved
         piece; on another mesh or world size it is assembled from the pieces every rank
         saved, and a plain tensor target gets the whole tensor. Each chunk comes from the

@@ -1,7 +1,9 @@
 """Restore: choose a version, read and verify it into staging, then load it in place.
 
 All or nothing for the caller's state: nothing of it changes until every chunk of the
-version has been read and verified.
+version has been read and verified, and if loading it then fails (a ``load_state_dict``
+that raises, a leaf that cannot be decoded, a replay that breaks), everything the load
+wrote is put back as it was (:class:`Undo`, which says why a snapshot and not a dry run).
 
 1. :func:`choose_version` picks the newest committed version every needed tier can serve
    (a diff only if its base is restorable too), or the one asked for.
@@ -14,15 +16,18 @@ version has been read and verified.
    version, falling back tier by tier and repairing bad copies (:mod:`tiercheck.fetch`),
    and decodes it into its place in a staging buffer laid out like the saved stream (the
    store's reused staging buffer: warm pages, and warm for the next save too).
-4. :func:`load_stream` copies each entry from staging into its destination (one memcpy
-   per entry), and :func:`materialize` puts the values in place: dict and list members are
-   replaced, stateful objects get ``load_state_dict``.
+4. :class:`Undo` keeps what the load will overwrite; :func:`load_stream` copies each
+   entry from staging into its destination (one memcpy per entry), and
+   :func:`materialize` puts the values in place: dict and list members are replaced,
+   stateful objects get ``load_state_dict``. If either raises, :meth:`Undo.rollback`.
 
 A log version (issue 11) is read as its base version plus its own shard, both staged and
 verified before anything of the caller's changes; then the base is loaded, the log's steps
 are replayed into the guarded optimizer and verified (:mod:`tiercheck.log_versions`), and
 the log version's own leaves are loaded, ``{"r": NAME}`` nodes taking the replayed
-tensors. A replay that fails is undone by loading the staged base again.
+tensors. A replay that is refused or does not verify is undone by loading the staged base
+again (the restore returns the base); one that breaks (``optimizer.step()`` raises), or a
+load after it that fails, fails the restore and is undone by :class:`Undo` like any load.
 """
 
 from __future__ import annotations
