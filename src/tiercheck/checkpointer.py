@@ -498,23 +498,29 @@ class Checkpointer:
                     )
                 staged: _Staged | None = None
                 fatal: TiercheckError | None = None
+                # what loading would overwrite, copied while the version is fetched
+                undo = Undo()
                 try:
                     staged = self._read_version(
-                        catalog, catalog.versions[vid], state, strict, repair
+                        catalog, catalog.versions[vid], state, strict, repair, undo
                     )
                 except (NotFound, TierUnavailable, BlobCorrupt) as exc:
                     last_error = exc
                 except TiercheckError as exc:
                     last_error = fatal = exc
+                finally:
+                    if staged is None:
+                        undo.discard()
                 if self.coordinator.all_true(staged is not None):
                     assert staged is not None
                     if staged.log is not None:
                         assert replayer is not None
-                        return self._load_log(staged, state, t0, replayer, fallback)
-                    info = self._load(staged, state, t0)
+                        return self._load_log(staged, state, t0, replayer, fallback, undo)
+                    info = self._load(staged, state, t0, undo)
                     if source is not None:
                         source.invalidate("the state was restored")
                     return dataclasses.replace(info, fallback=fallback)
+                undo.discard()
                 if fatal is not None:
                     raise fatal
                 if explicit:
@@ -534,17 +540,20 @@ class Checkpointer:
         state: dict[str, Any] | None,
         strict: bool,
         repair: bool,
+        undo: Undo,
     ) -> _Staged:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
-        of ``state`` is written. Pieces of distributed tensors this rank's new layout needs
+        of ``state`` is written (what loading it will overwrite is noted in ``undo`` and
+        copied meanwhile). Pieces of distributed tensors this rank's new layout needs
         from other ranks' shards are read and verified too (:mod:`tiercheck.sharded`). A log
         version: its base into the staging buffer, its own shard into a buffer of its own."""
         if info.role == "log":
             assert info.base is not None
-            base = self._read_version(catalog, catalog.versions[info.base], state, strict, repair)
-            own = self._read_shard(catalog, info, state, strict, repair, staging=False)
+            base_info = catalog.versions[info.base]
+            base = self._read_version(catalog, base_info, state, strict, repair, undo)
+            own = self._read_shard(catalog, info, state, strict, repair, undo, staging=False)
             return dataclasses.replace(own, log=base)
-        return self._read_shard(catalog, info, state, strict, repair, staging=True)
+        return self._read_shard(catalog, info, state, strict, repair, undo, staging=True)
 
     def _read_shard(
         self,
@@ -553,6 +562,7 @@ class Checkpointer:
         state: dict[str, Any] | None,
         strict: bool,
         repair: bool,
+        undo: Undo,
         *,
         staging: bool,
     ) -> _Staged:
@@ -579,6 +589,8 @@ class Checkpointer:
             raise StateError(f"version {info.id} is a {info.role} but its shard holds a log")
         first = _gradient_entries(manifest)
         binding = bind(manifest, target, strict=strict and state is not None, first=first)
+        undo.cover(binding)
+        undo.keep(self._pool)
         if staging:
             self._staging.ensure(manifest.stream_bytes)
             stream = self._staging.view(manifest.stream_bytes)
@@ -596,13 +608,13 @@ class Checkpointer:
         )
         return _Staged(info, manifest, binding, stream, fetcher, order, pieces)
 
-    def _load(self, staged: _Staged, state: dict[str, Any] | None, t0: float) -> RestoreInfo:
+    def _load(
+        self, staged: _Staged, state: dict[str, Any] | None, t0: float, undo: Undo
+    ) -> RestoreInfo:
         """Load the staged version into ``state``, all or nothing: what it overwrites is
-        kept first (:class:`~tiercheck.restore.Undo`), and put back if anything fails, a
+        kept first (``undo``, covering ``staged``), and put back if anything fails, a
         ``load_state_dict`` that raises included."""
         target = state if state is not None else {}
-        undo = Undo()
-        undo.cover(staged.binding)
         with undo.on_failure(f"restoring version {staged.info.id}"):
             load_stream(staged.manifest, staged.binding, staged.stream)
             staged.pieces.apply()
@@ -655,6 +667,7 @@ class Checkpointer:
         t0: float,
         source: LogSource,
         fallback: str | None,
+        undo: Undo,
     ) -> RestoreInfo:
         """Load a log version's base, replay the steps, load its own leaves. If the replay
         is refused or does not verify on any rank, load the base again (it is staged and
@@ -670,9 +683,6 @@ class Checkpointer:
         assert base is not None and state is not None
         target = state
         what = f"restoring log version {staged.info.id}"
-        undo = Undo()
-        undo.cover(base.binding)
-        undo.cover(staged.binding)
         optimizer = source.optimizer
         undo.object("the guarded optimizer", optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -493,7 +493,9 @@ class Undo:
     memory, a CUDA tensor's in host memory), every object's ``state_dict()`` as a tree of
     fresh containers whose tensors are those same caller tensors, and each container of
     the state before a member of it is replaced. It costs one copy of the state, made
-    before the first byte is written. A success throws it away.
+    before the first byte is written: :meth:`keep` makes it on the I/O pool while the
+    version's chunks are still being fetched, and :meth:`on_failure` waits for it before
+    letting the load begin. A success throws it away.
 
     :meth:`rollback`, in reverse: the kept bytes are copied back into the same tensors
     (identities kept), containers get their members back, gradients the replay replaced
@@ -503,7 +505,9 @@ class Undo:
     """
 
     def __init__(self) -> None:
-        self._tensors: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # memory -> (live, kept)
+        self._tensors: dict[tuple[Any, ...], Any] = {}  # memory -> the live tensor or array
+        self._kept: dict[tuple[Any, ...], Any] = {}  # memory -> its copy
+        self._copying: dict[tuple[Any, ...], Future[Any]] = {}
         self._objects: dict[int, tuple[str, Any, Any]] = {}  # id -> (key, object, kept sd)
         self._touched: dict[int, Any] = {}  # id -> object whose load_state_dict may have run
         self._containers: list[tuple[dict[Any, Any] | list[Any], Any]] = []
@@ -528,15 +532,15 @@ class Undo:
         self._objects[id(obj)] = (key, obj, self._tree(current))
 
     def tensor(self, t: Any) -> None:
-        """Keep the bytes of a caller tensor or array the restore may write."""
+        """Keep the bytes of a caller tensor or array the restore may write (copied by
+        :meth:`keep`, or by :meth:`ready` at the latest)."""
         import torch
 
         if isinstance(t, np.ndarray):
             if t.size and t.flags.writeable:
                 where = t.__array_interface__["data"][0]
                 k: tuple[Any, ...] = ("ndarray", where, t.shape, t.strides, t.dtype.str)
-                if k not in self._tensors:
-                    self._tensors[k] = (t, t.copy())
+                self._tensors.setdefault(k, t)
             return
         if not isinstance(t, torch.Tensor):
             return
@@ -544,10 +548,39 @@ class Undo:
         if not t.numel() or t.is_meta or t.layout != torch.strided:
             return
         where = t.untyped_storage().data_ptr()
-        k = (t.device, where, t.storage_offset(), t.shape, t.stride(), t.dtype)
-        if k not in self._tensors:
-            kept = t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")
-            self._tensors[k] = (t, kept)
+        self._tensors.setdefault(
+            (t.device, where, t.storage_offset(), t.shape, t.stride(), t.dtype), t
+        )
+
+    def keep(self, pool: Executor) -> None:
+        """Start copying, on ``pool``, every tensor noted so far and not copied yet."""
+        for k, t in self._tensors.items():
+            if k not in self._kept and k not in self._copying:
+                self._copying[k] = pool.submit(_copy_of, t)
+
+    def ready(self) -> None:
+        """Wait until every noted tensor is copied (copying the rest here). Raises
+        :class:`~tiercheck.errors.StateError` if a copy cannot be made (out of memory,
+        say): then nothing has been written."""
+        try:
+            for k, t in self._tensors.items():
+                if k in self._kept:
+                    continue
+                copying = self._copying.pop(k, None)
+                self._kept[k] = copying.result() if copying is not None else _copy_of(t)
+        except Exception as exc:
+            self.discard()
+            raise StateError(
+                f"could not keep a copy of the state to put back should the restore fail "
+                f"({type(exc).__name__}: {exc}); nothing of the state was written"
+            ) from exc
+
+    def discard(self) -> None:
+        """Drop the copies (the restore did not get to load: nothing to put back)."""
+        for copying in self._copying.values():
+            copying.cancel()
+        self._copying.clear()
+        self._kept.clear()
 
     def grads(self, params: Sequence[Any]) -> None:
         """Keep which ``.grad`` each parameter has (the replay sets and clears them)."""
@@ -596,7 +629,8 @@ class Undo:
 
         problems: list[str] = []
         with torch.no_grad():
-            for live, kept in self._tensors.values():
+            for k, live in self._tensors.items():
+                kept = self._kept[k]
                 try:
                     if isinstance(live, np.ndarray):
                         np.copyto(live, kept)
@@ -628,7 +662,9 @@ class Undo:
         """Roll back if the block raises; then raise a typed error saying what failed:
         a :class:`~tiercheck.errors.TiercheckError` as it is, anything else as a
         :class:`~tiercheck.errors.StateError`. If something could not be put back, a
-        :class:`StateError` names it (the state is then partly restored)."""
+        :class:`StateError` names it (the state is then partly restored). Waits for the
+        copies first (:meth:`ready`)."""
+        self.ready()
         try:
             yield
         except BaseException as exc:
@@ -650,6 +686,13 @@ class Undo:
                     "it was before restore()"
                 ) from exc
             raise
+
+
+def _copy_of(t: Any) -> Any:
+    """A copy of a tensor's or array's bytes, a device tensor's in host memory."""
+    if isinstance(t, np.ndarray):
+        return t.copy()
+    return t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")
 
 
 def _same(a: Any, b: Any) -> bool:
