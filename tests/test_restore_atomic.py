@@ -295,3 +295,37 @@ def test_a_log_version_whose_restore_fails_leaves_the_state_as_it_was(
         assert "replay" in str(error) and "out of memory" in str(error)
     else:
         assert error.key == "loader" and "seed" in str(error)
+
+
+# --- what cannot be put back is said ------------------------------------------------------
+
+
+class LoadCounter:
+    """Counts the loads it was given (in its own state) and refuses another run's state:
+    no ``load_state_dict`` can give it back the state it had."""
+
+    def __init__(self, run: int) -> None:
+        self.run = run
+        self.loads = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "loads": self.loads}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.loads += 1
+        if sd["run"] != self.run:
+            raise ValueError(f"state of run {sd['run']}, this is run {self.run}")
+
+
+def test_an_object_that_cannot_be_put_back_is_named_and_the_rest_is_put_back(
+    ckpt: tiercheck.Checkpointer,
+) -> None:
+    torch.manual_seed(0)
+    ckpt.save(1, {"model": nn.Linear(16, 16), "counter": LoadCounter(run=1)}).wait()
+    model = nn.Linear(16, 16)
+    before = image(model)
+    counter = LoadCounter(run=2)
+    with pytest.raises(StateError, match="partly restored") as caught:
+        ckpt.restore({"model": model, "counter": counter})
+    assert caught.value.key == "counter" and "counter: StateError" in str(caught.value)
+    assert image(model) == before

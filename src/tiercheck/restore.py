@@ -501,7 +501,8 @@ class Undo:
     (identities kept), containers get their members back, gradients the replay replaced
     are put back, then each object whose ``load_state_dict`` ran (or the replay stepped)
     is compared with what it was and, if it differs, given ``load_state_dict`` of its kept
-    ``state_dict()``, whose tensors are its own again.
+    ``state_dict()``, whose tensors are its own again, and compared once more. What still
+    differs is reported, never passed over.
     """
 
     def __init__(self) -> None:
@@ -630,8 +631,10 @@ class Undo:
         problems: list[str] = []
         with torch.no_grad():
             for k, live in self._tensors.items():
-                kept = self._kept[k]
+                kept = self._kept.get(k)
                 try:
+                    if kept is None:
+                        raise StateError("its bytes were not kept before the restore")
                     if isinstance(live, np.ndarray):
                         np.copyto(live, kept)
                     else:
@@ -651,8 +654,18 @@ class Undo:
             try:
                 if kept is None:
                     raise StateError("its state was not kept before the restore")
-                if not _same(obj.state_dict(), kept):
+                if _same(obj.state_dict(), kept):
+                    continue
+                try:
                     obj.load_state_dict(kept)
+                except Exception:
+                    if not _same(obj.state_dict(), kept):
+                        raise
+                if not _same(obj.state_dict(), kept):
+                    raise StateError(
+                        "load_state_dict of its state before the restore did not give "
+                        "that state back"
+                    )
             except Exception as exc:
                 problems.append(f"{key or 'the state'}: {type(exc).__name__}: {exc}")
         return problems
