@@ -276,25 +276,28 @@ def test_a_log_version_whose_restore_fails_leaves_the_state_as_it_was(
     model(torch.randn(4, 16)).square().mean().backward()  # gradients pending, too
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     assert len(grads) == 2
-    failing = False
 
     def out_of_memory(*_: Any) -> None:
-        if failing:
-            raise RuntimeError("out of memory in optimizer.step()")
+        raise RuntimeError("out of memory in optimizer.step()")
 
     if where == "replay":
-        opt.register_step_pre_hook(out_of_memory)
+        hook = opt.register_step_pre_hook(out_of_memory)
     else:
         loader.seed = 1
-    failing = True
     error = failed_restore(ckpt, {"model": model, "optim": opt, "loader": loader})
     after = [p.grad for p in model.parameters()]
     assert all(a is not None and torch.equal(a, g) for a, g in zip(after, grads))
     assert isinstance(error, StateError), error
     if where == "replay":
         assert "replay" in str(error) and "out of memory" in str(error)
+        hook.remove()
     else:
         assert error.key == "loader" and "seed" in str(error)
+        loader.seed = 0
+    # the cause gone, the same restore replays the log version as usual
+    info = ckpt.restore({"model": model, "optim": opt, "loader": loader})
+    assert (info.role, info.replayed_steps, info.fallback) == ("log", 2, None)
+    assert loader.position == 3
 
 
 # --- what cannot be put back is said ------------------------------------------------------
