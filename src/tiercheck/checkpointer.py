@@ -43,7 +43,7 @@ from tiercheck.config import (
     load_config,
     save_config,
 )
-from tiercheck.entries import flatten
+from tiercheck.entries import flatten, is_stateful
 from tiercheck.errors import (
     BlobCorrupt,
     CheckpointError,
@@ -70,6 +70,7 @@ from tiercheck.placement import Policy
 from tiercheck.restore import (
     Binding,
     RestoreInfo,
+    Undo,
     bind,
     choose_version,
     fetch_stream,
@@ -488,7 +489,10 @@ class Checkpointer:
         All or nothing: every chunk is read and verified into a staging buffer first; only
         then are the caller's tensors written (where dtype and shape match) and modules and
         optimizers given ``load_state_dict``. If no version can be read, ``state`` is left
-        as it was. A ``None`` value is a placeholder for what was saved under its key
+        as it was; if loading fails (a ``load_state_dict`` raises, say an optimizer with
+        other param groups, after the model was loaded), everything written is put back
+        first, so ``state`` is again bit for bit as it was, and the error says what failed.
+        A ``None`` value is a placeholder for what was saved under its key
         (``info.state[key]``). A DTensor (FSDP2) target is filled in place from its saved
         piece; on another mesh or world size it is assembled from the pieces every rank
         saved, and a plain tensor target gets the whole tensor. Each chunk comes from the
@@ -554,23 +558,29 @@ class Checkpointer:
                     )
                 staged: _Staged | None = None
                 fatal: TiercheckError | None = None
+                # what loading would overwrite, copied while the version is fetched
+                undo = Undo()
                 try:
                     staged = self._read_version(
-                        catalog, catalog.versions[vid], state, strict, repair
+                        catalog, catalog.versions[vid], state, strict, repair, undo
                     )
                 except (NotFound, TierUnavailable, BlobCorrupt) as exc:
                     last_error = exc
                 except TiercheckError as exc:
                     last_error = fatal = exc
+                finally:
+                    if staged is None:
+                        undo.discard()
                 if self.coordinator.all_true(staged is not None):
                     assert staged is not None
                     if staged.log is not None:
                         assert replayer is not None
-                        return self._load_log(staged, state, t0, replayer, fallback)
-                    info = self._load(staged, state, t0)
+                        return self._load_log(staged, state, t0, replayer, fallback, undo)
+                    info = self._load(staged, state, t0, undo)
                     if source is not None:
                         source.invalidate("the state was restored")
                     return dataclasses.replace(info, fallback=fallback)
+                undo.discard()
                 if fatal is not None:
                     raise fatal
                 if explicit:
@@ -590,17 +600,20 @@ class Checkpointer:
         state: dict[str, Any] | None,
         strict: bool,
         repair: bool,
+        undo: Undo,
     ) -> _Staged:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
-        of ``state`` is written. Pieces of distributed tensors this rank's new layout needs
+        of ``state`` is written (what loading it will overwrite is noted in ``undo`` and
+        copied meanwhile). Pieces of distributed tensors this rank's new layout needs
         from other ranks' shards are read and verified too (:mod:`tiercheck.sharded`). A log
         version: its base into the staging buffer, its own shard into a buffer of its own."""
         if info.role == "log":
             assert info.base is not None
-            base = self._read_version(catalog, catalog.versions[info.base], state, strict, repair)
-            own = self._read_shard(catalog, info, state, strict, repair, staging=False)
+            base_info = catalog.versions[info.base]
+            base = self._read_version(catalog, base_info, state, strict, repair, undo)
+            own = self._read_shard(catalog, info, state, strict, repair, undo, staging=False)
             return dataclasses.replace(own, log=base)
-        return self._read_shard(catalog, info, state, strict, repair, staging=True)
+        return self._read_shard(catalog, info, state, strict, repair, undo, staging=True)
 
     def _read_shard(
         self,
@@ -609,6 +622,7 @@ class Checkpointer:
         state: dict[str, Any] | None,
         strict: bool,
         repair: bool,
+        undo: Undo,
         *,
         staging: bool,
     ) -> _Staged:
@@ -635,6 +649,8 @@ class Checkpointer:
             raise StateError(f"version {info.id} is a {info.role} but its shard holds a log")
         first = _gradient_entries(manifest)
         binding = bind(manifest, target, strict=strict and state is not None, first=first)
+        undo.cover(binding)
+        undo.keep(self._pool)
         if staging:
             self._staging.ensure(manifest.stream_bytes)
             stream = self._staging.view(manifest.stream_bytes)
@@ -652,13 +668,23 @@ class Checkpointer:
         )
         return _Staged(info, manifest, binding, stream, fetcher, order, pieces)
 
-    def _load(self, staged: _Staged, state: dict[str, Any] | None, t0: float) -> RestoreInfo:
+    def _load(
+        self, staged: _Staged, state: dict[str, Any] | None, t0: float, undo: Undo
+    ) -> RestoreInfo:
+        """Load the staged version into ``state``, all or nothing: what it overwrites is
+        kept first (``undo``, covering ``staged``), and put back if anything fails, a
+        ``load_state_dict`` that raises included."""
         target = state if state is not None else {}
-        load_stream(staged.manifest, staged.binding, staged.stream)
-        staged.pieces.apply()
-        restored = materialize(
-            staged.manifest, staged.binding, target, allow_pickle=self.allow_pickle
-        )
+        with undo.on_failure(f"restoring version {staged.info.id}"):
+            load_stream(staged.manifest, staged.binding, staged.stream)
+            staged.pieces.apply()
+            restored = materialize(
+                staged.manifest,
+                staged.binding,
+                target,
+                allow_pickle=self.allow_pickle,
+                undo=undo,
+            )
         return self._info(staged, restored, t0)
 
     def _info(
@@ -701,44 +727,91 @@ class Checkpointer:
         t0: float,
         source: LogSource,
         fallback: str | None,
+        undo: Undo,
     ) -> RestoreInfo:
         """Load a log version's base, replay the steps, load its own leaves. If the replay
         is refused or does not verify on any rank, load the base again (it is staged and
-        verified): the state is then the base version's, and ``fallback`` says why."""
+        verified): the state is then the base version's, and ``fallback`` says why.
+
+        All or nothing like :meth:`_load`: what the base, the replay (the guarded
+        optimizer, its parameters' gradients, the GradScaler, the mirrors) and the log
+        version's own leaves overwrite is kept first; if any of it raises (a replayed
+        ``optimizer.step()``, a ``load_state_dict``), the state is put back as it was and
+        a typed error says what failed. A refused or unverified replay is no failure:
+        the base is restored instead, as above."""
         base = staged.log
         assert base is not None and state is not None
         target = state
-        load_stream(base.manifest, base.binding, base.stream)
-        base.pieces.apply()
-        materialize(base.manifest, base.binding, target, allow_pickle=self.allow_pickle)
-        error: Exception | None = None
-        try:
-            report, replayed = replay_version(source, staged.manifest, staged.stream)
-        except ReplayError as exc:
-            error = exc
-        if not self.coordinator.all_true(error is None):
-            why = str(error) if error is not None else "another rank could not replay it"
-            source.invalidate("the state was restored")
+        what = f"restoring log version {staged.info.id}"
+        optimizer = source.optimizer
+        undo.object("the guarded optimizer", optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for p in params:
+            undo.tensor(p)
+        undo.grads(params)
+        for _, copy in source.mirrors:
+            undo.tensor(copy)
+        if source.scaler is not None and is_stateful(source.scaler):
+            undo.object("the guarded GradScaler", source.scaler)
+        with undo.on_failure(what):
             load_stream(base.manifest, base.binding, base.stream)
             base.pieces.apply()
-            materialize(base.manifest, base.binding, target, allow_pickle=self.allow_pickle)
-            note = (
-                f"log version {staged.info.id} could not be replayed exactly ({why}); "
-                f"restored its base, version {base.info.id}"
+            materialize(
+                base.manifest, base.binding, target, allow_pickle=self.allow_pickle, undo=undo
             )
-            log.warning("%s", note)
-            info = self._info(base, target, t0, staged)
-            return dataclasses.replace(info, fallback=note)
+            error: Exception | None = None
+            crash: Exception | None = None
+            undo.touched(optimizer)
+            if source.scaler is not None and is_stateful(source.scaler):
+                undo.touched(source.scaler)
+            try:
+                report, replayed = replay_version(source, staged.manifest, staged.stream)
+            except ReplayError as exc:
+                error = exc
+            except Exception as exc:  # not a refusal: the replay itself broke
+                error = crash = exc
+            if not self.coordinator.all_true(error is None):
+                # every rank agrees first whether any replay broke (then all undo), else
+                # all fall back to the base
+                if not self.coordinator.all_true(crash is None):
+                    why = (
+                        f"{type(crash).__name__}: {crash}"
+                        if crash is not None
+                        else "it failed on another rank"
+                    )
+                    raise StateError(
+                        f"replaying the optimizer steps of log version {staged.info.id} "
+                        f"failed ({why})"
+                    ) from crash
+                why = str(error) if error is not None else "another rank could not replay it"
+                load_stream(base.manifest, base.binding, base.stream)
+                base.pieces.apply()
+                materialize(
+                    base.manifest,
+                    base.binding,
+                    target,
+                    allow_pickle=self.allow_pickle,
+                    undo=undo,
+                )
+                source.invalidate("the state was restored")
+                note = (
+                    f"log version {staged.info.id} could not be replayed exactly ({why}); "
+                    f"restored its base, version {base.info.id}"
+                )
+                log.warning("%s", note)
+                info = self._info(base, target, t0, staged)
+                return dataclasses.replace(info, fallback=note)
+            load_stream(staged.manifest, staged.binding, staged.stream)
+            staged.pieces.apply()
+            restored = materialize(
+                staged.manifest,
+                staged.binding,
+                target,
+                allow_pickle=self.allow_pickle,
+                replayed=replayed,
+                undo=undo,
+            )
         source.invalidate("the state was restored")
-        load_stream(staged.manifest, staged.binding, staged.stream)
-        staged.pieces.apply()
-        restored = materialize(
-            staged.manifest,
-            staged.binding,
-            target,
-            allow_pickle=self.allow_pickle,
-            replayed=replayed,
-        )
         info = self._info(staged, restored, t0, base)
         log.info(
             "restored log version %d: base %d and %d step(s) replayed and verified",

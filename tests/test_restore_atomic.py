@@ -1,0 +1,334 @@
+"""A restore that fails leaves the caller's state exactly as it was (issue 21, item 4).
+
+Each test restores into a state that cannot take the saved version, for a reason found
+only after some of the state has been written (a module, an optimizer, a scheduler or a
+user object whose ``load_state_dict`` raises; a leaf that cannot be decoded; a log
+version whose replay fails), and checks that every tensor, every object's
+``state_dict()`` and every container of the state are bit-identical to what they were
+before, and that the error is typed and names what failed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import tiercheck
+from tiercheck.entries import is_stateful
+from tiercheck.errors import StateError, UnsupportedValue
+
+
+def image(value: Any, path: str = "", *, ids: bool = True) -> dict[str, Any]:
+    """What ``value`` holds, by path, as plain data that compares equal only if nothing
+    changed: every tensor's dtype, shape and bytes, every stateful object's
+    ``state_dict()``, every container's type and keys in order, and (``ids``) which
+    objects the caller's containers hold."""
+    who = id(value) if ids else None
+    out: dict[str, Any] = {}
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[path] = ("tensor", who, str(t.dtype), tuple(t.shape), raw)
+    elif isinstance(value, np.ndarray):
+        out[path] = ("ndarray", who, value.dtype.str, value.shape, value.tobytes())
+    elif isinstance(value, Mapping):
+        out[path] = (type(value).__name__, who, list(value))
+        for k, v in value.items():
+            out.update(image(v, f"{path}/{k}", ids=ids))
+    elif isinstance(value, (list, tuple)):
+        out[path] = (type(value).__name__, who, len(value))
+        for i, v in enumerate(value):
+            out.update(image(v, f"{path}/{i}", ids=ids))
+    elif is_stateful(value):
+        # a state_dict's tensors are fresh views (a module's): compare their bytes only
+        out[path] = ("object", who, type(value).__qualname__)
+        out.update(image(value.state_dict(), f"{path}.state_dict()", ids=False))
+    else:
+        out[path] = ("value", repr(value))
+    return out
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Iterator[tiercheck.Checkpointer]:
+    """A store of one in-process memory tier (these tests are not about tiers)."""
+    store = tiercheck.Checkpointer(
+        tmp_path / "store", tiers=[("mem", f"memory://{uuid.uuid4().hex}")]
+    )
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def train(model: nn.Linear, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, model.in_features)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def failed_restore(ckpt: tiercheck.Checkpointer, target: dict[str, Any]) -> BaseException:
+    """Restore into ``target``, which must fail; assert ``target`` is as it was; return
+    the error (the state is checked first: on a failure it says what was overwritten)."""
+    before = image(target)
+    with pytest.raises(Exception) as caught:
+        ckpt.restore(target)
+    after = image(target)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"changed by the failed restore: {changed}"
+    return caught.value
+
+
+# --- nn.Module ---------------------------------------------------------------------------
+
+
+def test_a_module_whose_last_layer_does_not_fit_leaves_every_module_as_it_was(
+    ckpt: tiercheck.Checkpointer,
+) -> None:
+    """``load_state_dict`` of a module copies the layers that fit before it raises for the
+    one that does not; the encoder before it was loaded whole."""
+    torch.manual_seed(0)
+    saved = {
+        "encoder": nn.Linear(16, 16),
+        "model": nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)),
+        "step": 7,
+    }
+    ckpt.save(7, saved).wait()
+    torch.manual_seed(1)
+    target = {
+        "encoder": nn.Linear(16, 16),
+        "model": nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)),
+        "step": 0,
+    }
+    error = failed_restore(ckpt, target)
+    assert isinstance(error, StateError), error
+    assert error.key == "model" and "size mismatch" in str(error)
+
+
+# --- optimizer -------------------------------------------------------------------------
+
+
+def test_an_optimizer_with_other_param_groups_leaves_model_and_optimizer_as_they_were(
+    tmp_path: Path,
+) -> None:
+    """The reported case: model + optimizer restored into an optimizer with two param
+    groups where one was saved. The default store (shm, LMDB, file)."""
+    ckpt = tiercheck.Checkpointer(tmp_path / "store")
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(32, 8)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train(model, opt, 2)
+        ckpt.save(2, {"model": model, "optim": opt}).wait()
+
+        torch.manual_seed(1)
+        model2 = nn.Linear(32, 8)
+        opt2 = torch.optim.AdamW(
+            [{"params": [model2.weight]}, {"params": [model2.bias], "weight_decay": 0.0}],
+            lr=1e-3,
+        )
+        train(model2, opt2, 1)  # its moments are there to be overwritten in place
+        error = failed_restore(ckpt, {"model": model2, "optim": opt2})
+        assert isinstance(error, StateError), error
+        assert error.key == "optim" and "parameter groups" in str(error)
+    finally:
+        ckpt.destroy()
+
+
+# --- LR scheduler ----------------------------------------------------------------------
+
+
+def test_a_scheduler_whose_load_state_dict_raises_undoes_the_model_and_optimizer(
+    ckpt: tiercheck.Checkpointer,
+) -> None:
+    """Model and optimizer load (their tensors in place, the optimizer's param groups
+    replaced), then the scheduler refuses: a StepLR was saved, the state has a LambdaLR,
+    whose ``load_state_dict`` raises ``KeyError('lr_lambdas')``."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        train(model, opt, 1)
+        sched.step()
+    ckpt.save(3, {"model": model, "optim": opt, "sched": sched}).wait()
+
+    torch.manual_seed(1)
+    model2 = nn.Linear(16, 16)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-4)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda step: 1.0 / (step + 1))
+    train(model2, opt2, 1)
+    sched2.step()
+    error = failed_restore(ckpt, {"model": model2, "optim": opt2, "sched": sched2})
+    assert isinstance(error, StateError), error
+    assert error.key == "sched" and "lr_lambdas" in str(error)
+
+
+# --- a user object -----------------------------------------------------------------------
+
+
+class Loader:
+    """A data loader's position: ``load_state_dict`` sets the position, then refuses a
+    state saved with another shuffling seed (it has already changed itself by then)."""
+
+    def __init__(self, seed: int, position: int = 0) -> None:
+        self.seed = seed
+        self.position = position
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "position": self.position}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.position = sd["position"]
+        if sd["seed"] != self.seed:
+            raise ValueError(f"saved with seed {sd['seed']}, this loader shuffles with {self.seed}")
+
+
+def test_a_user_object_whose_load_state_dict_raises_half_way_is_put_back(
+    ckpt: tiercheck.Checkpointer,
+) -> None:
+    torch.manual_seed(0)
+    ckpt.save(1, {"model": nn.Linear(16, 16), "loader": Loader(seed=0, position=40)}).wait()
+    torch.manual_seed(1)
+    loader = Loader(seed=1, position=3)
+    error = failed_restore(ckpt, {"model": nn.Linear(16, 16), "loader": loader})
+    assert loader.position == 3
+    assert isinstance(error, StateError), error
+    assert error.key == "loader" and "seed" in str(error)
+
+
+# --- plain tensors and dict leaves -------------------------------------------------------
+
+
+class Note:
+    """A leaf only pickle can store."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def test_plain_tensors_and_dict_leaves_are_put_back_when_a_later_leaf_cannot_be_loaded(
+    tmp_path: Path,
+) -> None:
+    """Tensors and an array are written in place and dict and list members replaced
+    before a leaf stored with pickle is met by a store opened without ``allow_pickle``.
+    The default store, closed and opened again."""
+    root = tmp_path / "store"
+    ckpt = tiercheck.Checkpointer(root, allow_pickle=True)
+    try:
+        saved = {
+            "w": torch.randn(4096),
+            "arr": np.arange(64, dtype=np.float64),
+            "hist": [1, 2, 3],
+            "cfg": {"lr": 0.1, "name": "saved", "sizes": [1, 2]},
+            "note": Note("pickled"),
+        }
+        ckpt.save(1, saved).wait()
+        ckpt.close()
+        ckpt = tiercheck.Checkpointer(root)
+        target = {
+            "w": torch.zeros(4096),
+            "arr": np.zeros(64, dtype=np.float64),
+            "hist": [0, 0, 0],
+            "cfg": {"lr": 0.5, "name": "mine", "sizes": [3, 4]},
+            "note": None,
+        }
+        error = failed_restore(ckpt, target)
+        assert isinstance(error, UnsupportedValue), error
+        assert error.key == "note" and "allow_pickle" in str(error)
+    finally:
+        ckpt.destroy()
+
+
+# --- a log version whose replay fails ------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["replay", "after the replay"])
+def test_a_log_version_whose_restore_fails_leaves_the_state_as_it_was(
+    ckpt: tiercheck.Checkpointer, where: str
+) -> None:
+    """A guarded restore of a log version loads the base, replays the logged steps into the
+    optimizer, then loads the version's own leaves. ``replay``: ``optimizer.step()`` raises
+    during the replay (a step hook of the training script here; out of memory, say).
+    ``after the replay``: the loader, loaded after the replay, refuses its saved state.
+    Either way the base is loaded and steps replayed before the failure."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = Loader(seed=0)
+    ckpt.guard(opt)
+    roles = []
+    for step in range(1, 4):
+        train(model, opt, 1)
+        loader.position = step
+        state = {"model": model, "optim": opt, "loader": loader}
+        roles.append(ckpt.save(step, state).result().role)
+    assert roles == ["base", "log", "log"]
+
+    train(model, opt, 2)  # the state moves on from the saved one, then is restored
+    model(torch.randn(4, 16)).square().mean().backward()  # gradients pending, too
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert len(grads) == 2
+
+    def out_of_memory(*_: Any) -> None:
+        raise RuntimeError("out of memory in optimizer.step()")
+
+    if where == "replay":
+        hook = opt.register_step_pre_hook(out_of_memory)
+    else:
+        loader.seed = 1
+    error = failed_restore(ckpt, {"model": model, "optim": opt, "loader": loader})
+    after = [p.grad for p in model.parameters()]
+    assert all(a is not None and torch.equal(a, g) for a, g in zip(after, grads))
+    assert isinstance(error, StateError), error
+    if where == "replay":
+        assert "replay" in str(error) and "out of memory" in str(error)
+        hook.remove()
+    else:
+        assert error.key == "loader" and "seed" in str(error)
+        loader.seed = 0
+    # the cause gone, the same restore replays the log version as usual
+    info = ckpt.restore({"model": model, "optim": opt, "loader": loader})
+    assert (info.role, info.replayed_steps, info.fallback) == ("log", 2, None)
+    assert loader.position == 3
+
+
+# --- what cannot be put back is said ------------------------------------------------------
+
+
+class LoadCounter:
+    """Counts the loads it was given (in its own state) and refuses another run's state:
+    no ``load_state_dict`` can give it back the state it had."""
+
+    def __init__(self, run: int) -> None:
+        self.run = run
+        self.loads = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "loads": self.loads}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.loads += 1
+        if sd["run"] != self.run:
+            raise ValueError(f"state of run {sd['run']}, this is run {self.run}")
+
+
+def test_an_object_that_cannot_be_put_back_is_named_and_the_rest_is_put_back(
+    ckpt: tiercheck.Checkpointer,
+) -> None:
+    torch.manual_seed(0)
+    ckpt.save(1, {"model": nn.Linear(16, 16), "counter": LoadCounter(run=1)}).wait()
+    model = nn.Linear(16, 16)
+    before = image(model)
+    counter = LoadCounter(run=2)
+    with pytest.raises(StateError, match="partly restored") as caught:
+        ckpt.restore({"model": model, "counter": counter})
+    assert caught.value.key == "counter" and "counter: StateError" in str(caught.value)
+    assert image(model) == before
