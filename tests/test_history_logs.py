@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from _models import Trainer
+from update_log_run import SKIP_AT, Run
 
 import tiercheck
 from tiercheck.cli import main
@@ -31,7 +32,7 @@ from tiercheck.formats.manifest import Fingerprint
 from tiercheck.history import Version
 
 
-def live_state(t: Trainer) -> dict[str, Any]:
+def live_state(t: Trainer | Run) -> dict[str, Any]:
     """The trainer's model parameters, buffers and optimizer state now, by state key, cloned."""
     out: dict[str, Any] = {
         f"model/{k}": v.detach().clone() for k, v in t.model.state_dict().items()
@@ -111,6 +112,32 @@ def test_the_latest_version_of_a_guarded_store_reads_as_the_trainers_state(
         # the stored shard is still there to see: the logged gradients and the own leaves
         stored = ckpt.version(2).stored_entries
         assert any(k.startswith("/log/1/") for k in stored) and "model/pos" not in stored
+
+
+def test_reading_history_next_to_the_trainer_matches_every_step_and_leaves_it_alone(
+    tmp_path: Path,
+) -> None:
+    """In the training process, with the writer open: AdamW with clipping, OneCycleLR and a
+    GradScaler that skips a step. After every save the newest version reads as the live
+    state, and reading it neither changes the trainer nor stops the next saves being logs."""
+    run = Run(seed=3)
+    ckpt = tiercheck.Checkpointer(tmp_path / "store")
+    try:
+        ckpt.guard(run.opt, run.scaler)
+        roles = []
+        for _ in range(SKIP_AT + 1):
+            run.step()
+            roles.append(ckpt.save(run.steps, run.state()).result().role)
+            want = live_state(run)
+            v = ckpt.version("latest")
+            assert (v.role, v.step) == (roles[-1], run.steps)
+            assert_reads_as(v, want)
+            assert_reads_as(v, live_state(run))  # the read did not touch the trainer
+        assert roles[0] == "base" and roles[1:] == ["log"] * SKIP_AT, roles
+        rlog = ckpt.version("latest").manifest.log
+        assert rlog is not None and rlog.steps[SKIP_AT - 2].skipped  # replayed as skipped
+    finally:
+        ckpt.destroy()
 
 
 def test_a_log_version_is_replayed_once_and_reads_return_fresh_values(guarded: Guarded) -> None:
@@ -195,8 +222,8 @@ def test_diff_of_a_base_and_a_log_version_compares_their_states(
     guarded: Guarded, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data = json.loads(_cli(capsys, "diff", guarded.root, "0", "latest", "--json"))
-    assert (data["a_role"], data["b_role"]) == ("base", "log")
     assert data["added"] == [] and data["removed"] == []
+    assert (data["a_role"], data["b_role"]) == ("base", "log")
     changed = {c["key"] for c in data["changed"]}
     before, after = guarded.states[0], guarded.states[2]
     moved = {
