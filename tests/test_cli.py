@@ -159,6 +159,7 @@ def test_show(store: Store) -> None:
         "shape": [64, 64],
         "size": 64 * 64 * 4,
         "chunks": 4,
+        "replayed": None,  # the name of a log version's leaf that its replay reproduces
     }
     assert entries["step"]["kind"] == "msgpack"
     assert data["chunks"]["total"] >= 6 and data["chunks"]["dedup_ratio"] >= 1.0

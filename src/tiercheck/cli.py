@@ -359,7 +359,7 @@ def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
         table.add_column(n)
     now = time.time()
     for v in versions:
-        role = v.role if v.base is None else f"{v.role} of {v.base}"
+        role = _role(v)
         mark = "" if v.restorable else " [red](not restorable)[/red]"
         cells = [
             f"[{_STATE_STYLE.get(v.tiers[n], '')}]{v.tiers[n]}[/]" if v.tiers[n] else ""
@@ -385,6 +385,16 @@ def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
             console.print(f"{s.name}: survives {describe_survival(s.tier.capabilities)}")
     if not versions:
         console.print("no committed versions")
+    elif any(v.role == "log" for v in versions):
+        console.print(
+            "log of N: the state of version N with the optimizer steps logged since replayed "
+            "(on read; `show` lists which entries are replayed)"
+        )
+
+
+def _role(v: history.Version, of: str = "") -> str:
+    """A version's role as ls, show and diff print it: ``base``, ``diff of 3``, ``log of 3``."""
+    return v.role if v.base is None else f"{v.role} of {of}{v.base}"
 
 
 def _show_data(v: history.Version) -> dict[str, Any]:
@@ -400,6 +410,7 @@ def _show_data(v: history.Version) -> dict[str, Any]:
         from tiercheck.log_versions import replayed_keys
 
         steps = m.log.steps
+        logged = {i for s in steps for i in s.grads if i is not None}
         replay_info = {
             "base": v.base,
             "steps": len(steps),
@@ -409,6 +420,9 @@ def _show_data(v: history.Version) -> dict[str, Any]:
             "device": m.log.device,
             "replayed_leaves": replayed_keys(m.tree),
             "fingerprints": len(m.log.fingerprints),
+            "gradients": len(logged),
+            "gradient_bytes": sum(m.entries[i].nbytes for i in logged),
+            "own_leaves": len(m.entries) - len(logged),
         }
     if v.base is not None and m.log is None:
         try:
@@ -470,8 +484,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         from rich.table import Table
 
         console = _console()
-        role = v.role if v.base is None else f"{v.role} of version {v.base}"
-        console.print(f"[bold]version {v.id}[/bold]  step {v.step}  {role}")
+        console.print(f"[bold]version {v.id}[/bold]  step {v.step}  {_role(v, 'version ')}")
         rp = data["replay"]
         if rp is not None:
             console.print(
@@ -479,6 +492,10 @@ def cmd_show(args: argparse.Namespace) -> int:
                 f"({rp['skipped']} skipped by the GradScaler) of {rp['optimizer']} "
                 f"(torch {rp['torch']}, {rp['device']}); {len(rp['replayed_leaves'])} "
                 f"leaves replayed, {rp['fingerprints']} fingerprints verified"
+            )
+            console.print(
+                f"stored    {rp['gradients']} logged gradients "
+                f"({human_size(rp['gradient_bytes'])}) and {rp['own_leaves']} own leaves"
             )
         console.print(f"time      {absolute_time(v.time)} ({relative_time(v.time)})")
         console.print(
@@ -515,7 +532,13 @@ def cmd_show(args: argparse.Namespace) -> int:
                 str(row.get("delta_chunks", "-")),
             )
         console.print(tt)
-        et = Table(title=f"entries ({len(data['entries'])})", title_justify="left")
+        title = f"entries ({len(data['entries'])})"
+        if rp is not None:
+            title = (
+                f"entries of the state ({len(data['entries'])}; "
+                f"{len(rp['replayed_leaves'])} replayed from version {rp['base']})"
+            )
+        et = Table(title=title, title_justify="left")
         for col in ("key", "kind", "dtype", "shape", "size", "chunks"):
             et.add_column(col, justify="right" if col in ("size", "chunks") else "left")
         for e in data["entries"]:
@@ -525,7 +548,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 e["dtype"] or "-",
                 "x".join(map(str, e["shape"])) if e["kind"] in ("tensor", "ndarray") else "-",
                 human_size(e["size"]),
-                str(e["chunks"]),
+                "replayed" if e["replayed"] else str(e["chunks"]),
             )
         console.print(et)
     return 0
@@ -545,7 +568,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
         console = _console()
         console.print(
-            f"version {d.a} -> {d.b}: {len(d.changed)} changed, {len(d.added)} added, "
+            f"version {d.a} ({_role(va)}) -> {d.b} ({_role(vb)}): {len(d.changed)} changed, "
+            f"{len(d.added)} added, "
             f"{len(d.removed)} removed, {len(d.unchanged)} unchanged "
             f"({d.unchanged_by_id} decided by chunk id without reading data)"
         )
@@ -1368,8 +1392,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ls",
         parents=[common],
         help="list the versions of a store",
-        description="List every committed version: step, role, time, sizes and, per tier, "
-        "committed / migrating / missing / dropped / unreachable. Reads the logs only.",
+        description="List every committed version: step, role (base; diff of N; log of N: "
+        "the state of N with the optimizer steps logged since replayed), time, sizes (of the "
+        "state, and stored in its tiers) and, per tier, committed / migrating / missing / "
+        "dropped / unreachable. Reads the logs only.",
     )
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--limit", type=_nonneg_int, metavar="N", help="only the newest N versions")
@@ -1379,9 +1405,11 @@ def build_parser() -> argparse.ArgumentParser:
         "show",
         parents=[common],
         help="show one version: entries, chunks, ratios, metadata",
-        description="Show a version: its entries (dtype, shape, size), chunks, dedup ratio, "
-        "changed chunks against its base, per-tier stored bytes, and metadata. Reads the "
-        "shard manifest only.",
+        description="Show a version: the entries of its state (dtype, shape, size), chunks, "
+        "dedup ratio, changed chunks against its base, per-tier stored bytes, and metadata. "
+        "For a log version: the replay chain, what it stores (logged gradients, own leaves) "
+        "and which entries its replay reproduces from the base. Reads the shard manifests "
+        "only (a log version's and its base's).",
     )
     p.add_argument("root", metavar="ROOT", help=url_help)
     p.add_argument("version", metavar="VERSION", help=version_help)
@@ -1393,8 +1421,10 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="compare two versions entry by entry",
         description="List entries added, removed, changed (max abs difference, relative L2 "
-        "change) and unchanged between versions A and B. Entries whose chunks are identical "
-        "are decided without reading data.",
+        "change) and unchanged between the states of versions A and B. Entries whose chunks "
+        "are identical are decided without reading data. A log version's replayed entries "
+        "are read by replaying its log as export does, so `diff BASE LOG` shows what the "
+        "logged optimizer steps changed.",
     )
     p.add_argument("root", metavar="ROOT", help=url_help)
     p.add_argument("a", metavar="A", help=version_help)

@@ -243,9 +243,13 @@ class ReplayError(TiercheckError):
 
 
 class ReplayRequired(ReplayError):
-    """The version asked for is a log version, and what was asked (an export, a read of
-    a replayed tensor) needs the training script's optimizer to replay it. ``version`` is
-    the log version, ``base`` the full version it replays from."""
+    """The version asked for is a log version, and what was asked (a read of a replayed
+    entry, a diff, an export) needs its replay, which cannot be done here without the
+    training script: the logged optimizer cannot be rebuilt here (not ``torch.optim``,
+    another torch version or device type), or replaying it here does not reproduce the
+    fingerprints recorded at save. Restore the version into the guarded optimizer of the
+    training script (``ckpt.guard(optimizer); ckpt.restore(state)``), or read its base.
+    ``version`` is the log version, ``base`` the full version it replays from."""
 
     def __init__(self, message: str, *, version: int, base: int | None) -> None:
         super().__init__(message)

@@ -9,6 +9,15 @@ the state of each tier) comes from the log records. Opening a version's content 
   fastest tier holding an intact copy (verified, with fallback, as in a restore);
 - ``v.to_state_dict()`` reads every chunk once and returns a flat ``key -> value`` dict.
 
+Every version reads as the state it stands for. A log version stores the optimizer inputs
+since its base, not the state (SPEC.md section 12): its ``entries`` are those of the state
+(the replayed leaves described by its base's manifest, then its own leaves), and the first
+read of a replayed leaf replays the log once through an offline optimizer
+(:func:`tiercheck.log_versions.replay_offline_leaves`, as ``tiercheck export`` does) and
+keeps the result on the :class:`Version`. Where that cannot be done here, reads of
+replayed leaves raise :class:`~tiercheck.errors.ReplayRequired`. The shard as stored (the
+logged gradients under ``/log/S/I`` included) stays visible as ``v.stored_entries``.
+
 :func:`diff` compares two versions entry by entry. An entry whose chunks have the same
 ids in both versions (at the same position inside the chunk) is unchanged by
 construction: its data is not read. Only entries whose chunks differ are read, in
@@ -26,7 +35,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,6 +51,7 @@ from tiercheck.errors import (
     FormatVersionError,
     NoRestorableVersion,
     NotFound,
+    ReplayRequired,
     TierError,
     TierUnavailable,
 )
@@ -103,6 +113,10 @@ class EntryInfo:
     """One entry of a version, as its shard manifest describes it (no data read).
 
     ``size`` is the entry's byte length; ``chunks`` the ids of the chunks it covers.
+    ``replayed`` is set on a log version's leaf that its replay reproduces: the name the
+    log gives it (``param/3``, ``state/3/exp_avg``, SPEC.md 12.2). Such an entry is
+    described by the base's manifest, has no chunks of its own (``chunks`` is empty,
+    ``offset`` -1), and its value is the replay's.
     """
 
     key: str
@@ -112,6 +126,7 @@ class EntryInfo:
     size: int
     offset: int
     chunks: tuple[str, ...]
+    replayed: str | None = None
 
     @property
     def numel(self) -> int:
@@ -125,6 +140,7 @@ class EntryInfo:
             "shape": list(self.shape),
             "size": self.size,
             "chunks": len(self.chunks),
+            "replayed": self.replayed,
         }
 
 
@@ -174,6 +190,9 @@ class Version:
     ``v[key]`` the chunks of one entry, :meth:`to_state_dict` all of them. Reads go
     through the :class:`~tiercheck.Checkpointer` the version came from, which must stay
     open while they run.
+
+    A log version (``role == "log"``) reads as the state it stands for, never as the log
+    it stores: see :attr:`entries` and :meth:`read`.
     """
 
     id: int
@@ -204,7 +223,8 @@ class Version:
 
     @property
     def base_version(self) -> Version | None:
-        """The base this diff version was encoded against (None for a base version)."""
+        """The full version this one was encoded against (a diff) or replays from (a log);
+        None for a base version. A new :class:`Version` object at each call."""
         if self.base is None:
             return None
         return open_version(self._require_store(), self.base, rank=self.rank)
@@ -231,10 +251,26 @@ class Version:
         return self._reader.manifest
 
     @cached_property
-    def entries(self) -> Mapping[str, EntryInfo]:
-        """Every entry of this rank's shard, by key, in saved order (reads the manifest)."""
+    def stored_entries(self) -> Mapping[str, EntryInfo]:
+        """Every entry this rank's shard stores, by key, in stored order (reads the
+        manifest). Those of a full version are its :attr:`entries`; those of a log version
+        are the logged gradients (keys ``/log/S/I``, internal) and then its own leaves."""
         m = self.manifest
         return {e.key: _entry_info(e, m) for e in m.entries}
+
+    @cached_property
+    def entries(self) -> Mapping[str, EntryInfo]:
+        """Every entry of the state this version stands for, by key, in the state's order.
+
+        Reads this rank's shard manifest and, for a log version, its base's (no data).
+        A log version's entries are its own leaves and the leaves its replay reproduces
+        (``replayed`` set, described by the base's manifest); its logged gradients are
+        not entries (see :attr:`stored_entries`).
+        """
+        m = self.manifest
+        if m.log is None:
+            return self.stored_entries
+        return _logical_entries(self, m)
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -243,22 +279,58 @@ class Version:
         return key in self.entries
 
     def __getitem__(self, key: str) -> Any:
-        """Read one entry (a tensor, an ndarray or a scalar), fetching only its chunks."""
+        """Read one entry (a tensor, an ndarray or a scalar), fetching only its chunks
+        (for a replayed leaf of a log version: replaying the log, see :meth:`read`)."""
         if key not in self.entries:
             raise KeyError(f"version {self.id} has no entry {key!r}")
-        return self._reader.read([key])[key]
+        return self.read([key])[key]
 
     def read(self, keys: Iterable[str]) -> dict[str, Any]:
-        """Read several entries at once; each chunk they cover is fetched once."""
+        """Read several entries at once; each chunk they cover is fetched once.
+
+        Every value returned is the caller's own (a fresh tensor, array or scalar). A
+        replayed leaf of a log version is the value the logged steps reproduce: the first
+        such read replays the log through an offline ``torch.optim`` optimizer built over
+        copies of the base's tensors and verifies the result against the fingerprints
+        recorded at save; the replayed tensors are then kept on this object, so later
+        reads copy them. Raises :class:`~tiercheck.errors.ReplayRequired` where the
+        replay cannot be done or does not verify here (the message says how to get the
+        state: restore the version into the guarded optimizer of the training script).
+        """
         wanted = list(keys)
-        missing = [k for k in wanted if k not in self.entries]
+        entries = self.entries
+        missing = [k for k in wanted if k not in entries]
         if missing:
             raise KeyError(f"version {self.id} has no entry {missing[0]!r}")
+        replayed = [k for k in wanted if entries[k].replayed is not None]
+        if not replayed:
+            return self._reader.read(wanted)
+        values = self._replayed
+        out = self._reader.read([k for k in wanted if entries[k].replayed is None])
+        for k in replayed:
+            out[k] = _own_copy(values[k])
+        return {k: out[k] for k in wanted}
+
+    def read_stored(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Read entries of :attr:`stored_entries` as stored (a log version's gradients
+        included), without any replay."""
+        wanted = list(keys)
+        missing = [k for k in wanted if k not in self.stored_entries]
+        if missing:
+            raise KeyError(f"version {self.id} stores no entry {missing[0]!r}")
         return self._reader.read(wanted)
 
     def to_state_dict(self, prefix: str = "") -> dict[str, Any]:
-        """Every entry (or those whose key starts with ``prefix``) as a flat dict."""
-        return self._reader.read([k for k in self.entries if k.startswith(prefix)])
+        """Every entry (or those whose key starts with ``prefix``) as a flat dict, read as
+        :meth:`read` does."""
+        return self.read([k for k in self.entries if k.startswith(prefix)])
+
+    @cached_property
+    def _replayed(self) -> Mapping[str, Any]:
+        # once per Version object: a replay reads the base's replayed tensors in full
+        from tiercheck.log_versions import replay_offline_leaves
+
+        return replay_offline_leaves(self)
 
     @property
     def read_stats(self) -> FetchStats:
@@ -286,6 +358,58 @@ class Version:
 
 VersionSummary = Version
 """The former name of a history row; kept so existing code keeps working."""
+
+
+def _state_leaves(tree: Any) -> Iterator[tuple[str, str, Any]]:
+    """``(key, tag, value)`` of every leaf node of a state tree (SPEC.md sections 8 and
+    12.3: ``e``, ``s`` and ``r`` nodes), in the state's order."""
+    stack: list[tuple[str, Any]] = [("", tree)]
+    while stack:
+        key, node = stack.pop()
+        ((tag, sub),) = node.items()
+        if tag in ("e", "s", "r"):
+            yield key, tag, sub
+        elif tag == "o":
+            stack.append((key, sub))
+        else:
+            items = sub if tag == "d" else list(enumerate(sub))
+            stack.extend((f"{key}/{k}" if key else str(k), child) for k, child in reversed(items))
+
+
+def _logical_entries(v: Version, m: ShardManifest) -> dict[str, EntryInfo]:
+    """The entries of the state log version ``v`` (shard manifest ``m``) stands for."""
+    base = v.base_version
+    if base is None:  # unpack_manifest refuses a log record without a base
+        raise NoRestorableVersion(f"version {v.id} is a log version without a base")
+    base_entries = base.entries
+    out: dict[str, EntryInfo] = {}
+    for key, tag, sub in _state_leaves(m.tree):
+        if tag != "r":
+            e = m.entries[sub]
+            out[e.key] = _entry_info(e, m)
+            continue
+        described = base_entries.get(key)
+        if described is None:
+            raise ReplayRequired(
+                f"version {v.id} is a log version whose leaf {key!r} is replayed from "
+                f"version {base.id}, which has no entry {key!r}: the state cannot be "
+                f"described without the training script. Restore version {v.id} into its "
+                "guarded optimizer (ckpt.guard(optimizer); ckpt.restore(state))",
+                version=v.id,
+                base=base.id,
+            )
+        out[key] = replace(described, offset=-1, chunks=(), replayed=sub)
+    return out
+
+
+def _own_copy(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    return value
 
 
 class _Reader:
@@ -587,8 +711,11 @@ def _json_float(x: float | None) -> float | str | None:
 class Diff:
     """What changed from version ``a`` to version ``b``.
 
-    ``unchanged_by_id`` counts the unchanged entries decided from chunk ids alone (no data
-    read); ``entries_read`` counts entries whose data had to be read (on each side).
+    Both sides are the states the versions stand for: a log version's replayed leaves
+    are compared as replayed (so ``diff(base, log)`` lists what the logged optimizer steps
+    changed). ``unchanged_by_id`` counts the unchanged entries decided from chunk ids
+    alone (no data read); ``entries_read`` counts entries whose data had to be read (on
+    each side). ``a_role`` and ``b_role`` are the versions' roles.
     """
 
     a: int
@@ -599,6 +726,8 @@ class Diff:
     unchanged: tuple[str, ...]
     unchanged_by_id: int
     entries_read: int
+    a_role: Role = "base"
+    b_role: Role = "base"
 
     @property
     def identical(self) -> bool:
@@ -608,6 +737,8 @@ class Diff:
         return {
             "a": self.a,
             "b": self.b,
+            "a_role": self.a_role,
+            "b_role": self.b_role,
             "added": [e.to_json() for e in self.added],
             "removed": [e.to_json() for e in self.removed],
             "changed": [c.to_json() for c in self.changed],
@@ -618,9 +749,12 @@ class Diff:
 
 
 def _same_by_id(ea: EntryInfo, eb: EntryInfo, csa: int, csb: int) -> bool:
-    """True when equal chunk ids prove the two entries' bytes equal."""
+    """True when equal chunk ids prove the two entries' bytes equal (never for a replayed
+    leaf: it has no chunks, its value is the replay's)."""
     return (
-        csa == csb
+        ea.replayed is None
+        and eb.replayed is None
+        and csa == csb
         and ea.size == eb.size
         and ea.offset % csa == eb.offset % csb
         and ea.chunks == eb.chunks
@@ -683,7 +817,9 @@ def _compare_values(ea: EntryInfo, eb: EntryInfo, va: Any, vb: Any) -> EntryChan
 
 
 def diff(va: Version, vb: Version) -> Diff:
-    """Compare ``va`` with ``vb`` (same rank); see :class:`Diff`."""
+    """Compare the states of ``va`` and ``vb`` (same rank); see :class:`Diff`. Raises
+    :class:`~tiercheck.errors.ReplayRequired` where a log version's replay is needed and
+    cannot be done here."""
     ea_all, eb_all = va.entries, vb.entries
     csa, csb = va.manifest.chunk_size, vb.manifest.chunk_size
     added = tuple(e for k, e in eb_all.items() if k not in ea_all)
@@ -727,6 +863,8 @@ def diff(va: Version, vb: Version) -> Diff:
         unchanged=tuple(unchanged),
         unchanged_by_id=by_id,
         entries_read=len(to_read),
+        a_role=va.role,
+        b_role=vb.role,
     )
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "choose",
     "gradients_of",
     "replay_offline",
+    "replay_offline_leaves",
     "replay_version",
     "replayed_keys",
     "with_fingerprints",
@@ -358,22 +359,35 @@ def replayed_keys(tree: Any) -> dict[str, str]:
 
 def replay_offline(version: Version) -> dict[str, Any]:
     """Every entry of log version ``version`` as its state held it, without the training
-    script: a ``torch.optim`` optimizer of the class the log names is built over copies
-    of the base version's parameters and optimizer state (its group options from the
-    log), the logged steps are replayed and verified against the fingerprints.
+    script (see :func:`replay_offline_leaves`).
 
     Returns ``{key: value}`` for every tensor and scalar entry of the state (the replayed
     tensors, then the log version's own entries; pickled entries are left out). Raises
-    :class:`~tiercheck.errors.ReplayRequired` where that cannot be done here (an
-    optimizer outside ``torch.optim``, another torch version or device type, a base
-    laid out differently) and :class:`~tiercheck.errors.ReplayMismatch` if the replay
-    does not verify.
+    :class:`~tiercheck.errors.ReplayRequired` where that cannot be done here.
+    """
+    out = replay_offline_leaves(version)
+    own = [k for k, e in version.entries.items() if e.replayed is None and e.kind != "pickle"]
+    out.update(version.read(own))
+    return out
+
+
+def replay_offline_leaves(version: Version) -> dict[str, Any]:
+    """The leaves log version ``version``'s replay reproduces, by state key, as its state
+    held them, without the training script: a ``torch.optim`` optimizer of the class the
+    log names is built over copies of the base version's parameters and optimizer state
+    (its group options from the log), the logged steps are replayed and verified against
+    the fingerprints. Tensors are detached, on the CPU.
+
+    Raises :class:`~tiercheck.errors.ReplayRequired` where that cannot be done here (an
+    optimizer outside ``torch.optim``, another torch version or device type, a base laid
+    out differently) or where the replay does not reproduce the fingerprints (its cause,
+    a :class:`~tiercheck.errors.ReplayMismatch`, names the tensors).
     """
     import importlib
 
     import torch
 
-    from tiercheck.errors import ReplayRefused, ReplayRequired
+    from tiercheck.errors import ReplayMismatch, ReplayRefused, ReplayRequired
     from tiercheck.replay import apply_options
 
     m = version.manifest
@@ -387,9 +401,9 @@ def replay_offline(version: Version) -> dict[str, Any]:
     def refuse(why: str) -> ReplayRequired:
         return ReplayRequired(
             f"version {version.id} is a log version that cannot be replayed without the "
-            f"training script: {why}. Export its base, version {base.id}, or restore version "
-            f"{version.id} in the training script (ckpt.guard(optimizer); "
-            "ckpt.restore(state)) and save it as a full version (role='base')",
+            f"training script: {why}. To get its state, restore version {version.id} in the "
+            "training script (ckpt.guard(optimizer); ckpt.restore(state)) and save it as a "
+            f"full version (role='base'); or read or export its base, version {base.id}",
             version=version.id,
             base=base.id,
         )
@@ -440,18 +454,20 @@ def replay_offline(version: Version) -> dict[str, Any]:
             raise refuse(f"version {base.id} does not hold mirror {j}")
         mirrors.append((params[i], base.read([mkey])[mkey].clone()))
     grad_keys = {i: m.entries[i].key for s in rlog.steps for i in s.grads if i is not None}
-    grads = version.read(sorted(set(grad_keys.values())))
+    grads = version.read_stored(sorted(set(grad_keys.values())))
     try:
         replay(opt, rlog, lambda i: grads[grad_keys[i]], mirrors=mirrors)
     except ReplayRefused as exc:
         raise refuse(str(exc)) from exc
+    except ReplayMismatch as exc:
+        raise refuse(
+            f"replaying it here did not reproduce the state saved ({exc}); a restore in the "
+            "training script replays with the trainer's own optimizer, and loads the base "
+            "if that does not verify either"
+        ) from exc
     replayed = replayed_tensors(opt, mirrors)
     out: dict[str, Any] = {}
     for key, name in r_keys.items():
         value = replayed[name]
         out[key] = value.detach() if isinstance(value, torch.Tensor) else value
-    own = [
-        k for k, e in version.entries.items() if not k.startswith("/log/") and e.kind != "pickle"
-    ]
-    out.update(version.read(own))
     return out
