@@ -1047,8 +1047,10 @@ def _left(deadline: float | None) -> float | None:
 
 def _check_same_tiers(path: Path, stored: StoreConfig, wanted: StoreConfig) -> None:
     """Raise ConfigError if ``wanted`` names other tiers than the store's file at ``path``:
-    rewriting it would leave the store's versions behind in tiers it no longer opens."""
-    if stored.tiers == wanted.tiers:
+    rewriting it would leave the store's versions behind in tiers it no longer opens.
+    Tiers are compared by name and URL: options (a budget, credentials the file never
+    holds) may change from one open to the next."""
+    if [(t.name, t.url) for t in stored.tiers] == [(t.name, t.url) for t in wanted.tiers]:
         return
 
     def names(cfg: StoreConfig) -> str:
