@@ -145,7 +145,9 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock = StoreLock(self.root, self.rank if self.world_size > 1 else None)
         try:
-            if write_config:  # under the lock: never under a writer that has the store open
+            # under the lock: never under a writer that has the store open; by rank 0 only:
+            # the ranks share the file, and each may pass tiers of its own (a peer per rank)
+            if write_config and self.rank == 0:
                 self._write_config(rewrite_config)
             self._open(allow_pickle, threads)
         except BaseException:
