@@ -316,17 +316,19 @@ POINTS: dict[str, tuple[type, str] | Callable[..., Any]] = {
     "restore": (checkpointer_mod.Checkpointer, "_read_shard"),
     "restore_load": restore_mod.load_stream,
 }
-#: About how often a point is reached per saved step (so that N is likely to be reached).
+#: About how often a point is reached per saved step (measured on a dense life of four
+#: steps), so that the Nth hit is likely to come in a life; 0: once per life (restore).
 PER_STEP = {
-    "place": 3,
-    "commit": 3,
-    "append": 8,
-    "retention": 1,
-    "gc": 2,
-    "gc_claim": 2,
-    "migrate": 0.2,
-    "migrate_commit": 0.2,
-    "compact": 0.1,
+    "append": 4,
+    "commit": 1.25,
+    "place": 1.25,
+    "gc": 3,
+    "gc_claim": 3,
+    "make_room_drop": 0.75,
+    "retention": 0.75,
+    "migrate": 0.25,
+    "migrate_commit": 0.25,
+    "compact": 0.05,
     "restore": 0,
     "restore_load": 0,
 }
