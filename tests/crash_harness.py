@@ -54,6 +54,7 @@ run one life and one check directly (without fork), for the test that kills from
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import faulthandler
 import json
@@ -454,6 +455,10 @@ class _Output:
     errors: list[str] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
     partial: str = ""
+    # a read may end inside a character (an error message's emoji)
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
+    )
 
     def feed(self, text: str) -> None:
         *lines, self.partial = (self.partial + text).split("\n")
@@ -608,8 +613,9 @@ def _watch(
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _, _ = select.select(list(open_fds), [], [], timeout)
         if not ready and deadline is not None and not killed:
-            os.kill(pids[victim], signal.SIGKILL)  # the others follow once it is reaped
             deadline = None
+            if statuses[victim] is None:  # not already gone by itself
+                os.kill(pids[victim], signal.SIGKILL)  # the others follow once it is reaped
         for fd in ready:
             rank = open_fds[fd]
             data = os.read(fd, 1 << 16)
@@ -620,7 +626,7 @@ def _watch(
                 if os.WIFSIGNALED(statuses[rank] or 0) and not killed:
                     kill_all()  # one rank died: the job dies, as torchrun's agent makes it
                 continue
-            outs[rank].feed(data.decode())
+            outs[rank].feed(outs[rank].decoder.decode(data))
             if how == "ack" and rank == victim and outs[rank].acks >= value and not killed:
                 # let it run on for a random while, so that the kill lands anywhere
                 time.sleep(random.Random(seed + outs[rank].acks).uniform(0, 0.02))
