@@ -35,7 +35,9 @@ A life dies by SIGKILL in one of three ways (seeded by ``--seed``):
   delete, log compaction, migration and its commit, restore). Kill points trace engine
   functions (the function is replaced by one that counts and then calls it); no tier is
   wrapped;
-- **at random**: the zygote kills it after a random delay (up to the mean length of a life);
+- **at random**: the zygote kills it after a random delay (up to the mean length of a
+  life), counted from its start (the kill may land in the restore) or from its check
+  (in its saves);
 - **after an ack**: the zygote kills it a random while after its Nth acknowledgement.
 
 **The check** (in the next life, a fresh process, before it trains): the restored step is
@@ -543,8 +545,9 @@ def run_life(
     kill: tuple[str, int, float, KillPoint | None],
 ) -> tuple[list[_Output], list[int]]:
     """Fork one life (one process per rank), kill it as ``kill`` says (``(how, rank,
-    value, point)``: ``point``, ``random`` after ``value`` seconds, ``ack`` after ``value``
-    acks, or ``none``), and return what each rank wrote and its wait status."""
+    value, point)``: ``point``, ``random`` after ``value`` seconds, ``random_save``
+    ``value`` seconds after its check, ``ack`` after ``value`` acks, or ``none``), and
+    return what each rank wrote and its wait status."""
     how, victim, value, point = kill
     world = ledger.ranks
     port = _free_port() if world > 1 else 0
@@ -600,6 +603,7 @@ def _watch(
     """Read the ranks' pipes until every rank is gone, killing as ``how`` says."""
     deadline = time.monotonic() + value if how == "random" else None
     killed = False
+    armed = how != "random_save"  # random_save: counted from the victim's check on
 
     def kill_all() -> None:
         nonlocal killed
@@ -627,6 +631,9 @@ def _watch(
                     kill_all()  # one rank died: the job dies, as torchrun's agent makes it
                 continue
             outs[rank].feed(outs[rank].decoder.decode(data))
+            if not armed and rank == victim and outs[rank].check is not None:
+                armed = True
+                deadline = time.monotonic() + value
             if how == "ack" and rank == victim and outs[rank].acks >= value and not killed:
                 # let it run on for a random while, so that the kill lands anywhere
                 time.sleep(random.Random(seed + outs[rank].acks).uniform(0, 0.02))
@@ -670,8 +677,10 @@ def run(
                 elif r < 0.45:
                     point = choose_kill(rng, steps)
                     how, value = "point", 0.0
-                elif r < 0.8:
+                elif r < 0.6:
                     how, value = "random", rng.uniform(0, mean_life)
+                elif r < 0.8:  # a random moment of its saves, after the check
+                    how, value = "random_save", rng.uniform(0, mean_life)
                 else:
                     how, value = "ack", float(rng.randint(1, steps))
                 t_life = time.monotonic()

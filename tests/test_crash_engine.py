@@ -31,7 +31,7 @@ HARNESS = Path(__file__).with_name("crash_harness.py")
 SOAK = os.environ.get("TIERCHECK_SOAK") == "1"
 SEED = int(os.environ.get("TIERCHECK_CRASH_SEED", "20240607"))
 # lives per zygote in CI: about 85% end in a SIGKILL, so >= 60 kills together
-CI_ITERATIONS = {"dense": 30, "guarded": 28, "dist": 22}
+CI_ITERATIONS = {"dense": 32, "guarded": 30, "dist": 24}
 MODES = [m for m in os.environ.get("TIERCHECK_CRASH_MODES", "dense,guarded,dist").split(",") if m]
 SOAK_ITERATIONS = int(os.environ.get("TIERCHECK_SOAK_ITERATIONS", "1300"))
 ITERATIONS = {m: SOAK_ITERATIONS if SOAK else CI_ITERATIONS[m] for m in MODES}
@@ -104,8 +104,9 @@ def test_sigkill_at_random_points_loses_nothing(tmp_path: Path) -> None:
         assert s["exact_restores"] > 0
     assert sum(s["kills"] for s in summaries.values()) >= MIN_KILLS
     points = set().union(*(s["kills_by_point"] for s in summaries.values()))
-    assert {"random", "ack"} <= points
-    assert len(points - {"random", "ack"}) >= 5  # kills inside the engine, at several points
+    zygote = {"random", "random_save", "ack"}
+    assert zygote <= points
+    assert len(points - zygote) >= 5  # kills inside the engine, at several points
 
 
 def test_sigkill_from_the_test_process(tmp_path: Path) -> None:
