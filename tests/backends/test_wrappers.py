@@ -91,7 +91,7 @@ def test_every_tier_method_is_forwarded() -> None:
 
 
 def test_the_check_sees_a_method_added_to_the_interface() -> None:
-    class Grown(Tier):
+    class Grown(Tier):  # type: ignore[misc,unused-ignore]
         def evict(self) -> None:
             """A call added to the interface later."""
 
