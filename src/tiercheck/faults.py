@@ -1,11 +1,13 @@
 """Fault injection: a tier wrapper that fails, stalls, damages and loses writes on purpose.
 
-:class:`FaultyTier` wraps any :class:`~tiercheck.backends.base.Tier` and consults a
-:class:`FaultPlan` on every call. A plan is a list of :class:`Fault` rules; each names the
-operations it applies to (``put``, ``get``, ``has``, ``delete``, ``list``, ``append``,
-``read_log``), the calls it fires on (the ``nth`` call of those operations on this tier,
-counted from 1, and ``count`` calls from there, or every call from there with
-``count=None``), an optional seeded ``probability``, and what it does:
+:class:`FaultyTier` wraps any :class:`~tiercheck.backends.base.Tier` (it is a
+:class:`~tiercheck.wrappers.WrapperTier`: every call of the tier interface reaches the inner
+tier) and consults a :class:`FaultPlan` on every call of the operations a plan names.
+A plan is a list of :class:`Fault` rules; each names the operations it applies to
+(``put``, ``get``, ``has``, ``delete``, ``list``, ``append``, ``read_log``), the calls
+it fires on (the ``nth`` call of those operations on this tier, counted from 1, and
+``count`` calls from there, or every call from there with ``count=None``), an
+optional seeded ``probability``, and what it does:
 
 - ``fail``: raise ``error`` (a :class:`~tiercheck.errors.TierError` subclass, default
   :class:`~tiercheck.errors.TierUnavailable`) instead of calling the tier;
@@ -41,9 +43,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from tiercheck import errors
-from tiercheck.backends.base import Buffer, Tier
+from tiercheck.backends.base import Buffer, PendingPut, Tier, scatter
 from tiercheck.backends.registry import open_tier, register_tier
 from tiercheck.errors import ConfigError, TierError, TierUnavailable
+from tiercheck.wrappers import WrapperTier
 
 __all__ = [
     "ALL_OPS",
@@ -51,6 +54,7 @@ __all__ = [
     "FaultEvent",
     "FaultPlan",
     "FaultyTier",
+    "WrapperTier",
     "damage_bytes",
     "open_faulty",
     "register_faulty_schemes",
@@ -310,36 +314,49 @@ def damage_bytes(data: Buffer, how: Literal["corrupt", "truncate"], rng: random.
     return bytes(out)
 
 
-class FaultyTier(Tier):
+class FaultyTier(WrapperTier):
     """``inner`` with the faults of ``plan`` injected. Capabilities are the inner tier's.
 
-    ``calls`` counts the calls made per operation. Attributes this class does not define
-    are looked up on ``inner`` (e.g. an LMDB tier's ``path``).
+    A :class:`~tiercheck.wrappers.WrapperTier`: every call of the tier interface reaches
+    the inner tier (budgets, ``usage``, vectored and batched writes, log compaction
+    included); the calls of the seven operations a plan names pass through the faults
+    first. ``put_parts``, ``begin_put``, ``put_many`` and ``put_many_parts`` count as one
+    ``put`` per blob, ``get_parts``, ``size`` and ``head`` as one ``get``. ``calls`` counts
+    the calls made per operation. Attributes this class does not define are looked up on
+    ``inner`` (e.g. an LMDB tier's ``path``).
     """
 
     scheme = "faulty"
 
     def __init__(self, inner: Tier, plan: FaultPlan | None = None) -> None:
-        super().__init__(
-            PREFIX + inner.url, capabilities=inner.capabilities, read_only=inner.read_only
-        )
-        self.inner = inner
+        super().__init__(inner)
         self.plan = plan if plan is not None else FaultPlan()
         self.calls: Counter[str] = Counter()
         self._count_lock = threading.Lock()
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # not set yet: avoid recursing during __init__
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    @property
+    def url(self) -> str:
+        return PREFIX + self.inner.url
+
+    @url.setter
+    def url(self, value: str) -> None:
+        self.inner.url = value.removeprefix(PREFIX)
 
     # --- the fault machinery -------------------------------------------------------
 
     def _before(self, op: Op, key: str = "") -> tuple[int, list[Fault]]:
+        call, faults = self._match(op)
+        self._fire_before(op, call, faults, key)
+        return call, faults
+
+    def _match(self, op: Op) -> tuple[int, list[Fault]]:
+        """Count a call of ``op``; its number and the rules that fire on it."""
         with self._count_lock:
             self.calls[op] += 1
             call = self.calls[op]
-        faults = self.plan._matching(op, call)
+        return call, self.plan._matching(op, call)
+
+    def _fire_before(self, op: Op, call: int, faults: list[Fault], key: str) -> None:
         for f in faults:
             if f.after:
                 continue
@@ -354,7 +371,6 @@ class FaultyTier(Tier):
             if f.action == "fail":
                 self._fire(f, op, call, key)
                 raise f.error(f"injected fault: {op} call {call} fails", url=self.url, key=key)
-        return call, faults
 
     def _after(self, op: Op, call: int, faults: list[Fault], key: str = "") -> None:
         for f in faults:
@@ -377,12 +393,25 @@ class FaultyTier(Tier):
                     data = damage_bytes(data, f.action, self.plan.rng)  # type: ignore[arg-type]
         return data
 
+    @staticmethod
+    def _damages(faults: list[Fault]) -> bool:
+        return any(f.action in ("corrupt", "truncate") for f in faults)
+
     def _lost(self, faults: list[Fault], op: Op, call: int, key: str) -> bool:
         for f in faults:
             if f.action == "lose":
                 self._fire(f, op, call, key)
                 return True
         return False
+
+    def _damaged_get(self, blob_id: str) -> tuple[memoryview | None, int, list[Fault]]:
+        """The ``get`` faults of one read: a damaged copy of the blob when a rule damages
+        reads (else None: read the inner tier as asked), the call number, the rules."""
+        call, faults = self._before("get", blob_id)
+        if not self._damages(faults):
+            return None, call, faults
+        data = self._damage(bytes(self.inner.get(blob_id)), faults, "get", call, blob_id)
+        return memoryview(data), call, faults
 
     def damage(self, blob_id: str, how: Literal["corrupt", "truncate"] = "corrupt") -> None:
         """Damage the stored copy of ``blob_id`` in the inner tier (seeded), bypassing faults."""
@@ -391,26 +420,126 @@ class FaultyTier(Tier):
             bad = damage_bytes(data, how, self.plan.rng)
         self.inner.put(blob_id, bad, overwrite=True)
 
-    # --- Tier ------------------------------------------------------------------------
+    # --- Tier: the operations a plan names ---------------------------------------------
 
     def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
-        call, faults = self._before("put", blob_id)
+        call, faults = self._match("put")
+        return self._put_one(
+            blob_id,
+            [data],
+            call,
+            faults,
+            overwrite,
+            lambda: self.inner.put(blob_id, data, overwrite=overwrite),
+        )
+
+    def put_parts(self, blob_id: str, parts: Sequence[Buffer], *, overwrite: bool = False) -> bool:
+        call, faults = self._match("put")
+        return self._put_one(
+            blob_id,
+            parts,
+            call,
+            faults,
+            overwrite,
+            lambda: self.inner.put_parts(blob_id, parts, overwrite=overwrite),
+        )
+
+    def _put_one(
+        self,
+        blob_id: str,
+        parts: Sequence[Buffer],
+        call: int,
+        faults: list[Fault],
+        overwrite: bool,
+        write: Callable[[], bool],
+    ) -> bool:
+        """One put through the rules ``faults`` of its call; ``write`` does it undamaged."""
+        self._fire_before("put", call, faults, blob_id)
         if self._lost(faults, "put", call, blob_id):
             return True
-        data = self._damage(data, faults, "put", call, blob_id)
-        out = self.inner.put(blob_id, data, overwrite=overwrite)
+        if self._damages(faults):
+            data = self._damage(b"".join(parts), faults, "put", call, blob_id)
+            out = self.inner.put(blob_id, data, overwrite=overwrite)
+        else:
+            out = write()
         self._after("put", call, faults, blob_id)
         return out
 
+    def begin_put(self, blob_id: str, parts: Sequence[Buffer]) -> PendingPut:
+        call, faults = self._before("put", blob_id)
+        if self._lost(faults, "put", call, blob_id):
+            return PendingPut(True)
+        if self._damages(faults):
+            data = self._damage(b"".join(parts), faults, "put", call, blob_id)
+            pending = PendingPut(self.inner.put(blob_id, data))
+        else:
+            pending = self.inner.begin_put(blob_id, parts)
+        return _FaultyPending(pending, lambda: self._after("put", call, faults, blob_id))
+
+    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
+        return self._put_batch(
+            ((blob_id, [data]) for blob_id, data in items),
+            lambda batch: self.inner.put_many((b, parts[0]) for b, parts in batch),
+        )
+
+    def put_many_parts(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> int:
+        return self._put_batch(items, self.inner.put_many_parts)
+
+    def _put_batch(
+        self,
+        items: Iterable[tuple[str, Sequence[Buffer]]],
+        forward: Callable[[builtins.list[tuple[str, Sequence[Buffer]]]], int],
+    ) -> int:
+        """A batch of puts, forwarded as batches between the calls a rule fires on. Such a
+        call is made alone, after the blobs before it were written: the Nth put fails (or
+        is damaged, or ends the process) with the puts before it done, as one by one."""
+        written = 0
+        pending: builtins.list[tuple[str, Sequence[Buffer]]] = []
+        for blob_id, parts in items:
+            call, faults = self._match("put")
+            if not faults:
+                pending.append((blob_id, parts))
+                continue
+            if pending:
+                written += forward(pending)
+                pending = []
+
+            def one(blob_id: str = blob_id, parts: Sequence[Buffer] = parts) -> bool:
+                return forward([(blob_id, parts)]) > 0
+
+            written += self._put_one(blob_id, parts, call, faults, False, one)
+        if pending:
+            written += forward(pending)
+        return written
+
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
-        call, faults = self._before("get", blob_id)
-        if any(f.action in ("corrupt", "truncate") for f in faults):
-            data = self._damage(bytes(self.inner.get(blob_id)), faults, "get", call, blob_id)
-            result = self._copy_out(data, out, self.url, blob_id)
+        damaged, call, faults = self._damaged_get(blob_id)
+        if damaged is not None:
+            result = self._copy_out(damaged, out, self.url, blob_id)
         else:
             result = self.inner.get(blob_id, out)
         self._after("get", call, faults, blob_id)
         return result
+
+    def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        damaged, call, faults = self._damaged_get(blob_id)
+        n = scatter(damaged, parts) if damaged is not None else self.inner.get_parts(blob_id, parts)
+        self._after("get", call, faults, blob_id)
+        return n
+
+    def size(self, blob_id: str) -> int:
+        damaged, call, faults = self._damaged_get(blob_id)
+        n = len(damaged) if damaged is not None else self.inner.size(blob_id)
+        self._after("get", call, faults, blob_id)
+        return n
+
+    def head(self, blob_id: str, nbytes: int = 64) -> bytes:
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        damaged, call, faults = self._damaged_get(blob_id)
+        data = bytes(damaged[:nbytes]) if damaged is not None else self.inner.head(blob_id, nbytes)
+        self._after("get", call, faults, blob_id)
+        return data
 
     def has(self, blob_ids: Iterable[str]) -> set[str]:
         call, faults = self._before("has")
@@ -433,9 +562,6 @@ class FaultyTier(Tier):
         self._after("list", call, faults)
         return iter(out)
 
-    def size(self, blob_id: str) -> int:
-        return len(self.get(blob_id))
-
     def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
         call, faults = self._before("append")
         if self._lost(faults, "append", call, ""):
@@ -450,8 +576,22 @@ class FaultyTier(Tier):
         self._after("read_log", call, faults)
         return out
 
-    def close(self) -> None:
-        self.inner.close()
+
+class _FaultyPending(PendingPut):
+    """A :class:`PendingPut` of the inner tier whose ``after`` faults fire once it is
+    finished (the put is complete only then)."""
+
+    def __init__(self, pending: PendingPut, after: Callable[[], None]) -> None:
+        self._pending = pending
+        self._after = after
+
+    def finish(self) -> bool:
+        out = self._pending.finish()
+        self._after()
+        return out
+
+    def abort(self) -> None:
+        self._pending.abort()
 
 
 def open_faulty(
