@@ -64,7 +64,6 @@ import os
 import random
 import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -424,21 +423,10 @@ def life(
     out("DONE\n")
 
 
-def _rank_env(rank: int, world: int, port: int) -> None:
+def _rank_env(rank: int, world: int) -> None:
     os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- the zygote ----------------------------------------------------------------------------------
@@ -550,14 +538,18 @@ def run_life(
     return what each rank wrote and its wait status."""
     how, victim, value, point = kill
     world = ledger.ranks
-    port = _free_port() if world > 1 else 0
+    # the ranks meet through a file, not a port: a port picked free can be taken before
+    # rank 0 listens on it (EADDRINUSE under a loaded test run)
+    rdzv = root.parent / f"rdzv-{os.getpid()}-{time.monotonic_ns()}"
     pids, fds = [], []
     for rank in range(world):
 
         def body(w: int, rank: int = rank) -> None:
             if world > 1:
-                _rank_env(rank, world, port)
-                dist.init_process_group("gloo")
+                _rank_env(rank, world)
+                dist.init_process_group(
+                    "gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world
+                )
             life(
                 root,
                 mode,
@@ -587,6 +579,7 @@ def run_life(
                 _, statuses[rank] = os.waitpid(pid, 0)
         for fd in open_fds:
             os.close(fd)
+        rdzv.unlink(missing_ok=True)
     return outs, [s or 0 for s in statuses]
 
 
