@@ -76,7 +76,10 @@ def free_memory(tier: Tier) -> int | None:
     from tiercheck.backends._memory import MemoryTier
     from tiercheck.backends._peer import PeerTier
     from tiercheck.backends._shm import ShmTier, shm_free_bytes
+    from tiercheck.wrappers import WrapperTier
 
+    while isinstance(tier, WrapperTier):  # a fault-injection or retry wrapper: what it wraps
+        tier = tier.inner
     try:
         if isinstance(tier, ShmTier):
             return shm_free_bytes(tier.path)

@@ -186,3 +186,20 @@ def test_a_budget_set_through_a_wrapper_bounds_the_inner_tier(
         tier.put(*blob(2000, seed=3))
     tier.put(ID, DATA)
     assert (tier.usage() or 0) >= len(DATA)
+
+
+def test_the_default_budget_sees_the_memory_behind_a_wrapped_tier() -> None:
+    """The default budget's free-memory term is the wrapped tier's (it was unknown through
+    a wrapper, so a wrapped shm tier got 2 x V + 1 MiB whatever /dev/shm had free)."""
+    from tiercheck.backends import remove_segment
+    from tiercheck.budgets import free_memory
+
+    tier = open_tier(f"shm://wrapped-{uuid.uuid4().hex[:12]}")
+    try:
+        assert free_memory(tier) is not None
+        assert free_memory(FaultyTier(tier)) is not None
+        assert free_memory(WrapperTier(WrapperTier(tier))) is not None
+    finally:
+        path = tier.path  # type: ignore[attr-defined]
+        tier.close()
+        remove_segment(path)
