@@ -32,6 +32,7 @@ import numpy as np
 from tiercheck.errors import BlobCorrupt, FormatVersionError
 
 __all__ = [
+    "MAX_INT",
     "SCHEMA_MAJOR",
     "SCHEMA_MINOR",
     "TENSOR_ITEMSIZE",
@@ -95,6 +96,9 @@ TENSOR_ITEMSIZE: Mapping[str, int] = {
     "bits2x4": 1,
     "bits4x2": 1,
 }
+MAX_INT = (1 << 63) - 1
+"""The largest step, version id or size the format holds: msgpack ints that every reader
+decodes as a signed 64-bit integer."""
 MAX_CHUNK_SIZE = 1 << 32
 """The largest ``chunk_size``, and chunk, a reader accepts: with the chunks tiling the
 stream, a manifest's claims bound what a reader allocates by what its chunks declare."""

@@ -183,8 +183,16 @@ def load_config(path: Path) -> StoreConfig:
     specs: list[TierSpec] = []
     tier_policies: dict[str, TierPolicy] = {}
     for raw in data.get("tier", []):
-        if not isinstance(raw, dict) or "name" not in raw or "url" not in raw:
-            raise ConfigError(f"{path}: every [[tier]] needs a name and a url")
+        if (
+            not isinstance(raw, dict)
+            or not isinstance(raw.get("name"), str)
+            or not isinstance(raw.get("url"), str)
+            or not isinstance(raw.get("options", {}), dict)
+        ):
+            raise ConfigError(
+                f"{path}: every [[tier]] needs a name and a url (strings), and its options "
+                "are a table"
+            )
         extra = set(raw) - {"name", "url", "options"} - _TIER_POLICY_KEYS
         if extra:
             raise ConfigError(f"{path}: tier {raw['name']!r} has unknown keys {sorted(extra)}")
