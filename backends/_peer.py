@@ -54,7 +54,11 @@ from tiercheck.errors import (
 __all__ = ["PeerTier"]
 
 PEER_CAPABILITIES = Capabilities(
-    survives=FailureDomain.NODE, shared=False, persistent=False, speed_rank=20
+    survives=FailureDomain.NODE,
+    shared=False,
+    persistent=False,
+    speed_rank=20,
+    empty_objects=False,
 )
 
 # Blobs at least this large travel one per frame (received in place by the daemon);
@@ -223,10 +227,21 @@ class PeerTier(Tier):
 
     # --- blobs ---
 
+    def _not_empty(self, size: int, what: str, key: str = "") -> None:
+        """The daemon refuses objects of 0 bytes (``capabilities.empty_objects``)."""
+        if not size:
+            raise NotSupported(
+                f"{what} of 0 bytes: the peer daemon refuses empty objects (each would hold "
+                "only overhead)",
+                url=self.url,
+                key=key,
+            )
+
     def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
         self._check_writable("put")
         check_blob_id(blob_id, self.url)
         size = _byte_len(data)
+        self._not_empty(size, "a blob", blob_id)
         if size > self._frame_budget():
             raise NotSupported(
                 f"blob of {size} bytes exceeds the peer daemon's frame limit of "
@@ -264,6 +279,7 @@ class PeerTier(Tier):
         for blob_id, data in items:
             check_blob_id(blob_id, self.url)
             size = _byte_len(data)
+            self._not_empty(size, "a blob", blob_id)
             if size >= _LARGE_BLOB:
                 written += self.put(blob_id, data)
                 continue
@@ -328,6 +344,7 @@ class PeerTier(Tier):
 
     def append(self, record: bytes, *, blobs: Iterable[tuple[str, Buffer]] = ()) -> None:
         self._check_writable("append")
+        self._not_empty(len(record), "a log record")
         self.put_many(blobs)
         if len(record) > self._frame_budget():
             raise NotSupported(
@@ -351,6 +368,7 @@ class PeerTier(Tier):
         self._check_writable("compact the log")
         if count < 1:
             raise ValueError(f"count must be at least 1, got {count}")
+        self._not_empty(len(record), "a log checkpoint")
         if len(record) > self._frame_budget():
             raise NotSupported(
                 f"log checkpoint of {len(record)} bytes exceeds the peer daemon's frame limit "

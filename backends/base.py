@@ -132,6 +132,10 @@ class Capabilities:
     tier stores; a file system mounted on this node says False: writing fp32 there is
     faster than compressing it (zstd level 1 runs at about 1 GB/s per core and saves
     under 10% on training state).
+    ``empty_objects`` says that the tier stores blobs and log records of 0 bytes; one that
+    does not (the peer daemon: an empty object would cost it only overhead, so it refuses
+    them) raises ``NotSupported`` for them. The engine never writes one: a blob carries a
+    header, a record is a msgpack map.
     """
 
     survives: FailureDomain
@@ -140,6 +144,7 @@ class Capabilities:
     speed_rank: int
     atomic_batch: bool = False
     compress: bool = True
+    empty_objects: bool = True
 
 
 def check_blob_id(blob_id: str, url: str = "") -> None:

@@ -19,17 +19,23 @@ section 14).
 
 from __future__ import annotations
 
+import itertools
+import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgpack
+import numpy as np
 
 from tiercheck.errors import BlobCorrupt, FormatVersionError
 
 __all__ = [
+    "MAX_INT",
     "SCHEMA_MAJOR",
     "SCHEMA_MINOR",
+    "TENSOR_ITEMSIZE",
     "AbortRecord",
     "CheckpointRecord",
     "ChunkRef",
@@ -47,6 +53,7 @@ __all__ = [
     "ShardPlacement",
     "SmallTensor",
     "VersionInfo",
+    "element_size",
     "pack_manifest",
     "pack_record",
     "record_schema",
@@ -56,6 +63,49 @@ __all__ = [
 
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 1
+
+# The torch dtypes a tensor entry may name (``str(dtype)`` without ``torch.``) and the
+# bytes per element of each: a reader checks an entry's ``nbytes`` against its shape with
+# this table before it allocates anything (SPEC.md section 7.2).
+TENSOR_ITEMSIZE: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "bits8": 1,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+}
+MAX_INT = (1 << 63) - 1
+"""The largest step, version id or size the format holds: msgpack ints that every reader
+decodes as a signed 64-bit integer."""
+MAX_CHUNK_SIZE = 1 << 32
+"""The largest ``chunk_size``, and chunk, a reader accepts: with the chunks tiling the
+stream, a manifest's claims bound what a reader allocates by what its chunks declare."""
+MAX_NDIM = 64
+"""The most dimensions an entry may have (torch and NumPy 2 allow 64)."""
+MAX_TREE_DEPTH = 256
+"""The deepest state tree a reader walks (a writer refuses states nested over 64 levels)."""
 
 EntryKind = Literal["tensor", "ndarray", "msgpack", "pickle"]
 Role = Literal["base", "diff", "log"]
@@ -470,22 +520,153 @@ def unpack_manifest(data: bytes | memoryview) -> ShardManifest:
     extra = obj.get("extra", {})
     if not isinstance(extra, dict):
         raise BlobCorrupt(f"malformed {what}: extra must be a map")
+    chunk_size = _field(obj, "chunk_size", int, what)
+    stream_bytes = _field(obj, "stream_bytes", int, what)
+    _check_sizes(entries, chunks, chunk_size, stream_bytes, what)
     raw_log = obj.get("log")
     replay_log = None if raw_log is None else _replay_log_from_obj(raw_log, entries, what)
     sharded = _sharded_from_obj(obj.get("sharded", []), entries, what)
+    gradients = _gradient_count(replay_log)
+    tree = obj.get("tree")
+    _check_tree(tree, len(entries), gradients, sharded, what)
+    version = _field(obj, "version", int, what)
+    rank = _field(obj, "rank", int, what)
+    world_size = _field(obj, "world_size", int, what)
+    if version < 0 or world_size < 1 or not 0 <= rank < world_size:
+        raise BlobCorrupt(
+            f"malformed {what}: version {version}, rank {rank} of world size {world_size}"
+        )
     return ShardManifest(
-        version=_field(obj, "version", int, what),
-        rank=_field(obj, "rank", int, what),
-        world_size=_field(obj, "world_size", int, what),
-        chunk_size=_field(obj, "chunk_size", int, what),
-        stream_bytes=_field(obj, "stream_bytes", int, what),
+        version=version,
+        rank=rank,
+        world_size=world_size,
+        chunk_size=chunk_size,
+        stream_bytes=stream_bytes,
         entries=tuple(entries),
         chunks=tuple(chunks),
-        tree=obj.get("tree"),
+        tree=tree,
         extra=extra,
         log=replay_log,
         sharded=sharded,
     )
+
+
+def element_size(kind: str, dtype: str) -> int | None:
+    """Bytes per element of an entry of ``kind`` and ``dtype``; None where the two do not
+    agree (a tensor with a NumPy dtype string, an object or structured array, a scalar
+    entry with a dtype) or the dtype is not one a writer produces; 0 for a scalar entry."""
+    if kind == "tensor":
+        return TENSOR_ITEMSIZE.get(dtype)
+    if kind == "ndarray":
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # NumPy deprecates some spellings
+                parsed = np.dtype(dtype)
+        except Exception:  # NumPy raises TypeError, ValueError, SyntaxError... for bad strings
+            return None
+        if (
+            parsed.str != dtype  # a writer stores dtype.str, nothing else
+            or parsed.hasobject
+            or parsed.kind not in "biufcV"
+            or parsed.fields
+            or parsed.subdtype is not None
+        ):
+            return None
+        return parsed.itemsize
+    return 0 if dtype == "" else None
+
+
+def _check_sizes(
+    entries: list[Entry], chunks: list[ChunkRef], chunk_size: int, stream_bytes: int, what: str
+) -> None:
+    """Every size the manifest claims agrees with the others, so a reader that allocates
+    by them allocates no more than the stream its chunks declare (SPEC.md 7.2, 9)."""
+    if not 0 < chunk_size <= MAX_CHUNK_SIZE or stream_bytes < 0:
+        raise BlobCorrupt(f"malformed {what}: chunk_size {chunk_size}, stream_bytes {stream_bytes}")
+    for c in chunks:
+        # not checked against chunk_size: readers take boundaries from `chunks` alone,
+        # and writers before 1.1 (the golden files) wrote chunks a little longer
+        if c.length > MAX_CHUNK_SIZE or c.offset + c.length > stream_bytes:
+            raise BlobCorrupt(
+                f"malformed {what}: chunk [{c.offset}, +{c.length}) does not fit a stream of "
+                f"{stream_bytes} bytes"
+            )
+    spans = []
+    for e in entries:
+        size = element_size(e.kind, e.dtype)
+        if size is None:
+            raise BlobCorrupt(
+                f"malformed {what}: entry {e.key!r:.60} is a {e.kind} of {e.dtype!r:.40}"
+            )
+        if size == 0:  # msgpack, pickle: a byte string, no shape
+            if e.shape:
+                raise BlobCorrupt(f"malformed {what}: {e.kind} entry {e.key!r:.60} has a shape")
+        elif len(e.shape) > MAX_NDIM or math.prod(e.shape) * size != e.nbytes:
+            raise BlobCorrupt(
+                f"malformed {what}: entry {e.key!r:.60} of shape {e.shape!r:.80} and dtype "
+                f"{e.dtype} is not {e.nbytes} bytes"
+            )
+        if e.offset + e.nbytes > stream_bytes:
+            raise BlobCorrupt(
+                f"malformed {what}: entry {e.key!r:.60} ends at {e.offset + e.nbytes}, past the "
+                f"stream's {stream_bytes} bytes"
+            )
+        if e.nbytes:
+            spans.append((e.offset, e.nbytes))
+    spans.sort()
+    for (a, n), (b, _) in itertools.pairwise(spans):
+        if a + n > b:
+            raise BlobCorrupt(f"malformed {what}: entries overlap at stream offset {b}")
+
+
+def _gradient_count(replay_log: ReplayLog | None) -> int:
+    """How many of the first entries are a log version's gradients (SPEC.md 12.3)."""
+    if replay_log is None:
+        return 0
+    used = [g for s in replay_log.steps for g in s.grads if g is not None]
+    return max(used) + 1 if used else 0
+
+
+def _check_tree(
+    tree: Any, nentries: int, gradients: int, sharded: Mapping[int, Any], what: str
+) -> None:
+    """``tree`` is a state tree as SPEC.md section 8 defines it, at most
+    ``MAX_TREE_DEPTH`` deep, whose leaves name entries that exist: ``{"e": i}`` a whole
+    entry (not a log version's gradient), ``{"s": i}`` one with a placement."""
+    if tree is None:
+        return
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH or not isinstance(node, dict) or len(node) != 1:
+            raise BlobCorrupt(f"malformed {what}: bad tree node {node!r:.80}")
+        ((tag, sub),) = node.items()
+        if tag == "e":
+            ok = _is_int(sub) and gradients <= sub < nentries and sub not in sharded
+        elif tag == "s":
+            ok = _is_int(sub) and sub in sharded
+        elif tag == "r":
+            ok = isinstance(sub, str)
+        elif tag == "o":
+            ok = True
+            stack.append((sub, depth + 1))
+        elif tag == "d":
+            ok = isinstance(sub, list) and all(
+                isinstance(item, list)
+                and len(item) == 2
+                and (isinstance(item[0], str) or _is_int(item[0]))
+                for item in sub
+            )
+            if ok:
+                stack.extend((item[1], depth + 1) for item in sub)
+        elif tag in ("l", "t"):
+            ok = isinstance(sub, list)
+            if ok:
+                stack.extend((child, depth + 1) for child in sub)
+        else:
+            ok = False
+        if not ok:
+            raise BlobCorrupt(f"malformed {what}: bad tree node {node!r:.80}")
 
 
 def _sharded_from_obj(raw: Any, entries: list[Entry], what: str) -> dict[int, ShardPlacement]:
@@ -539,6 +720,9 @@ def _small_from_obj(raw: Any, what: str) -> SmallTensor:
         or not isinstance(raw[2], bytes)
     ):
         raise BlobCorrupt(f"malformed {what}: bad inline tensor {raw!r:.80}")
+    size = TENSOR_ITEMSIZE.get(raw[0])
+    if size is None or len(raw[1]) > MAX_NDIM or math.prod(raw[1]) * size != len(raw[2]):
+        raise BlobCorrupt(f"malformed {what}: inline tensor {raw!r:.80} is not its dtype and shape")
     return SmallTensor(raw[0], tuple(raw[1]), raw[2])
 
 
@@ -648,8 +832,9 @@ def _replay_log_from_obj(raw: Any, entries: list[Entry], what: str) -> ReplayLog
             or len(p) != 3
             or not _is_int(p[0])
             or p[0] < 0
-            or not isinstance(p[1], str)
+            or p[1] not in TENSOR_ITEMSIZE
             or not _is_shape(p[2])
+            or len(p[2]) > MAX_NDIM
         ):
             raise BlobCorrupt(f"malformed {what}: bad parameter {p!r:.80}")
         params.append(ParamSpec(p[0], p[1], tuple(p[2])))
@@ -663,7 +848,7 @@ def _replay_log_from_obj(raw: Any, entries: list[Entry], what: str) -> ReplayLog
             or len(m) != 2
             or not _is_int(m[0])
             or not 0 <= m[0] < len(params)
-            or not isinstance(m[1], str)
+            or m[1] not in TENSOR_ITEMSIZE
         ):
             raise BlobCorrupt(f"malformed {what}: bad mirror {m!r:.80}")
         mirrors.append((m[0], m[1]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -387,16 +388,22 @@ def test_fingerprints_of_any_dtype_are_those_of_its_bytes(dtype: torch.dtype) ->
 
 # --- the format's log map ---------------------------------------------------------------
 
-_small = st.builds(
-    SmallTensor,
-    dtype=st.sampled_from(["float32", "bfloat16", "int64"]),
-    shape=st.lists(st.integers(0, 4), max_size=2).map(tuple),
-    data=st.binary(max_size=16),
-)
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "int64": 8}
+
+
+@st.composite
+def _small(draw: st.DrawFn) -> SmallTensor:
+    """An inline tensor whose data is as long as its dtype and shape say (SPEC.md 12.2)."""
+    dtype = draw(st.sampled_from(sorted(_ITEMSIZE)))
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=2)))
+    n = _ITEMSIZE[dtype] * math.prod(shape)
+    return SmallTensor(dtype, shape, draw(st.binary(min_size=n, max_size=n)))
+
+
 _opts = st.builds(
     GroupOptions,
     packed=st.binary(max_size=32),
-    tensors=st.lists(st.tuples(st.integers(0, 3), st.text(max_size=5), _small), max_size=2).map(
+    tensors=st.lists(st.tuples(st.integers(0, 3), st.text(max_size=5), _small()), max_size=2).map(
         tuple
     ),
 )
@@ -421,7 +428,7 @@ def _replay_logs(draw: st.DrawFn) -> tuple[ReplayLog, int]:
                 skipped=skipped,
                 grads=grads,
                 options=None if skipped else draw(_opts),
-                attrs=draw(st.dictionaries(st.sampled_from(["grad_scale", "found_inf"]), _small)),
+                attrs=draw(st.dictionaries(st.sampled_from(["grad_scale", "found_inf"]), _small())),
                 counter=draw(st.none() | st.floats(0, 1e6)),
                 scaler=draw(st.none() | _scalar_map),
             )

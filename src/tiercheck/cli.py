@@ -1654,10 +1654,21 @@ def build_parser() -> argparse.ArgumentParser:
 # --- entry point ------------------------------------------------------------------------
 
 
-def _fail(code: int, message: str) -> int:
+def _fail(code: int, message: str, *, as_json: bool = False) -> int:
+    """Report a failure as one line on stderr (and, with ``--json``, as one JSON document
+    ``{"error": ..., "exit_status": ...}`` on stdout, so a script reading stdout sees it)."""
     first = message.strip().splitlines()[0] if message.strip() else "unknown error"
     print(f"{PROG}: error: {first}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": first, "exit_status": code}))
     return code
+
+
+def _library_error(exc: BaseException) -> str:
+    """One line naming a library's own error: ``botocore NoCredentialsError: ...``."""
+    module = type(exc).__module__.partition(".")[0]
+    origin = "" if module in ("builtins", "tiercheck") else f"{module} "
+    return f"{origin}{type(exc).__name__}: {exc}"
 
 
 @contextlib.contextmanager
@@ -1691,18 +1702,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else 2
     func: Callable[[argparse.Namespace], int] = args.func
     verbose = bool(getattr(args, "verbose", False))
+    as_json = bool(getattr(args, "json", False))
     try:
         if func is cmd_peer_serve:  # configures its own logging
             return func(args)
         with _logging_for(verbose):
             return func(args)
     except UsageError as exc:
-        return _fail(2, str(exc))
+        return _fail(2, str(exc), as_json=as_json)
     except KeyboardInterrupt:
-        return _fail(130, "interrupted")
+        return _fail(130, "interrupted", as_json=as_json)
     except BrokenPipeError:
         return 0
-    except (TiercheckError, OSError) as exc:
+    except Exception as exc:
+        # tiercheck's typed errors, and the ones a backend library raises as its own
+        # (botocore's NoCredentialsError, lmdb.Error, fsspec's, ...): one line, not a
+        # traceback; -v shows the traceback
         if verbose:
             raise
-        return _fail(1, f"{type(exc).__name__}: {exc}")
+        return _fail(1, _library_error(exc), as_json=as_json)

@@ -26,7 +26,12 @@ plain TOML so people can read and edit it::
 
 Secrets (peer tokens, object-store keys) are never written to the file: an option whose
 name says it is one (``token``, ``secret``, ``password``, ``key``, ``*_token``, ``*_key``,
-...) is left out with a warning, and the next open needs it from elsewhere. Write a
+``*_id``, ...), everything under ``headers`` (``Authorization``, ``Cookie``, ...) and the
+user and password of a URL (``s3://KEY:SECRET@bucket/...``, in the tier's URL or an
+option's) are left out with a warning, and the next open needs them from elsewhere: the
+environment (``AWS_ACCESS_KEY_ID``, ``$TIERCHECK_PEER_TOKEN``), the options passed to that
+open (``Checkpointer(root, tiers=[TierSpec(name, url, {"storage_options": ...})])``), or a
+reference. The file is created mode 0600 all the same. Write a
 *reference* instead, resolved each time the store is opened: ``{ env = "NAME" }`` (an
 environment variable) or ``{ file = "/path" }`` (a file's content, without surrounding
 whitespace; it should be mode 0600)::
@@ -47,6 +52,7 @@ import logging
 import os
 import stat
 import sys
+import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -73,6 +79,7 @@ __all__ = [
     "load_config",
     "resolve_references",
     "save_config",
+    "without_userinfo",
 ]
 
 log = logging.getLogger("tiercheck")
@@ -176,8 +183,16 @@ def load_config(path: Path) -> StoreConfig:
     specs: list[TierSpec] = []
     tier_policies: dict[str, TierPolicy] = {}
     for raw in data.get("tier", []):
-        if not isinstance(raw, dict) or "name" not in raw or "url" not in raw:
-            raise ConfigError(f"{path}: every [[tier]] needs a name and a url")
+        if (
+            not isinstance(raw, dict)
+            or not isinstance(raw.get("name"), str)
+            or not isinstance(raw.get("url"), str)
+            or not isinstance(raw.get("options", {}), dict)
+        ):
+            raise ConfigError(
+                f"{path}: every [[tier]] needs a name and a url (strings), and its options "
+                "are a table"
+            )
         extra = set(raw) - {"name", "url", "options"} - _TIER_POLICY_KEYS
         if extra:
             raise ConfigError(f"{path}: tier {raw['name']!r} has unknown keys {sorted(extra)}")
@@ -208,15 +223,44 @@ _SECRET_NAMES = frozenset(
         "private_key",
         "api_key",
         "auth",
+        "authorization",
+        "proxy_authorization",
+        "cookie",
+        "set_cookie",
+        "headers",
     }
 )
-_SECRET_SUFFIXES = ("_token", "_secret", "_password", "_key", "_credentials")
+_SECRET_SUFFIXES = ("_token", "_secret", "_password", "_key", "_credentials", "_id", "_headers")
+_SECRET_HINT = (
+    "the next open needs them from the environment (AWS_ACCESS_KEY_ID, "
+    "TIERCHECK_PEER_TOKEN, ...), from the options passed to that open "
+    "(Checkpointer(root, tiers=[TierSpec(name, url, options)])), or from a reference "
+    'written in their place, e.g. options = {{ {name} = {{ env = "NAME" }} }}'
+)
 
 
 def is_secret_option(name: str) -> bool:
-    """Whether an option called ``name`` holds a secret (and so is never written)."""
-    lower = name.lower()
+    """Whether an option called ``name`` holds a secret (and so is never written).
+
+    Case and ``-``/``_`` do not matter: ``X-Api-Key`` and ``x_api_key`` are both secrets.
+    Everything under an option that is a secret (``headers``) is one too.
+    """
+    lower = name.lower().replace("-", "_")
     return lower in _SECRET_NAMES or lower.endswith(_SECRET_SUFFIXES)
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without the user and password of its authority (``s3://KEY:SECRET@b/x``
+    -> ``s3://b/x``); any other string is returned as it is."""
+    if "@" not in url or "://" not in url:
+        return url
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # not a URL after all (an unbalanced '[' ...): nothing to strip
+        return url
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def _reference(value: Any) -> tuple[str, str] | None:
@@ -228,21 +272,39 @@ def _reference(value: Any) -> tuple[str, str] | None:
     return None
 
 
-def _without_secrets(value: Any, where: str, dropped: list[str]) -> Any:
-    """``value`` with every secret option removed (references kept), recursively."""
-    if isinstance(value, Mapping) and _reference(value) is None:
+def _without_secrets(value: Any, where: str, dropped: list[str], secret: bool = False) -> Any:
+    """``value`` with every secret removed (references kept), recursively.
+
+    ``secret``: ``value`` lies under a secret option, so every plain value in it is one.
+    Removed values are named in ``dropped``; a string that is a URL loses its userinfo.
+    """
+    if _reference(value) is not None:
+        return value
+    if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
             name = f"{where}.{k}" if where else str(k)
             if v is None:
                 continue  # TOML has no null: an absent option means the default
-            if is_secret_option(str(k)) and _reference(v) is None:
+            inner = secret or is_secret_option(str(k))
+            if inner and _reference(v) is None and not isinstance(v, Mapping):
                 dropped.append(name)
                 continue
-            out[str(k)] = _without_secrets(v, name, dropped)
+            kept = _without_secrets(v, name, dropped, inner)
+            if isinstance(v, Mapping) and v and not kept:
+                continue  # a secret map of nothing but secrets: leave the key out too
+            out[str(k)] = kept
         return out
     if isinstance(value, (list, tuple)):
+        if secret:
+            dropped.append(where)
+            return []
         return [_without_secrets(v, where, dropped) for v in value]
+    if isinstance(value, str):
+        stripped = without_userinfo(value)
+        if stripped != value:
+            dropped.append(f"{where} (the user and password in the URL)")
+        return stripped
     return value
 
 
@@ -292,7 +354,11 @@ def _document(config: StoreConfig) -> dict[str, Any]:
     }
     tiers: list[dict[str, Any]] = []
     for spec in config.tiers:
-        entry: dict[str, Any] = {"name": spec.name, "url": spec.url}
+        dropped: list[str] = []
+        url = without_userinfo(spec.url)
+        if url != spec.url:
+            dropped.append("url (the user and password in the URL)")
+        entry: dict[str, Any] = {"name": spec.name, "url": url}
         tp = config.policy.tiers.get(spec.name)
         if tp is not None:
             for name in sorted(_TIER_POLICY_KEYS):
@@ -301,16 +367,14 @@ def _document(config: StoreConfig) -> dict[str, Any]:
                     entry[name] = "all" if value is None else value
                 elif value is not None:  # guarantee None: by mode, as when absent
                     entry[name] = value
-        dropped: list[str] = []
         options = _without_secrets(dict(spec.options), "", dropped)
         if dropped:
             log.warning(
-                "tier %s: not writing the secret option(s) %s to %s; the next open needs "
-                'them from the environment or a file, e.g. options = { %s = { env = "NAME" } }',
+                "tier %s: not writing the secret option(s) %s to %s; %s",
                 spec.name,
                 ", ".join(dropped),
                 CONFIG_NAME,
-                dropped[0],
+                _SECRET_HINT.format(name=min(dropped, key=lambda d: " (" in d).split(" ")[0]),
             )
         if options:
             entry["options"] = options
@@ -338,7 +402,9 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
         raise ConfigError(f"cannot write the store configuration to TOML: {exc}") from None
     text = "# tiercheck store configuration (secrets are never written here)\n" + body
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), text)
+    # 0600: the file holds no secret, but names where they live (and options people
+    # put there by hand); the store's owner reads it, nobody else needs to
+    _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), text)
     if not exclusive:
         os.replace(tmp, path)
         return True
@@ -348,7 +414,7 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
         return False
     except OSError:  # a file system without hard links: create-if-absent, then write
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             return False
         _write_synced(fd, text)

@@ -12,11 +12,24 @@ the buffer that then stores it, which an asyncio stream (it buffers and copies) 
 not. ``max_connections`` bounds the thread count. The store takes one lock for dict
 updates only; no bytes are copied under it.
 
-Resources: ``memory_limit`` bounds the payload bytes held across namespaces, and a client
-may give its namespace a smaller ``budget`` in its hello (the tier option of that name);
-a write past either is refused (``OverBudget``). A connection idle between requests for
-``idle_timeout`` seconds is closed, and TCP keepalive probes find a peer whose node died
-without closing its connections, so a crashed client's connection slot is freed.
+Resources: ``memory_limit`` bounds what the daemon holds across namespaces: every blob
+and log record is charged its bytes plus a fixed per-object overhead (``OBJECT_OVERHEAD``,
+``RECORD_OVERHEAD``), and a frame over ``RESERVE_MIN`` reserves its length before its body
+is received (one that does not fit is read into a small scratch buffer, discarded, and
+refused), so frames in flight count too. ``namespace_quota`` bounds one namespace the same
+way, and a client may give its namespace a smaller ``budget`` in its hello (the tier option
+of that name); a write past any of them is refused (``OverBudget``). Empty blobs and empty
+log records are refused (``BadRequest``): an object of no bytes would cost only overhead.
+A connection idle between requests for ``idle_timeout`` seconds is closed, and TCP
+keepalive probes find a peer whose node died without closing its connections, so a
+crashed client's connection slot is freed.
+
+Hostile clients: the handshake has a total deadline (``handshake_timeout``, from accept to
+hello), and so does each frame once its first byte arrived (``frame_timeout`` plus its
+length at ``min_rate`` bytes a second), so a client trickling bytes is cut. Connections
+that have not authenticated yet are capped apart (``max_unauthenticated``, and
+``max_unauthenticated_per_address`` from one address) from authenticated ones
+(``max_connections``): unauthenticated clients never take an authenticated client's slot.
 
 Authorisation: clients prove the daemon's token (the *admin* token: every namespace, and
 ``stats`` of all) or a *namespace token*, ``namespace_token(admin, ns)`` (HMAC-SHA256 of the
@@ -60,7 +73,6 @@ from tiercheck.backends._peer_protocol import (
     auth_mac,
     decode_body,
     load_token_file,
-    recv_exact,
     send_frame,
     set_keepalive,
     token_from_env,
@@ -162,6 +174,19 @@ class _Reply:
 # Frames at least this large are received into recycled buffers.
 _POOL_MIN = 1 << 20
 
+#: Bytes charged for each blob besides its payload: its id, its entry in the namespace's
+#: dict, its bookkeeping objects and the allocator's rounding. Measured on CPython 3.11
+#: (benchmarks/peer_abuse.py, 40,000 one-byte blobs): about 800 bytes of RSS each.
+OBJECT_OVERHEAD = 1024
+#: Bytes charged for each log record besides its payload (a bytes object and a list slot).
+RECORD_OVERHEAD = 128
+#: A frame at least this large reserves its length against the memory limit before its
+#: body is received; smaller ones (requests, handshakes) are bounded by the connection caps.
+RESERVE_MIN = HANDSHAKE_MAX_FRAME
+_SCRATCH = 1 << 16
+# The "op" of a frame refused for want of memory (never a string, so no client sends it).
+_TOO_FULL = object()
+
 
 def _size_class(n: int) -> int:
     """Capacity of a pooled buffer for ``n`` bytes: ``n`` rounded up to 1/64 of its power
@@ -211,12 +236,13 @@ class _BufferPool:
                 self.bytes += n
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Blob:
     data: memoryview
     owner: bytearray | None = None  # pooled frame buffer that ``data`` points into
     pins: int = 0  # replies sending ``data`` right now
     dropped: bool = False  # deleted while pinned: recycle ``owner`` at the last unpin
+    charge: int = 0  # bytes charged against the memory limit (payload or buffer + overhead)
 
 
 @dataclass
@@ -225,15 +251,21 @@ class _Namespace:
     log: list[bytes] = field(default_factory=list)
     blob_bytes: int = 0
     log_bytes: int = 0
+    charged: int = 0  # payload and overhead, against the namespace quota
     budget: int | None = None  # set by the hello of a client that gives one
 
 
 class _Store:
-    """Blobs and log records per namespace, under one memory limit (payload bytes)."""
+    """Blobs and log records per namespace, under one memory limit: payload, per-object
+    overhead and the frames being received all count (``used + inflight``)."""
 
-    def __init__(self, memory_limit: int, pool: _BufferPool) -> None:
+    def __init__(
+        self, memory_limit: int, pool: _BufferPool, namespace_quota: int | None = None
+    ) -> None:
         self.memory_limit = memory_limit
+        self.namespace_quota = namespace_quota
         self.used = 0
+        self.inflight = 0
         self.pool = pool
         self._lock = threading.Lock()
         self._spaces: dict[str, _Namespace] = {}
@@ -251,7 +283,51 @@ class _Store:
             space = self._spaces[ns] = _Namespace()
         return space
 
-    def _reserve(self, n: int, what: str, space: _Namespace | None = None) -> None:
+    def reserve_frame(self, n: int) -> bool:
+        """Reserve ``n`` bytes for a frame about to be received; False if they do not fit."""
+        with self._lock:
+            if self.used + self.inflight + n > self.memory_limit:
+                return False
+            self.inflight += n
+            return True
+
+    def release_frame(self, n: int) -> None:
+        with self._lock:
+            self.inflight -= n
+
+    def _reserve(
+        self, n: int, what: str, space: _Namespace | None = None, charge: int | None = None
+    ) -> None:
+        """Refuse unless ``n`` more payload bytes (``charge`` more charged ones, payload
+        and overhead) fit the namespace's budget, its quota and the memory limit."""
+        charge = n if charge is None else charge
+        if (
+            space is not None
+            and self.namespace_quota is not None
+            and charge > 0
+            and space.charged + charge > self.namespace_quota
+        ):
+            raise _Refused(
+                "TierFull",
+                f"namespace quota exceeded: {what} needs {charge} bytes with overhead, "
+                f"{space.charged} of {self.namespace_quota} bytes held; drop old "
+                "versions or ask for a larger --namespace-quota",
+                over_budget=True,
+                needed=charge,
+                held=space.charged,
+                budget=self.namespace_quota,
+            )
+        if charge > 0 and self.used + self.inflight + charge > self.memory_limit:
+            raise _Refused(
+                "TierFull",
+                f"peer memory full: {what} needs {charge} bytes with overhead, {self.used} of "
+                f"{self.memory_limit} bytes in use ({self.inflight} being received); raise "
+                "--memory-limit or delete old versions",
+                over_budget=True,
+                needed=charge,
+                held=self.used,
+                budget=self.memory_limit,
+            )
         if n <= 0:
             return
         if space is not None and space.budget is not None:
@@ -266,16 +342,6 @@ class _Store:
                     held=held,
                     budget=space.budget,
                 )
-        if self.used + n > self.memory_limit:
-            raise _Refused(
-                "TierFull",
-                f"peer memory full: {what} needs {n} bytes, {self.used} of "
-                f"{self.memory_limit} bytes in use; raise --memory-limit or delete old versions",
-                over_budget=True,
-                needed=n,
-                held=self.used,
-                budget=self.memory_limit,
-            )
 
     def set_budget(self, ns: str, budget: int | None) -> None:
         with self._lock:
@@ -296,10 +362,14 @@ class _Store:
             if old is not None and not overwrite:
                 return False
             delta = data.nbytes - (old.data.nbytes if old is not None else 0)
-            self._reserve(delta, f"blob {blob_id}", space)
-            space.blobs[blob_id] = _Blob(data, owner)
+            # the buffer kept is the whole frame where the payload points into it
+            charge = max(data.nbytes, len(owner) if owner is not None else 0) + OBJECT_OVERHEAD
+            extra = charge - (old.charge if old is not None else 0)
+            self._reserve(delta, f"blob {blob_id}", space, extra)
+            space.blobs[blob_id] = _Blob(data, owner, charge=charge)
             space.blob_bytes += delta
-            self.used += delta
+            space.charged += extra
+            self.used += extra
             if old is not None:
                 self._drop(old)
             return True
@@ -341,7 +411,8 @@ class _Store:
                 if blob is not None:
                     removed += 1
                     space.blob_bytes -= blob.data.nbytes
-                    self.used -= blob.data.nbytes
+                    space.charged -= blob.charge
+                    self.used -= blob.charge
                     self._drop(blob)
         return removed
 
@@ -357,10 +428,12 @@ class _Store:
     def append(self, ns: str, record: bytes) -> int:
         with self._lock:
             space = self._space(ns)
-            self._reserve(len(record), "log record", space)
+            charge = len(record) + RECORD_OVERHEAD
+            self._reserve(len(record), "log record", space, charge)
             space.log.append(record)
             space.log_bytes += len(record)
-            self.used += len(record)
+            space.charged += charge
+            self.used += charge
             return len(space.log) - 1
 
     def replace_log_prefix(self, ns: str, count: int, record: bytes) -> None:
@@ -372,10 +445,12 @@ class _Store:
             if space is None or not 1 <= count <= n:
                 raise _Refused("OutOfRange", f"count {count} is outside the log of {n} records")
             freed = sum(len(r) for r in space.log[:count])
-            self._reserve(len(record) - freed, "log checkpoint", space)
+            extra = len(record) - freed + RECORD_OVERHEAD * (1 - count)
+            self._reserve(len(record) - freed, "log checkpoint", space, extra)
             space.log[:count] = [record]
             space.log_bytes += len(record) - freed
-            self.used += len(record) - freed
+            space.charged += extra
+            self.used += extra
 
     def read_log(self, ns: str, start: int, max_bytes: int) -> tuple[list[bytes], bool]:
         with self._lock:
@@ -392,25 +467,39 @@ class _Store:
         return page, False
 
     def stats(self, only: str | None = None) -> dict[str, Any]:
-        """Totals, and per namespace (only ``only``'s, when given)."""
+        """Totals, and per namespace; with ``only``, that namespace's alone, totals
+        included (a namespace-token client learns nothing of the others)."""
         with self._lock:
-            spaces = {
+            spaces: dict[str, dict[str, Any]] = {
                 name: {
                     "blobs": len(s.blobs),
                     "bytes": s.blob_bytes,
                     "records": len(s.log),
                     "log_bytes": s.log_bytes,
+                    "charged": s.charged,
                     "budget": s.budget,
+                    "quota": self.namespace_quota,
                 }
                 for name, s in sorted(self._spaces.items())
                 if only is None or name == only
             }
-            used = self.used
+            used, inflight = self.used, self.inflight
+        if only is not None:
+            mine = spaces.get(only, {"bytes": 0, "charged": 0})
+            return {
+                "blobs": sum(s["blobs"] for s in spaces.values()),
+                "bytes": mine["bytes"],
+                "memory_used": mine["charged"],
+                "memory_limit": min(self.memory_limit, self.namespace_quota or self.memory_limit),
+                "namespaces": spaces,
+            }
         return {
             "blobs": sum(s["blobs"] for s in spaces.values()),
-            "bytes": used,
+            "bytes": sum(s["bytes"] + s["log_bytes"] for s in spaces.values()),
             "memory_used": used,
+            "memory_inflight": inflight,
             "memory_limit": self.memory_limit,
+            "namespace_quota": self.namespace_quota,
             "recycled_buffer_bytes": self.pool.bytes,
             "namespaces": spaces,
         }
@@ -422,6 +511,12 @@ class _Idle(Exception):
 
 DEFAULT_IDLE_TIMEOUT = 600.0
 DEFAULT_KEEPALIVE = 60.0
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_UNAUTHENTICATED = 64
+DEFAULT_MAX_UNAUTHENTICATED_PER_ADDRESS = 8
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+DEFAULT_FRAME_TIMEOUT = 60.0
+DEFAULT_MIN_RATE = 1 << 20  # bytes/s a frame's body must keep up, past its timeout
 
 
 # --- request arguments ---------------------------------------------------------------
@@ -445,6 +540,15 @@ def _require_data(data: memoryview | None, op: str) -> memoryview:
     return data
 
 
+def _not_empty(nbytes: int, what: str) -> None:
+    if not nbytes:
+        raise _Refused(
+            "BadRequest",
+            f"{what} of 0 bytes is refused: it would hold only overhead (the peer tier "
+            "stores none; a client must not send one)",
+        )
+
+
 def _int_arg(fields: dict[str, Any], name: str, default: int) -> int:
     value = fields.get(name, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -466,6 +570,14 @@ class PeerServer:
     (seconds, None: never) closes a connection that sends no request for that long;
     ``keepalive`` (seconds of silence before TCP keepalive probes, None: off) lets the
     kernel notice a peer that vanished without closing its connection.
+
+    Against hostile clients: ``handshake_timeout`` is the total time from accept to a
+    hello answered; a frame, once its first byte arrived, must be whole within
+    ``frame_timeout`` seconds plus its length at ``min_rate`` bytes a second.
+    ``max_connections`` bounds authenticated connections; ``max_unauthenticated`` (and
+    ``max_unauthenticated_per_address`` from one address) those still in their handshake,
+    which are refused (``Busy``) past it without touching the authenticated ones.
+    ``namespace_quota`` bounds what one namespace holds (payload and overhead).
     """
 
     def __init__(
@@ -475,12 +587,16 @@ class PeerServer:
         memory_limit: int,
         token: bytes | None,
         max_frame: int = DEFAULT_MAX_FRAME,
-        max_connections: int = 256,
-        handshake_timeout: float = 10.0,
-        frame_timeout: float = 60.0,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         pool_limit: int | None = None,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         keepalive: float | None = DEFAULT_KEEPALIVE,
+        min_rate: int = DEFAULT_MIN_RATE,
+        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+        max_unauthenticated_per_address: int = DEFAULT_MAX_UNAUTHENTICATED_PER_ADDRESS,
+        namespace_quota: int | None = None,
     ) -> None:
         if idle_timeout is not None and idle_timeout <= 0:
             raise ConfigError(f"idle timeout must be positive, got {idle_timeout}")
@@ -492,21 +608,36 @@ class PeerServer:
             raise ConfigError(f"max frame must be at least {HANDSHAKE_MAX_FRAME} bytes")
         if token is not None and not token:
             raise ConfigError("the token is empty")
+        if handshake_timeout <= 0 or frame_timeout <= 0 or min_rate <= 0:
+            raise ConfigError("handshake and frame timeouts and the minimum rate must be positive")
+        if min(max_connections, max_unauthenticated, max_unauthenticated_per_address) < 1:
+            raise ConfigError("connection limits must be at least 1")
+        if namespace_quota is not None and namespace_quota <= 0:
+            raise ConfigError(f"namespace quota must be positive, got {namespace_quota}")
         self._host, self._port = parse_address(listen)
         self._token = token
         self.max_frame = max_frame
         self.max_connections = max_connections
         self._handshake_timeout = handshake_timeout
         self._frame_timeout = frame_timeout
+        self.min_rate = min_rate
+        self.max_unauthenticated = max_unauthenticated
+        self.max_unauthenticated_per_address = max_unauthenticated_per_address
         self.idle_timeout = idle_timeout
         self.keepalive = keepalive
         #: Connections closed for being idle (for tests and ``stats``).
         self.idle_closed = 0
+        #: Connections cut for missing the handshake or a frame deadline, and refused for
+        #: the unauthenticated caps (for tests and ``stats``).
+        self.deadline_closed = 0
+        self.refused_unauthenticated = 0
         pool = _BufferPool(memory_limit // 8 if pool_limit is None else pool_limit)
-        self._store = _Store(memory_limit, pool)
+        self._store = _Store(memory_limit, pool, namespace_quota)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}
+        # connections still in their handshake: id -> the peer's address (host only)
+        self._unauthenticated: dict[int, str] = {}
         self._next_conn = 0
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
@@ -602,18 +733,32 @@ class PeerServer:
         ``only``: list that namespace alone (a namespace-token client's view)."""
         with self._lock:
             connections = len(self._conns)
-        return {
+            unauthenticated = len(self._unauthenticated)
+        base = {
             "server": "tiercheck-peer",
             "version": PROTOCOL_VERSION,
             "address": self.address,
             "auth": self._token is not None,
             "max_frame": self.max_frame,
-            "connections": connections,
-            "max_connections": self.max_connections,
             "idle_timeout": self.idle_timeout,
-            "idle_closed": self.idle_closed,
             "uptime_s": round(time.monotonic() - self._started_at, 3),
-            **self._store.stats(only),
+        }
+        if only is not None:  # a namespace-token client: nothing about other clients
+            return {**base, **self._store.stats(only)}
+        return {
+            **base,
+            "connections": connections - unauthenticated,
+            "unauthenticated": unauthenticated,
+            "max_connections": self.max_connections,
+            "max_unauthenticated": self.max_unauthenticated,
+            "max_unauthenticated_per_address": self.max_unauthenticated_per_address,
+            "handshake_timeout": self._handshake_timeout,
+            "frame_timeout": self._frame_timeout,
+            "min_rate": self.min_rate,
+            "idle_closed": self.idle_closed,
+            "deadline_closed": self.deadline_closed,
+            "refused_unauthenticated": self.refused_unauthenticated,
+            **self._store.stats(None),
         }
 
     # --- accepting ---
@@ -639,11 +784,19 @@ class PeerServer:
                     self._admit(sock, peer)
 
     def _admit(self, sock: socket.socket, peer: Any) -> None:
-        name = format_address(str(peer[0]), int(peer[1]))
-        sock.setblocking(True)
+        """Serve a new connection on a thread of its own, unless the unauthenticated caps
+        are reached: then it is refused (``Busy``) at once, and nothing waits on it."""
+        host = str(peer[0])
+        name = format_address(host, int(peer[1]))
         with self._lock:
-            busy = len(self._conns) >= self.max_connections
-            if not busy:
+            from_host = sum(1 for h in self._unauthenticated.values() if h == host)
+            busy = (
+                len(self._unauthenticated) >= self.max_unauthenticated
+                or from_host >= self.max_unauthenticated_per_address
+            )
+            if busy:
+                self.refused_unauthenticated += 1
+            else:
                 conn_id = self._next_conn
                 self._next_conn += 1
                 thread = threading.Thread(
@@ -653,12 +806,43 @@ class PeerServer:
                     daemon=True,
                 )
                 self._conns[conn_id] = (sock, thread)
+                self._unauthenticated[conn_id] = host
         if busy:
-            log.error("%s: refused, %d connections open", name, self.max_connections)
-            self._refuse(sock, _Refused("Busy", "too many connections; retry later", close=True))
+            log.warning(
+                "%s: refused, %d connections in their handshake (%d from this address)",
+                name,
+                len(self._unauthenticated),
+                from_host,
+            )
+            # never wait on it here: the accept loop must not be held by a client
+            with contextlib.suppress(OSError):
+                sock.setblocking(False)
+                send_frame(
+                    sock,
+                    {
+                        "ok": False,
+                        "error": "Busy",
+                        "message": "busy: too many connections in their handshake; retry later",
+                        "close": True,
+                    },
+                )
             sock.close()
             return
+        sock.setblocking(True)
         thread.start()
+
+    def _authenticated(self, conn_id: int) -> None:
+        """Move a connection whose hello passed to the authenticated ones; ``Busy`` if
+        ``max_connections`` of those are open."""
+        with self._lock:
+            authenticated = len(self._conns) - len(self._unauthenticated)
+            if authenticated >= self.max_connections:
+                raise _Refused(
+                    "Busy",
+                    f"busy: too many connections ({self.max_connections} open); retry later",
+                    close=True,
+                )
+            self._unauthenticated.pop(conn_id, None)
 
     # --- one connection ---
 
@@ -667,9 +851,8 @@ class PeerServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.keepalive is not None:
                 set_keepalive(sock, self.keepalive)
-            sock.settimeout(self._handshake_timeout)
-            session = self._handshake(sock, name)
-            sock.settimeout(self._frame_timeout)
+            deadline = time.monotonic() + self._handshake_timeout
+            session = self._handshake(sock, name, deadline, conn_id)
             while True:
                 frame = self._read_request(sock, self.max_frame, idle_ok=True)
                 if frame is None:
@@ -695,7 +878,9 @@ class PeerServer:
                 self.idle_closed += 1
             log.info("%s: idle for %s s; closing the connection", name, self.idle_timeout)
         except TimeoutError:
-            log.error("%s: timed out in the middle of a frame or handshake", name)
+            with self._lock:
+                self.deadline_closed += 1
+            log.error("%s: missed the deadline of its handshake or of a frame; closed", name)
         except OSError as exc:
             if not self._stopping.is_set():
                 log.error("%s: %s", name, exc)
@@ -705,52 +890,103 @@ class PeerServer:
             sock.close()
             with self._lock:
                 self._conns.pop(conn_id, None)
+                self._unauthenticated.pop(conn_id, None)
 
     def _read_request(
-        self, sock: socket.socket, limit: int, *, idle_ok: bool
+        self, sock: socket.socket, limit: int, *, idle_ok: bool, deadline: float | None = None
     ) -> tuple[dict[str, Any], memoryview | None, bytearray] | None:
         """One request frame ``(fields, data, body)``, or None at a clean end of connection
-        between frames."""
+        between frames.
+
+        ``deadline`` (monotonic) bounds the whole frame, first byte included (the
+        handshake's); otherwise the frame must be whole within ``frame_timeout`` plus its
+        length at ``min_rate`` from its first byte, and before that the connection may be
+        idle (``idle_ok``) for ``idle_timeout``. ``TimeoutError`` past a deadline.
+        """
         header = memoryview(bytearray(4))
-        done = 0
         idle_since = time.monotonic()
-        if idle_ok and self.idle_timeout is not None:
-            sock.settimeout(min(self._frame_timeout, self.idle_timeout))
-        while done < 4:
-            try:
-                n = sock.recv_into(header[done:])
-            except TimeoutError:
-                # Idle between frames is fine for a while; a stalled half frame or
-                # handshake is not.
-                if idle_ok and done == 0 and not self._stopping.is_set():
+        if deadline is None and idle_ok:
+            # idle between frames is fine for a while (the wait is cut into frame_timeout
+            # slices, so a stop or an idle close is noticed)
+            wait = self._frame_timeout
+            if self.idle_timeout is not None:
+                wait = min(wait, self.idle_timeout)
+            while True:
+                sock.settimeout(wait)
+                try:
+                    n = sock.recv_into(header)
+                    break
+                except TimeoutError:
+                    if self._stopping.is_set():
+                        raise
                     if (
                         self.idle_timeout is not None
                         and time.monotonic() - idle_since >= self.idle_timeout
                     ):
                         raise _Idle() from None
-                    continue
-                raise
-            if idle_ok and done == 0 and n and self.idle_timeout is not None:
-                sock.settimeout(self._frame_timeout)
             if n == 0:
-                if done == 0:
-                    return None
-                raise PeerClosed(done, 4, mid_frame=True)
-            done += n
+                return None
+            done = n
+        else:
+            done = 0
+        if deadline is None:
+            deadline = time.monotonic() + self._frame_timeout
+        done = self._recv_by(sock, header, done, deadline)
+        if done == 0:
+            return None
         length = int.from_bytes(header, "big")
         if length > limit:
             raise FrameTooLarge(length, limit)
         if length == 0:
             raise ProtocolError("empty frame")
-        body = self._store.pool.take(length)
+        deadline += length / self.min_rate
+        reserved = length if length >= RESERVE_MIN else 0
+        if reserved and not self._store.reserve_frame(reserved):
+            self._discard(sock, length, deadline)
+            return {"op": _TOO_FULL, "length": length}, None, bytearray()
         try:
-            view = memoryview(body)[:length]
-            recv_exact(sock, view)
-            fields, data = decode_body(view)
-        except BaseException:
-            self._store.pool.give(body)
-            raise
+            body = self._store.pool.take(length)
+            try:
+                view = memoryview(body)[:length]
+                self._recv_by(sock, view, 0, deadline, whole=True)
+                fields, data = decode_body(view)
+            except BaseException:
+                self._store.pool.give(body)
+                raise
+        finally:
+            # the request is applied next: what it stores is charged then
+            if reserved:
+                self._store.release_frame(reserved)
         return fields, data, body
+
+    @staticmethod
+    def _recv_by(
+        sock: socket.socket, view: memoryview, done: int, deadline: float, *, whole: bool = False
+    ) -> int:
+        """Fill ``view[done:]`` before ``deadline``; return how much is filled: all of it,
+        or 0 if the connection ended cleanly before a first byte (not ``whole``).
+        ``PeerClosed`` if it ended in the middle, ``TimeoutError`` past the deadline."""
+        while done < len(view):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"frame not whole by its deadline ({done}/{len(view)} bytes)")
+            sock.settimeout(left)
+            n = sock.recv_into(view[done:])
+            if n == 0:
+                if done == 0 and not whole:
+                    return 0
+                raise PeerClosed(done, len(view), mid_frame=True)
+            done += n
+        return done
+
+    def _discard(self, sock: socket.socket, length: int, deadline: float) -> None:
+        """Receive a frame's ``length`` body bytes into a small scratch buffer, keeping
+        none: a frame whose length does not fit the memory limit is refused after it."""
+        scratch = memoryview(bytearray(min(length, _SCRATCH)))
+        left = length
+        while left:
+            n = self._recv_by(sock, scratch[: min(left, len(scratch))], 0, deadline, whole=True)
+            left -= n
 
     def _authorise(self, mac: object, nonce: bytes, ns: str) -> bool:
         """Whether ``mac`` proves the admin token (True) or ``ns``'s namespace token
@@ -769,8 +1005,11 @@ class PeerServer:
             close=True,
         )
 
-    def _handshake(self, sock: socket.socket, name: str) -> _Session:
+    def _handshake(self, sock: socket.socket, name: str, deadline: float, conn_id: int) -> _Session:
+        """Challenge, hello, answer: all of it before ``deadline`` (``TimeoutError``); the
+        connection counts as authenticated from the answer on (``Busy`` if none is free)."""
         nonce = os.urandom(NONCE_BYTES)
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
         send_frame(
             sock,
             {
@@ -781,9 +1020,10 @@ class PeerServer:
                 "nonce": nonce,
             },
         )
-        request = self._read_request(sock, HANDSHAKE_MAX_FRAME, idle_ok=False)
+        request = self._read_request(sock, HANDSHAKE_MAX_FRAME, idle_ok=False, deadline=deadline)
         if request is None:
             raise PeerClosed(0, 4, mid_frame=False)
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
         hello = request[0]
         if hello.get("op") != "hello":
             raise _Refused("BadRequest", "the first request must be a hello", close=True)
@@ -807,6 +1047,7 @@ class PeerServer:
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
                 raise _Refused("BadRequest", "'budget' must be a non-negative integer", close=True)
             self._store.set_budget(ns, budget)
+        self._authenticated(conn_id)
         send_frame(
             sock,
             {
@@ -823,8 +1064,21 @@ class PeerServer:
 
     def _answer(self, sock: socket.socket, request: _Request) -> None:
         reply: _Reply | None = None
+        sock.settimeout(self._frame_timeout)
         try:
             op = request.fields.get("op")
+            if op is _TOO_FULL:  # see _read_request: its body was not kept
+                length = request.fields["length"]
+                raise _Refused(
+                    "TierFull",
+                    f"peer memory full: a frame of {length} bytes does not fit "
+                    f"{self._store.memory_limit} bytes with what is held and being received; "
+                    "raise --memory-limit or delete old versions",
+                    over_budget=True,
+                    needed=length,
+                    held=self._store.used,
+                    budget=self._store.memory_limit,
+                )
             if not isinstance(op, str):
                 raise _Refused("BadRequest", "a request needs a string 'op'", close=True)
             handler = self._ops.get(op)
@@ -876,6 +1130,7 @@ class PeerServer:
     def _op_put(self, req: _Request) -> _Reply:
         blob_id = _blob_id(req.fields.get("id"))
         payload = _require_data(req.data, "put")
+        _not_empty(payload.nbytes, "a blob")
         # Usually the payload points into the frame buffer, which the store then keeps.
         owner = req.body if payload.obj is req.body else None
         overwrite = bool(req.fields.get("overwrite", False))
@@ -889,10 +1144,14 @@ class PeerServer:
         if (
             not isinstance(sizes, list)
             or len(sizes) != len(ids)
-            or not all(isinstance(s, int) and s >= 0 for s in sizes)
+            or not all(isinstance(s, int) and s > 0 for s in sizes)
             or sum(sizes) != payload.nbytes
         ):
-            raise _Refused("BadRequest", "put_many 'sizes' do not match 'ids' and data", close=True)
+            raise _Refused(
+                "BadRequest",
+                "put_many 'sizes' do not match 'ids' and data, or name an empty blob "
+                "(refused: it would cost only overhead)",
+            )
         written = 0
         pos = 0
         for blob_id, size in zip(ids, sizes):
@@ -942,6 +1201,7 @@ class PeerServer:
 
     def _op_append(self, req: _Request) -> _Reply:
         record = bytes(_require_data(req.data, "append"))
+        _not_empty(len(record), "a log record")
         return _Reply({"index": self._store.append(req.ns, record)})
 
     def _op_read_log(self, req: _Request) -> _Reply:
@@ -951,6 +1211,7 @@ class PeerServer:
 
     def _op_replace_log_prefix(self, req: _Request) -> _Reply:
         record = bytes(_require_data(req.data, "replace_log_prefix"))
+        _not_empty(len(record), "a log record")
         count = _int_arg(req.fields, "count", 0)
         self._store.replace_log_prefix(req.ns, count, record)
         return _Reply({})
@@ -981,17 +1242,20 @@ def serve(
     token: bytes | None,
     max_frame: int = DEFAULT_MAX_FRAME,
     insecure_no_auth: bool = False,
-    max_connections: int = 256,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
     keepalive: float | None = DEFAULT_KEEPALIVE,
     announce: Callable[[str], None] | None = None,
     stop: threading.Event | None = None,
+    **limits: Any,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT (or until ``stop`` is set, when given).
 
     A token is required unless ``insecure_no_auth``. ``announce`` is called with the bound
     ``HOST:PORT`` once clients can connect. Without ``stop`` this must run on the main
-    thread: it blocks SIGTERM and SIGINT and waits for them with ``sigwait``.
+    thread: it blocks SIGTERM and SIGINT and waits for them with ``sigwait``. ``limits``
+    are :class:`PeerServer`'s other keyword arguments (deadlines, unauthenticated caps,
+    the namespace quota).
     """
     if token is None and not insecure_no_auth:
         raise ConfigError(
@@ -1008,6 +1272,7 @@ def serve(
         max_connections=max_connections,
         idle_timeout=idle_timeout,
         keepalive=keepalive,
+        **limits,
     )
     if token is None and server._host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("authentication is OFF on a non-loopback address %s", listen)
@@ -1081,7 +1346,57 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="largest frame accepted (default 64MiB)",
     )
-    parser.add_argument("--max-connections", type=int, default=256, metavar="N")
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"authenticated connections (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--max-unauthenticated",
+        type=int,
+        default=DEFAULT_MAX_UNAUTHENTICATED,
+        metavar="N",
+        help="connections still in their handshake, counted apart from authenticated ones "
+        f"(default {DEFAULT_MAX_UNAUTHENTICATED})",
+    )
+    parser.add_argument(
+        "--max-unauthenticated-per-address",
+        type=int,
+        default=DEFAULT_MAX_UNAUTHENTICATED_PER_ADDRESS,
+        metavar="N",
+        help=f"of those, from one address (default {DEFAULT_MAX_UNAUTHENTICATED_PER_ADDRESS})",
+    )
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=DEFAULT_HANDSHAKE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"total time from connect to hello answered (default {DEFAULT_HANDSHAKE_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=DEFAULT_FRAME_TIMEOUT,
+        metavar="SECONDS",
+        help="time a frame may take from its first byte, besides its length at "
+        f"--min-rate (default {DEFAULT_FRAME_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--min-rate",
+        type=parse_size,
+        default=DEFAULT_MIN_RATE,
+        metavar="SIZE",
+        help="bytes a second a frame's body must keep up (default 1MiB)",
+    )
+    parser.add_argument(
+        "--namespace-quota",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="most one namespace may hold, payload and overhead (default: the memory limit)",
+    )
     parser.add_argument(
         "--idle-timeout",
         type=_seconds_or_off,
@@ -1132,6 +1447,12 @@ def run_serve(args: argparse.Namespace) -> int:
             idle_timeout=args.idle_timeout,
             keepalive=args.keepalive,
             announce=lambda address: print(f"listening on {address}", flush=True),
+            max_unauthenticated=args.max_unauthenticated,
+            max_unauthenticated_per_address=args.max_unauthenticated_per_address,
+            handshake_timeout=args.handshake_timeout,
+            frame_timeout=args.frame_timeout,
+            min_rate=args.min_rate,
+            namespace_quota=args.namespace_quota,
         )
     except (ConfigError, ValueError, OSError) as exc:
         print(f"tiercheck peer serve: error: {exc}", file=sys.stderr)

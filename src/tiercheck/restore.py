@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tiercheck.entries import decode_scalar, is_stateful, torch_dtype
-from tiercheck.errors import NoRestorableVersion, StateError, TiercheckError
+from tiercheck.errors import BlobCorrupt, NoRestorableVersion, StateError, TiercheckError
 from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import Entry, Role, ShardManifest, VersionInfo
 from tiercheck.manifest_log import Catalog
@@ -57,6 +57,7 @@ __all__ = [
     "RestoreInfo",
     "Undo",
     "bind",
+    "check_stream",
     "choose_version",
     "fetch_stream",
     "load_stream",
@@ -172,6 +173,25 @@ def _mismatch(entry: Entry, target: Any) -> str:
 _MISSING = object()
 
 
+def check_stream(manifest: ShardManifest) -> None:
+    """Raise ``BlobCorrupt`` unless the manifest's chunks tile its stream, from offset 0 to
+    ``stream_bytes`` (SPEC.md 7.2): then the staging a restore allocates for the stream is
+    no larger than the chunks it declares. (Decoding already checked that every entry lies
+    in the stream and is as large as its dtype and shape say.)"""
+    end = 0
+    for ref in manifest.chunks:
+        if ref.offset != end:
+            break
+        end += ref.length
+    else:
+        if end == manifest.stream_bytes:
+            return
+    raise BlobCorrupt(
+        f"malformed shard manifest of version {manifest.version}: its chunks do not cover "
+        f"its stream of {manifest.stream_bytes} bytes one after another"
+    )
+
+
 def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int = 0) -> Binding:
     """Match the saved tree against ``state``; allocate destinations for every entry from
     index ``first`` on (a log version's gradients, before it, are read from the stream).
@@ -181,6 +201,7 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
     """
     import torch
 
+    check_stream(manifest)
     b = Binding()
     entries = manifest.entries
     assembled: set[int] = set()

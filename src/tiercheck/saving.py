@@ -51,6 +51,8 @@ from concurrent.futures import (
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from tiercheck import guarantees
 from tiercheck.background import Halt, reporting
 from tiercheck.budgets import Budgets, budget_of, bytes_needed, version_bytes
@@ -66,7 +68,7 @@ from tiercheck.errors import (
     TiercheckError,
 )
 from tiercheck.fetch import ChunkFetcher
-from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
+from tiercheck.formats.manifest import MAX_INT, AbortRecord, ChunkRef, Role, VersionInfo
 from tiercheck.handles import Failures, SaveHandle, TierState
 from tiercheck.leases import GCFence, TierLeases
 from tiercheck.log_versions import LogProposal, LogSource, build, with_fingerprints
@@ -199,12 +201,21 @@ class SaveService:
         """Validate and flatten ``state`` here, queue the rest; see ``Checkpointer.save``."""
         t_call = time.perf_counter()
         try:
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise ValueError(f"step must be a non-negative int, got {step!r}")
+            if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_INT:
+                raise ValueError(
+                    f"step must be an int from 0 to 2**63 - 1 (the format's range), got {step!r}"
+                )
             if role not in (None, "base", "diff"):
                 raise ValueError(f"role must be 'base', 'diff' or None, got {role!r}")
             meta = dict(metadata or {})
             encode_scalar(meta, "<metadata>", allow_pickle=False)
+            try:  # the commit record holds it as plain msgpack: refuse here what it cannot
+                msgpack.packb(meta, use_bin_type=True)
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(
+                    "metadata must be plain msgpack: str keys, and values that are None, "
+                    f"bool, float, str, bytes, lists, maps and ints of 64 bits at most ({exc})"
+                ) from None
             tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
             layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         except (TiercheckError, ValueError, TypeError) as exc:
@@ -212,7 +223,14 @@ class SaveService:
                 # the other ranks' saves of this version wait for this one: take part,
                 # carrying the failure, so that they abort it at once
                 self._enqueue(
-                    step if isinstance(step, int) else -1, [], None, None, {}, t_call, None, exc
+                    step if isinstance(step, int) and 0 <= step <= MAX_INT else -1,
+                    [],
+                    None,
+                    None,
+                    {},
+                    t_call,
+                    None,
+                    exc,
                 )
             raise
         if self.policy.on_busy == "skip" and not self._outstanding.acquire(blocking=False):

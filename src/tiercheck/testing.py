@@ -58,6 +58,11 @@ def _pattern(size: int, seed: int) -> bytes:
     return blake3.blake3(seed.to_bytes(8, "little")).digest(length=size) if size else b""
 
 
+def _sizes(tier: Tier, sizes: list[int]) -> list[int]:
+    """``sizes`` without 0 for a tier that stores no empty objects."""
+    return [n for n in sizes if n or tier.capabilities.empty_objects]
+
+
 def _fake_id(n: int) -> str:
     return f"{n:064x}"
 
@@ -121,6 +126,10 @@ class TierConformance:
     @pytest.mark.parametrize("size", [0, 1, 7, 4095, 4097, 65537, 1 << 20])
     def test_put_get_round_trip(self, tier: Tier, size: int) -> None:
         bid, data = blob(size, seed=size)
+        if not size and not tier.capabilities.empty_objects:
+            with pytest.raises(NotSupported):
+                tier.put(bid, data)
+            return
         assert tier.put(bid, data) is True
         got = tier.get(bid)
         assert isinstance(got, memoryview)
@@ -162,6 +171,8 @@ class TierConformance:
         assert bytes(buf[len(data) :]) == b"\xab" * 100  # nothing written past the blob
 
     def test_get_into_empty_blob(self, tier: Tier) -> None:
+        if not tier.capabilities.empty_objects:
+            pytest.skip(f"{type(tier).__name__} stores no empty blobs (empty_objects)")
         bid, data = blob(0)
         tier.put(bid, data)
         buf = bytearray(16)
@@ -224,7 +235,11 @@ class TierConformance:
         assert tier.put_parts(bid, [b"ot", b"her"], overwrite=True) is True
         assert bytes(tier.get(bid)) == b"other"
         empty = _fake_id(9)
-        assert tier.put_parts(empty, []) is True and bytes(tier.get(empty)) == b""
+        if tier.capabilities.empty_objects:
+            assert tier.put_parts(empty, []) is True and bytes(tier.get(empty)) == b""
+        else:
+            with pytest.raises(NotSupported):
+                tier.put_parts(empty, [])
 
     def test_begin_put(self, tier: Tier) -> None:
         (bid, data), (other, other_data) = blob(70_000, seed=7), blob(3000, seed=8)
@@ -292,13 +307,13 @@ class TierConformance:
         assert list(tier.list()) == []
         ids = {_fake_id(i) for i in range(50)}
         for bid in ids:
-            tier.put(bid, b"")
+            tier.put(bid, b"x")
         listed = list(tier.list())
         assert len(listed) == len(ids)
         assert set(listed) == ids
 
     def test_size(self, tier: Tier) -> None:
-        for i, n in enumerate([0, 1, 12345]):
+        for i, n in enumerate(_sizes(tier, [0, 1, 12345])):
             bid = _fake_id(i)
             tier.put(bid, b"z" * n)
             assert tier.size(bid) == n
@@ -308,7 +323,7 @@ class TierConformance:
     def test_head(self, tier: Tier) -> None:
         # head(id, n): the first n bytes (all of a shorter blob), as bytes; GC reads blob
         # headers with it. Overridden or not, it must agree with get.
-        sizes = [0, 1, 63, 64, 65, 10_000]
+        sizes = _sizes(tier, [0, 1, 63, 64, 65, 10_000])
         for size in sizes:
             bid, data = blob(size, seed=200 + size)
             tier.put(bid, data)
@@ -354,6 +369,23 @@ class TierConformance:
             tier.delete([bad])
         assert list(tier.list()) == []
 
+    def test_empty_objects_as_declared(self, tier: Tier) -> None:
+        """``capabilities.empty_objects``: empty blobs and records are stored, or refused
+        with ``NotSupported`` and nothing is stored."""
+        bid = _fake_id(31)
+        if tier.capabilities.empty_objects:
+            assert tier.put(bid, b"") is True and tier.size(bid) == 0
+            tier.append(b"")
+            assert tier.read_log() == [b""]
+            return
+        with pytest.raises(NotSupported):
+            tier.put(bid, b"")
+        with pytest.raises(NotSupported):
+            tier.put_many([(bid, b"")])
+        with pytest.raises(NotSupported):
+            tier.append(b"")
+        assert tier.has([bid]) == set() and tier.read_log() == []
+
     # --- log -----------------------------------------------------------------------
 
     def test_read_log_fresh_is_empty(self, tier: Tier) -> None:
@@ -367,6 +399,7 @@ class TierConformance:
 
     def test_log_varied_sizes(self, tier: Tier) -> None:
         records = [b"", b"x", _pattern(1 << 20, 7), b"", _pattern(4097, 8), b"\x00" * 14]
+        records = [r for r in records if r or tier.capabilities.empty_objects]
         for rec in records:
             tier.append(rec)
         assert tier.read_log() == records
@@ -455,10 +488,11 @@ class TierConformance:
     def test_reopen(self, tier: Tier) -> None:
         if not self.reopenable:
             pytest.skip(f"{type(tier).__name__} content does not outlive the instance")
-        items = [blob(n, seed=n) for n in (0, 1, 70_000)]
+        items = [blob(n, seed=n) for n in _sizes(tier, [0, 1, 70_000])]
         for bid, data in items:
             tier.put(bid, data)
         records = [b"a", b"", _pattern(300_000, 1)]
+        records = [r for r in records if r or tier.capabilities.empty_objects]
         for rec in records:
             tier.append(rec)
         deleted = _fake_id(77)

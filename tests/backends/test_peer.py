@@ -432,13 +432,17 @@ def test_namespaces_are_isolated(daemon: Daemon) -> None:
         assert one.delete([bid]) == 1
         assert two.has([bid]) == {bid}
         stats = two.stats()
-        assert stats["namespaces"][two.namespace] == {
+        mine = stats["namespaces"][two.namespace]
+        assert mine == {
             "blobs": 1,
             "bytes": len(b"rank 1 copy, longer"),
             "records": 0,
             "log_bytes": 0,
             "budget": None,
+            "quota": None,
+            "charged": mine["charged"],
         }
+        assert mine["charged"] > mine["bytes"]  # the payload and the blob's overhead
         assert stats["namespaces"][one.namespace]["records"] == 1
     finally:
         one.close()
@@ -605,7 +609,7 @@ def test_blob_over_frame_limit_is_not_supported() -> None:
 def test_list_and_read_log_page(server: PeerServer) -> None:
     tier = open_tier(f"peer://{LOOPBACK}:{server.port}/{uuid.uuid4().hex}", token=TOKEN)
     ids = {f"{i:064x}" for i in range(1500)}
-    assert tier.put_many((i, b"") for i in ids) == 1500
+    assert tier.put_many((i, b"x") for i in ids) == 1500
     assert set(tier.list()) == ids
     records = [bytes([i % 256]) * 100_000 for i in range(700)]  # 70 MB: several pages
     for r in records:
