@@ -68,7 +68,34 @@ def crash_after(point: str) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-class Store(RuleBasedStateMachine):
+class _Machine(RuleBasedStateMachine):
+    """What both machines share: a store that crashes and is opened again, and GC."""
+
+    ckpt: Checkpointer
+
+    def _reopen(self) -> None:
+        raise NotImplementedError
+
+    def _save_and_crash_after(self, point: str, save: Callable[[], None]) -> None:
+        """``save``, stopped by a crash right after ``point``, then a restart."""
+        with crash_after(point):
+            try:
+                save()
+            except TiercheckError:
+                pass  # not acknowledged: the model keeps the previous ack
+            self.ckpt.flush()  # let maintenance reach its crash point, if it is there
+        self._reopen()
+
+    @rule()
+    def crash(self) -> None:
+        self._reopen()
+
+    @rule()
+    def gc(self) -> None:
+        self.ckpt.gc()
+
+
+class Store(_Machine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="tc-model-"))
@@ -124,21 +151,7 @@ class Store(RuleBasedStateMachine):
     def save_then_crash(self, point: str, change: str, role: str | None) -> None:
         self.step += 1
         self._next_state(change, self.state["a"].numel())
-        with crash_after(point):
-            try:
-                self._save(role)
-            except TiercheckError:
-                pass  # not acknowledged: the model keeps the previous ack
-            self.ckpt.flush()  # let maintenance reach its crash point, if it is there
-        self._reopen()
-
-    @rule()
-    def crash(self) -> None:
-        self._reopen()
-
-    @rule()
-    def gc(self) -> None:
-        self.ckpt.gc()
+        self._save_and_crash_after(point, lambda: self._save(role))
 
     @rule()
     def wait_migrations(self) -> None:
@@ -196,7 +209,7 @@ def _snapshot(model: Dense, opt: torch.optim.Optimizer) -> dict[str, torch.Tenso
     return out
 
 
-class GuardedStore(RuleBasedStateMachine):
+class GuardedStore(_Machine):
     """The same promise for a guarded optimizer: log versions between full ones, checked
     at every restart (each crash, and the end)."""
 
@@ -244,21 +257,7 @@ class GuardedStore(RuleBasedStateMachine):
     @rule(point=st.sampled_from(sorted(POINTS)))
     def train_save_then_crash(self, point: str) -> None:
         self._train(1)
-        with crash_after(point):
-            try:
-                self._save()
-            except TiercheckError:
-                pass
-            self.ckpt.flush()
-        self._reopen()
-
-    @rule()
-    def crash(self) -> None:
-        self._reopen()
-
-    @rule()
-    def gc(self) -> None:
-        self.ckpt.gc()
+        self._save_and_crash_after(point, self._save)
 
     def _reopen(self) -> None:
         """A restart: a new process opens the store, guards a fresh optimizer, restores
