@@ -217,6 +217,9 @@ class Checkpointer:
                 next_id=next_id,
                 takes_diffs=takes_diffs,
                 halt=self._halt,
+                confirmed=self.coordinator.agree_restorable(
+                    self._catalog.snapshot().restorable_versions()
+                ),
             )
             # sweep once after opening: what a crashed writer left behind
             self._maintenance.request(s.name for s in self.tierset.slots)

@@ -150,6 +150,7 @@ class SaveService:
         next_id: int,
         takes_diffs: bool,
         halt: Halt | None = None,
+        confirmed: int | None = None,
     ) -> None:
         self.tierset = tierset
         self.policy = policy
@@ -187,6 +188,11 @@ class SaveService:
         self._rebased: dict[int, int] = {}  # failed base -> the diff that became the base
         self.logs: LogSource | None = None  # the guarded optimizer's update log
         self._committed_full: set[int] = set()  # full versions committed by this process
+        # the newest version every rank has committed (agreed at open, then each confirmed
+        # here): kept in every tier that holds it (:meth:`pinned`), since this rank's own
+        # logs may name a newer version another rank never committed (a job killed in its
+        # commit), which the rule of retention.protection alone would keep instead
+        self._confirmed = confirmed
 
     # --- the caller's thread -------------------------------------------------------------
 
@@ -395,9 +401,12 @@ class SaveService:
             h._staged.wait()
 
     def pinned(self) -> set[int]:
-        """Bases that in-flight diffs follow: retention must not drop them yet."""
+        """Bases that in-flight diffs follow, and the newest version every rank committed:
+        retention must not drop them yet."""
         with self._lock:
             out = {j.base for j in self._inflight if j.base is not None}
+            if self._confirmed is not None:
+                out.add(self._confirmed)
         logs = self.logs
         if logs is not None and logs.base is not None:
             out.add(logs.base)  # the next log version's base
@@ -857,6 +866,9 @@ class SaveService:
         except BaseException:
             self.migrations.release(reservation)
             raise
+        if confirmation.ok:
+            with self._lock:
+                self._confirmed = max(info.id, self._confirmed or -1)
         if info.role in ("base", "diff"):
             self._committed_full.add(info.id)
         elif info.role == "log" and job.proposal is not None and self.logs is not None:
