@@ -681,16 +681,28 @@ class Checkpointer:
         ``load_state_dict`` that raises included."""
         target = state if state is not None else {}
         with undo.on_failure(f"restoring version {staged.info.id}"):
-            load_stream(staged.manifest, staged.binding, staged.stream)
-            staged.pieces.apply()
-            restored = materialize(
-                staged.manifest,
-                staged.binding,
-                target,
-                allow_pickle=self.allow_pickle,
-                undo=undo,
-            )
+            restored = self._apply(staged, target, undo)
         return self._info(staged, restored, t0)
+
+    def _apply(
+        self,
+        staged: _Staged,
+        target: Any,
+        undo: Undo,
+        replayed: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Write ``staged``'s verified bytes into the caller's tensors and load its
+        objects into ``target`` (each change kept by ``undo`` first); the restored state."""
+        load_stream(staged.manifest, staged.binding, staged.stream)
+        staged.pieces.apply()
+        return materialize(
+            staged.manifest,
+            staged.binding,
+            target,
+            allow_pickle=self.allow_pickle,
+            replayed=replayed,
+            undo=undo,
+        )
 
     def _info(
         self, staged: _Staged, restored: Any, t0: float, other: _Staged | None = None
@@ -759,11 +771,7 @@ class Checkpointer:
         if source.scaler is not None and is_stateful(source.scaler):
             undo.object("the guarded GradScaler", source.scaler)
         with undo.on_failure(what):
-            load_stream(base.manifest, base.binding, base.stream)
-            base.pieces.apply()
-            materialize(
-                base.manifest, base.binding, target, allow_pickle=self.allow_pickle, undo=undo
-            )
+            self._apply(base, target, undo)
             error: Exception | None = None
             crash: Exception | None = None
             undo.touched(optimizer)
@@ -789,15 +797,7 @@ class Checkpointer:
                         f"failed ({why})"
                     ) from crash
                 why = str(error) if error is not None else "another rank could not replay it"
-                load_stream(base.manifest, base.binding, base.stream)
-                base.pieces.apply()
-                materialize(
-                    base.manifest,
-                    base.binding,
-                    target,
-                    allow_pickle=self.allow_pickle,
-                    undo=undo,
-                )
+                self._apply(base, target, undo)
                 source.invalidate("the state was restored")
                 note = (
                     f"log version {staged.info.id} could not be replayed exactly ({why}); "
@@ -806,16 +806,7 @@ class Checkpointer:
                 log.warning("%s", note)
                 info = self._info(base, target, t0, staged)
                 return dataclasses.replace(info, fallback=note)
-            load_stream(staged.manifest, staged.binding, staged.stream)
-            staged.pieces.apply()
-            restored = materialize(
-                staged.manifest,
-                staged.binding,
-                target,
-                allow_pickle=self.allow_pickle,
-                replayed=replayed,
-                undo=undo,
-            )
+            restored = self._apply(staged, target, undo, replayed)
         source.invalidate("the state was restored")
         info = self._info(staged, restored, t0, base)
         log.info(
