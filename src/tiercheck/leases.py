@@ -126,69 +126,62 @@ class GCFence:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._protected: Counter[str] = Counter()
-        self._scoped: Counter[tuple[str, str]] = Counter()  # (tier, id): in that tier only
+        # (tier, id): protected in that tier only; (None, id): in every tier
+        self._protected: Counter[tuple[str | None, str]] = Counter()
         self._deleting: dict[str, frozenset[str]] = {}
         self._sweeps = 0
-        self._deferred: list[list[str]] = []
-        self._deferred_scoped: list[list[tuple[str, str]]] = []
+        self._deferred: list[list[tuple[str | None, str]]] = []
 
     def protect(self, ids: Iterable[str]) -> list[str]:
         """Protect ``ids`` in every tier; return once no sweep is deleting any of them. Pass
         the result to :meth:`release` when a commit record names them (or the work was
         abandoned)."""
         out = list(ids)
-        with self._cond:
-            self._protected.update(out)
-            wanted = set(out)
-            while any(not wanted.isdisjoint(d) for d in self._deleting.values()):
-                self._cond.wait()
+        self._add([(None, i) for i in out], None)
         return out
 
-    def protect_in(self, tiers: Iterable[str], ids: Iterable[str]) -> list[tuple[str, str]]:
+    def protect_in(self, tiers: Iterable[str], ids: Iterable[str]) -> list[tuple[str | None, str]]:
         """Protect ``ids`` in ``tiers`` only (a sweep of another tier may delete them: a
         migration that reads a version from a more durable tier lets a tier over its memory
         budget free it); otherwise as :meth:`protect`. Pass the result to
         :meth:`release_in`."""
         names, wanted = list(tiers), set(ids)
-        out = [(t, i) for t in names for i in wanted]
+        keys: list[tuple[str | None, str]] = [(t, i) for t in names for i in wanted]
+        self._add(keys, names)
+        return keys
+
+    def _add(self, keys: list[tuple[str | None, str]], tiers: list[str] | None) -> None:
+        """Count ``keys`` as protected, then wait while a sweep of ``tiers`` (None: any)
+        is deleting one of their ids."""
+        wanted = {i for _, i in keys}
         with self._cond:
-            self._scoped.update(out)
-            while any(not wanted.isdisjoint(self._deleting.get(t, ())) for t in names):
+            self._protected.update(keys)
+            while any(
+                not wanted.isdisjoint(d)
+                for t, d in self._deleting.items()
+                if tiers is None or t in tiers
+            ):
                 self._cond.wait()
-        return out
 
     def release(self, ids: list[str]) -> None:
+        self.release_in([(None, i) for i in ids])
+
+    def release_in(self, keys: list[tuple[str | None, str]]) -> None:
         with self._cond:
             if self._sweeps:
-                self._deferred.append(ids)
+                self._deferred.append(keys)
             else:
-                self._subtract(ids)
+                self._subtract(keys)
 
-    def release_in(self, keys: list[tuple[str, str]]) -> None:
-        with self._cond:
-            if self._sweeps:
-                self._deferred_scoped.append(keys)
-            else:
-                self._subtract_scoped(keys)
-
-    def _subtract(self, ids: Iterable[str]) -> None:
-        self._protected.subtract(ids)
-        for i in [i for i, n in self._protected.items() if n <= 0]:
-            del self._protected[i]
-
-    def _subtract_scoped(self, keys: Iterable[tuple[str, str]]) -> None:
-        self._scoped.subtract(keys)
-        for k in [k for k, n in self._scoped.items() if n <= 0]:
-            del self._scoped[k]
+    def _subtract(self, keys: Iterable[tuple[str | None, str]]) -> None:
+        self._protected.subtract(keys)
+        for k in [k for k, n in self._protected.items() if n <= 0]:
+            del self._protected[k]
 
     def protected(self, tier: str | None = None) -> set[str]:
         """The ids protected in every tier, plus those protected in ``tier`` alone."""
         with self._cond:
-            out = set(self._protected)
-            if tier is not None:
-                out.update(i for t, i in self._scoped if t == tier)
-            return out
+            return {i for t, i in self._protected if t is None or t == tier}
 
     def begin(self) -> None:
         """A sweep starts (before it reads the catalog it marks from)."""
@@ -200,7 +193,9 @@ class GCFence:
         count as being deleted until :meth:`done`."""
         with self._cond:
             out = [
-                c for c in candidates if c not in self._protected and (tier, c) not in self._scoped
+                c
+                for c in candidates
+                if (None, c) not in self._protected and (tier, c) not in self._protected
             ]
             self._deleting[tier] = frozenset(out)
             return out
@@ -210,12 +205,9 @@ class GCFence:
             self._deleting.pop(tier, None)
             self._sweeps -= 1
             if not self._sweeps:
-                for ids in self._deferred:
-                    self._subtract(ids)
-                for keys in self._deferred_scoped:
-                    self._subtract_scoped(keys)
+                for keys in self._deferred:
+                    self._subtract(keys)
                 self._deferred.clear()
-                self._deferred_scoped.clear()
             self._cond.notify_all()
 
 
