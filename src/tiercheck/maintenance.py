@@ -287,7 +287,9 @@ class Maintenance:
         shared = tier.capabilities.shared
         grace = self.policy.gc_grace_seconds if shared else 0.0
         # first what retention dropped already (waiting out its grace), then tighter steps,
-        # and last what a more durable tier keeps; never what this tier must keep
+        # and last what a more durable tier keeps; never what this tier must keep (which
+        # these drops do not change: its newest version and what that needs stay)
+        protect = self._protection(slot)
         steps: list[tuple[TierPolicy, bool] | None] = [
             None,
             *((tight, False) for tight in _tightened(slot.policy, self._log_of(slot))),
@@ -297,11 +299,7 @@ class Maintenance:
             if step is not None:
                 tight, last_resort = step
                 drops = plan_drops(
-                    self._log_of(slot),
-                    tight,
-                    self.pinned(),
-                    self._protection(slot),
-                    last_resort=last_resort,
+                    self._log_of(slot), tight, self.pinned(), protect, last_resort=last_resort
                 )
                 if not drops:
                     continue
