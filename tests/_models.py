@@ -72,9 +72,14 @@ class Trainer:
 
 
 def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every tensor of model and optimizer state, cloned, by name."""
-    out = {f"model/{k}": v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    for pid, st in trainer.opt.state_dict()["state"].items():
+    """Every tensor of the trainer's model and optimizer state, cloned, by name."""
+    return snapshot_of(trainer.model, trainer.opt)
+
+
+def snapshot_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model``'s and ``opt``'s state, cloned, by name."""
+    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 out[f"optim/{pid}/{k}"] = v.clone()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _models import snapshot_of
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -69,12 +70,29 @@ def crash_after(point: str) -> Iterator[None]:
 
 
 class _Machine(RuleBasedStateMachine):
-    """What both machines share: a store that crashes and is opened again, and GC."""
+    """What both machines share: a store in a directory of its own that crashes and is
+    opened again, GC, and the reference model (every step saved, the newest acknowledged)."""
 
     ckpt: Checkpointer
 
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix=prefix))
+        self.step = 0
+        self.saved: dict[int, dict[str, torch.Tensor]] = {}
+        self.acked: int | None = None
+
     def _reopen(self) -> None:
         raise NotImplementedError
+
+    def _destroy(self) -> None:
+        try:
+            self.ckpt.destroy()
+        except TiercheckError:
+            from tiercheck.lifecycle import destroy_store
+
+            destroy_store(self.dir / "store")
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def _save_and_crash_after(self, point: str, save: Callable[[], None]) -> None:
         """``save``, stopped by a crash right after ``point``, then a restart."""
@@ -97,22 +115,12 @@ class _Machine(RuleBasedStateMachine):
 
 class Store(_Machine):
     def __init__(self) -> None:
-        super().__init__()
-        self.dir = Path(tempfile.mkdtemp(prefix="tc-model-"))
+        super().__init__("tc-model-")
         self.ckpt = Checkpointer(self.dir / "store")
         self.state = {"a": torch.zeros(64 * 1024), "b": torch.zeros(16 * 1024)}
-        self.step = 0
-        self.saved: dict[int, dict[str, torch.Tensor]] = {}
-        self.acked: int | None = None
 
     def teardown(self) -> None:
-        try:
-            self.ckpt.destroy()
-        except TiercheckError:
-            from tiercheck.lifecycle import destroy_store
-
-            destroy_store(self.dir / "store")
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._destroy()
 
     # --- the trainer ------------------------------------------------------------------
 
@@ -200,41 +208,19 @@ def _trainer(seed: int) -> tuple[Dense, torch.optim.AdamW]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _snapshot(model: Dense, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for pid, group in opt.state_dict()["state"].items():
-        for k, v in group.items():
-            if isinstance(v, torch.Tensor):
-                out[f"optim/{pid}/{k}"] = v.clone()
-    return out
-
-
 class GuardedStore(_Machine):
     """The same promise for a guarded optimizer: log versions between full ones, checked
     at every restart (each crash, and the end)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.dir = Path(tempfile.mkdtemp(prefix="tc-model-log-"))
+        super().__init__("tc-model-log-")
         self.model, self.opt = _trainer(0)
         self.data = torch.Generator().manual_seed(1)
-        self.step = 0
-        self.saved: dict[int, dict[str, torch.Tensor]] = {}
-        self.acked: int | None = None
         self._open()
 
     def _open(self) -> None:
         self.ckpt = Checkpointer(self.dir / "store")
         self.ckpt.guard(self.opt)
-
-    def _destroy(self) -> None:
-        try:
-            self.ckpt.destroy()
-        except TiercheckError:
-            from tiercheck.lifecycle import destroy_store
-
-            destroy_store(self.dir / "store")
-        shutil.rmtree(self.dir, ignore_errors=True)
 
     def _train(self, steps: int) -> None:
         for _ in range(steps):
@@ -243,7 +229,7 @@ class GuardedStore(_Machine):
             self.model.net(x).square().mean().backward()
             self.opt.step()
             self.step += 1
-        self.saved[self.step] = _snapshot(self.model, self.opt)
+        self.saved[self.step] = snapshot_of(self.model, self.opt)
 
     def _save(self) -> None:
         self.ckpt.save(self.step, {"model": self.model, "optim": self.opt}).wait()
@@ -275,7 +261,7 @@ class GuardedStore(_Machine):
         assert info.step >= self.acked, (
             f"acknowledged step {self.acked}, restored step {info.step} ({info.fallback})"
         )
-        got, expected = _snapshot(model, opt), self.saved[info.step]
+        got, expected = snapshot_of(model, opt), self.saved[info.step]
         assert got.keys() == expected.keys()
         for key, tensor in expected.items():
             assert torch.equal(got[key], tensor), f"step {info.step}: {key} differs"
