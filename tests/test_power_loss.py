@@ -142,6 +142,16 @@ def _tier_workload(tier: Tier, rec: Recorder, first: int = 0, count: int = 4) ->
     tier.delete([stray])
 
 
+def _check_file_tier(where: Path, state: CrashState) -> None:
+    """The file:// tier a crash left at ``where`` opens, and its log holds every record
+    acknowledged before the cut (:func:`check_log`)."""
+    t = open_tier(f"file://{where}")
+    try:
+        check_log(t, acked_number(state), state)
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize("hard_links", [True, False], ids=["link", "no-link"])
 def test_file_tier_keeps_every_acknowledged_record_through_power_loss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
@@ -160,14 +170,7 @@ def test_file_tier_keeps_every_acknowledged_record_through_power_loss(
     states = power_loss_states(rec.ops, rec.base, seed=SEED, reorders=REORDERS)
     assert len(states) > 20
 
-    def check(where: Path, state: CrashState) -> None:
-        t = open_tier(f"file://{where}")
-        try:
-            check_log(t, acked_number(state), state)
-        finally:
-            t.close()
-
-    check_states(states, tmp_path, check)
+    check_states(states, tmp_path, _check_file_tier)
 
 
 @pytest.mark.parametrize("relied_on", ["its blob", "its directory"])
@@ -202,14 +205,7 @@ def test_what_a_crashed_writer_left_is_made_durable_before_a_record_relies_on_it
 
     states = power_loss_states(rec.ops, rec.base, seed=SEED, reorders=REORDERS)
 
-    def check(where: Path, state: CrashState) -> None:
-        t = open_tier(f"file://{where}")
-        try:
-            check_log(t, acked_number(state), state)
-        finally:
-            t.close()
-
-    check_states(states, tmp_path, check)
+    check_states(states, tmp_path, _check_file_tier)
 
 
 # --- a Checkpointer over file:// -----------------------------------------------------
