@@ -9,7 +9,7 @@ frame is still one ordinary msgpack map, and a receiver decodes any other key or
 The full description, with the handshake and every message, is ``docs/peer-protocol.md``.
 
 This module knows frames and the handshake, nothing about tiers or typed tier errors:
-the client (``_peer.py``) and the daemon (``tiercheck.peer_server``) map its exceptions.
+the client (``_peer.py``) and the daemon (``tiercheck.peer.server``) map its exceptions.
 """
 
 from __future__ import annotations

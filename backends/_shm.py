@@ -14,7 +14,7 @@ otherwise)::
 Ownership: the first writable open writes ``owner.json`` (``{"kind": "tiercheck-shm",
 "store": null, "host", "pid", "created", "url"}``); :meth:`ShmTier.bind_store` records the
 owning store's root in it. ``tiercheck gc --orphans`` reads it to find segments whose store
-is gone (:func:`list_segments`, :func:`remove_segment`; see :mod:`tiercheck.lifecycle`).
+is gone (:func:`list_segments`, :func:`remove_segment`; see :mod:`tiercheck.engine.lifecycle`).
 
 Budget: the option ``budget`` (bytes or a size such as ``"8GiB"``) bounds the bytes of
 blobs held plus the pool; pooled segments are freed first to make room, and a put that

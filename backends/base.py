@@ -40,7 +40,7 @@ a version that still does not fit is skipped on that tier with a warning, never 
 training step. ``OverBudget`` raised by a put in flight means the same: skip the tier for
 that version.
 
-Guarantees every tier gives (checked by :mod:`tiercheck.testing`):
+Guarantees every tier gives (checked by :mod:`tiercheck.testing.conformance`):
 
 - ``put`` is atomic: after a crash a blob is either absent or complete. A reader never sees
   a prefix. Putting an id that is present is a no-op unless ``overwrite`` is true.
@@ -66,8 +66,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
 
+from tiercheck.core.sizes import format_size, parse_size
 from tiercheck.errors import InvalidURL, NotSupported, OverBudget, ReadOnlyTier, TierError
-from tiercheck.sizes import format_size, parse_size
 
 __all__ = [
     "BLOB_ID_RE",
@@ -315,7 +315,7 @@ class Tier(abc.ABC):
         """Record that the store at ``root`` owns this tier (called once, before saving).
 
         A tier holding node memory records the owner so that its memory can be reclaimed
-        once that store is deleted (see :mod:`tiercheck.lifecycle`). Default: nothing.
+        once that store is deleted (see :mod:`tiercheck.engine.lifecycle`). Default: nothing.
         """
 
     # --- lifecycle -----------------------------------------------------------------

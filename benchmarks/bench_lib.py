@@ -27,8 +27,8 @@ import psutil
 import torch
 
 import tiercheck
-from tiercheck.config import TierSpec
-from tiercheck.lifecycle import destroy_store
+from tiercheck.engine.config import TierSpec
+from tiercheck.engine.lifecycle import destroy_store
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -507,7 +507,7 @@ def default_store_warmup() -> int:
     save after LMDB's retained bases on, each reuses the pages of the base it dropped, as
     every save of a long training run does."""
     from tiercheck.backends._lmdb import LmdbTier
-    from tiercheck.placement import default_tier_policy
+    from tiercheck.engine.placement import default_tier_policy
 
     return (default_tier_policy(LmdbTier.CAPABILITIES).keep_bases or 1) + 1
 

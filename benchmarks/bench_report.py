@@ -573,7 +573,7 @@ def peer_abuse_section(
     return f"""## Peer daemon under abuse
 
 `python benchmarks/peer_abuse.py --connections {doc["connections"]}`: a
-`tiercheck.peer_server` process on 127.0.0.1, `--memory-limit
+`tiercheck.peer.server` process on 127.0.0.1, `--memory-limit
 {doc["memory_limit"] // mib}MiB`, {doc["deadline_s"]:g} s handshake and frame deadlines, a
 namespace quota of a quarter of the limit; {doc["connections"]} hostile connections of each
 kind from 127.0.0.2 (the authenticated ones one tenant's, with its namespace token) while a
@@ -643,7 +643,7 @@ clipping, random tokens), saved after each of {setup["saves"]} steps, side by si
 optimizer guarded with `log=False` (before log versions: bases and chunk-dedup diffs) and
 guarded by default (log versions). Stores: the default store (`Checkpointer(root)`, no
 configuration: shm and LMDB synchronous, bases migrated to a `file://` remote) and shm +
-a peer tier (a real `tiercheck.peer_server` daemon on loopback; default placement: every
+a peer tier (a real `tiercheck.peer.server` daemon on loopback; default placement: every
 version, delta codec). Bytes are what each synchronous tier's write stored
 (`SaveResult.bytes_written`), as a multiple of the state; roles `b`ase, `d`iff, `l`og.
 Raw data: `benchmarks/results/log_versions.json`.
@@ -734,7 +734,7 @@ The durable-path goals of issue 16 compare like with like, on the same disk, in 
 
 ## Bytes written per version
 
-Real training of the demo model (`tiercheck.demo`), {versions} versions, base every 10,
+Real training of the demo model (`tiercheck.cli.demo`), {versions} versions, base every 10,
 chunk-dedup diffs (the optimizer guarded with `log=False`; log versions, the default for
 a guarded optimizer, are measured in "Log versions through the store" below).
 The `delta` tier is a memory tier with the delta codec (XOR

@@ -1,7 +1,7 @@
 """Real training for ``benchmarks/run.py``: bytes written per version (dense, frozen layers,
 LoRA adapters on a frozen base) and the slowdown of checkpointing every step.
 
-Both use the demo's GPT (``tiercheck.demo``): 3.2 M parameters, AdamW, character data.
+Both use the demo's GPT (``tiercheck.cli.demo``): 3.2 M parameters, AdamW, character data.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from bench_lib import SHM, dcp_stager, destroy, dir_bytes, disk_dir, median
 from torch import nn
 
 import tiercheck
-from tiercheck.config import TierSpec
-from tiercheck.demo import GPT, CharLoader, ModelConfig, Training, make_corpus, train_step
+from tiercheck.cli.demo import GPT, CharLoader, ModelConfig, Training, make_corpus, train_step
+from tiercheck.engine.config import TierSpec
 
 SEED = 7
 

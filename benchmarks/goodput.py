@@ -1,6 +1,6 @@
 """What the tiers buy at 16,384 GPUs: the plots and tables of docs/goodput.md.
 
-Runs the planner (tiercheck.plan, a simulation, no hardware involved) on the reference
+Runs the planner (tiercheck.planning.intervals, a simulation, no hardware involved) on the reference
 scenario and on a sweep of remote-store bandwidths and state sizes, then writes:
 
 - ``docs/goodput/goodput.png``: goodput against the checkpoint interval for every design,
@@ -21,8 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tiercheck.plan import DESIGNS, Job, Plan, plan, recommended_config
-from tiercheck.tier_costs import Hardware, Measured
+from tiercheck.planning.intervals import DESIGNS, Job, Plan, plan, recommended_config
+from tiercheck.planning.tier_costs import Hardware, Measured
 
 REPO = Path(__file__).resolve().parents[1]
 BANDWIDTHS = (2000.0, 1000.0, 500.0, 200.0, 100.0, 50.0)
@@ -213,7 +213,10 @@ def main() -> None:
 
     out = {
         "benchmark": "goodput",
-        "note": "a simulation: tiercheck.plan over the failure record of a 54-day, 16,384-GPU run",
+        "note": (
+            "a simulation: tiercheck.planning.intervals over the failure record of a 54-day, "
+            "16,384-GPU run"
+        ),
         "runs": args.runs,
         "measured": measured.to_json(),
         "seconds": round(time.perf_counter() - t0, 1),

@@ -5,7 +5,7 @@ versions (an ``lmdb://`` tier keeping every version, and a ``file://`` remote ti
 receives every 10th, the bases), then times:
 
 - ``history()``: ``Checkpointer(root, read_only=True).history()``, the log read and merge;
-- ``ls in-process``: ``tiercheck.cli.main(["ls", ROOT, "--json"])``, stdout discarded;
+- ``ls in-process``: ``tiercheck.cli.main.main(["ls", ROOT, "--json"])``, stdout discarded;
 - ``ls subprocess``: ``python -m tiercheck ls ROOT --json``, the whole process;
 - ``import tiercheck``: ``python -c "import tiercheck"``, the part of the subprocess that is
   Python and torch starting up, not work on the store.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy
-from tiercheck.cli import main as cli_main
+from tiercheck.cli.main import main as cli_main
 
 
 def build(root: Path, versions: int) -> float:

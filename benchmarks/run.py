@@ -56,7 +56,7 @@ from bench_lib import (
 )
 
 import tiercheck
-from tiercheck.lifecycle import shm_root_left_as_found
+from tiercheck.engine.lifecycle import shm_root_left_as_found
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = 1
@@ -587,7 +587,7 @@ def run(args: argparse.Namespace) -> int:
     none = median(times["none"])
     result["training"] = {
         "steps": train_steps,
-        "model": "tiercheck.demo GPT (3.2 M params, 37 MiB of state with AdamW)",
+        "model": "tiercheck.cli.demo GPT (3.2 M params, 37 MiB of state with AdamW)",
         **{f"{m}_s": median(v) for m, v in times.items()},
         "runs": times,
         "tiercheck_slowdown": median(times["tiercheck"]) / none,

@@ -53,14 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib import disk_dir, one_tier, store
 
 import tiercheck
-from tiercheck.chunking import plan_layout
-from tiercheck.entries import flatten
-from tiercheck.fingerprint import fingerprints
+from tiercheck.core.chunking import plan_layout
+from tiercheck.core.entries import flatten
+from tiercheck.engine.staging import StagingBuffer
 from tiercheck.formats import Codec, chunk_id, encode_blob
 from tiercheck.formats.manifest import ChunkRef, ShardManifest, pack_manifest
-from tiercheck.replay import replay
-from tiercheck.staging import StagingBuffer
-from tiercheck.update_log import (
+from tiercheck.logversions.fingerprint import fingerprints
+from tiercheck.logversions.replay import replay
+from tiercheck.logversions.update_log import (
     LoggedSteps,
     UpdateLog,
     estimate_replay_seconds,

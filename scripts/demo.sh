@@ -9,4 +9,4 @@ bash scripts/setup.sh
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/tiercheck-demo-cache.XXXXXX")"
 trap 'rm -rf "$scratch"' EXIT
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$scratch/torchinductor}"
-"${TIERCHECK_VENV:-.venv}/bin/python" -m tiercheck.demo "$@"
+"${TIERCHECK_VENV:-.venv}/bin/python" -m tiercheck.cli.demo "$@"

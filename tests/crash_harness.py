@@ -80,19 +80,19 @@ import torch.distributed as dist
 from torch import nn
 
 import tiercheck.checkpointer as checkpointer_mod
-import tiercheck.manifest_log as manifest_log_mod
-import tiercheck.migrating as migrating_mod
-import tiercheck.restore as restore_mod
-import tiercheck.retention as retention_mod
-import tiercheck.saving as saving_mod
+import tiercheck.engine.catalog as manifest_log_mod
+import tiercheck.engine.migration as migrating_mod
+import tiercheck.engine.retention as retention_mod
+import tiercheck.engine.saving as saving_mod
+import tiercheck.restore.service as restore_mod
 from tiercheck import Checkpointer
+from tiercheck.engine.fetch import ChunkFetcher
+from tiercheck.engine.leases import GCFence
+from tiercheck.engine.lifecycle import destroy_store, shm_root_left_as_found
+from tiercheck.engine.maintenance import Maintenance
+from tiercheck.engine.pipeline import ShardStream
+from tiercheck.engine.staging import StagingBuffer
 from tiercheck.errors import FormatVersionError, NoRestorableVersion
-from tiercheck.fetch import ChunkFetcher
-from tiercheck.leases import GCFence
-from tiercheck.lifecycle import destroy_store, shm_root_left_as_found
-from tiercheck.maintenance import Maintenance
-from tiercheck.pipeline import ShardStream
-from tiercheck.staging import StagingBuffer
 
 MODES = ("dense", "guarded", "dist")
 LIFE_TIMEOUT = float(os.environ.get("TIERCHECK_CRASH_LIFE_TIMEOUT", "60"))
@@ -215,7 +215,7 @@ def check_store(ckpt: Checkpointer) -> list[str]:
                     problems.append(f"{slot.name}: version {vid}: {type(exc).__name__}: {exc}")
     if ranks > 1:
         return problems
-    from tiercheck.history import verify
+    from tiercheck.history.versions import verify
 
     try:
         report = verify(ckpt)

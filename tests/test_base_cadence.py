@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tiercheck
-import tiercheck.faults
-from tiercheck.config import TierSpec
+import tiercheck.testing.faults
+from tiercheck.engine.config import TierSpec
 
 
 def test_scalar_growth_keeps_base_cadence(tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ import pytest
 
 from tiercheck.backends import open_tier
 from tiercheck.backends._shm import ShmTier, shm_free_bytes
+from tiercheck.core.sizes import format_size, parse_size
 from tiercheck.errors import InvalidURL, OverBudget, TierFull
-from tiercheck.sizes import format_size, parse_size
-from tiercheck.testing import blob
+from tiercheck.testing.conformance import blob
 
 
 @pytest.fixture

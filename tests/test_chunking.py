@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercheck.chunking import ALIGN, chunks_of, plan_layout
-from tiercheck.entries import Leaf, flatten
+from tiercheck.core.chunking import ALIGN, chunks_of, plan_layout
+from tiercheck.core.entries import Leaf, flatten
 from tiercheck.formats.manifest import ChunkRef
 
 CS = 4096
@@ -82,7 +82,7 @@ def test_a_scalar_growing_moves_no_tensor_chunk() -> None:
 
 
 def test_small_states_get_small_chunks() -> None:
-    from tiercheck.chunking import CHUNKS_PER_STATE, MIN_CHUNK_SIZE, choose_chunk_size
+    from tiercheck.core.chunking import CHUNKS_PER_STATE, MIN_CHUNK_SIZE, choose_chunk_size
 
     big = 4 << 20
     assert choose_chunk_size([leaf("a", 1 << 30)], big) == big  # large: the policy's size

@@ -112,7 +112,7 @@ def inproc(
 ) -> Any:
     """Run the CLI's ``main`` in this process (cheaper than a subprocess: no torch import);
     used for the second and later calls of a test, each command also runs as a subprocess."""
-    from tiercheck.cli import main
+    from tiercheck.cli.main import main
 
     capsys.readouterr()
     rc = main([*map(str, args), *(["--json"] if as_json else [])])
@@ -355,7 +355,7 @@ def _bad_args(store: Store, tmp_path: Path, args: list[str]) -> list[str]:
 def test_bad_inputs_give_one_line_and_exit_2(
     store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tiercheck.cli import main
+    from tiercheck.cli.main import main
 
     for args in BAD_INPUTS:
         assert main(_bad_args(store, tmp_path, args)) == 2, args
@@ -413,7 +413,7 @@ def test_peer_serve_and_status(tmp_path: Path) -> None:
 # Runs the CLI's main in a fresh interpreter, then writes the names of every module imported.
 _PROBE = """
 import json, sys
-from tiercheck.cli import main
+from tiercheck.cli.main import main
 rc = main(sys.argv[2:])
 with open(sys.argv[1], "w") as f:
     json.dump(sorted(sys.modules), f)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
-from tiercheck.config import (
+from tiercheck.engine.config import (
     CONFIG_NAME,
     StoreConfig,
     is_secret_option,
@@ -20,7 +20,7 @@ from tiercheck.config import (
     save_config,
 )
 from tiercheck.errors import ConfigError
-from tiercheck.peer_server import PeerServer
+from tiercheck.peer.server import PeerServer
 
 PEER_TOKEN = "peer-secret-7f3a9d"
 S3_SECRET = "s3-secret-c81e44"

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from tiercheck import Checkpointer, Policy, TierPolicy
-from tiercheck.dcp import (
+from tiercheck.errors import ConfigError, StateError, UnsupportedValue
+from tiercheck.integrations.dcp import (
     METADATA,
     CheckpointRef,
     TierReader,
@@ -32,7 +33,6 @@ from tiercheck.dcp import (
     parse_checkpoint_id,
     rank_root,
 )
-from tiercheck.errors import ConfigError, StateError, UnsupportedValue
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

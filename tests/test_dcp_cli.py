@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save
 
-from tiercheck.cli import main
-from tiercheck.dcp import TierWriter, load_full_state_dict
+from tiercheck.cli.main import main
+from tiercheck.integrations.dcp import TierWriter, load_full_state_dict
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str | Path, ok: int = 0) -> Any:

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load
 
 from tiercheck import Checkpointer
-from tiercheck.cluster import LocalCoordinator
-from tiercheck.dcp import TierReader, rank_root
+from tiercheck.engine.coordinator import LocalCoordinator
+from tiercheck.integrations.dcp import TierReader, rank_root
 
 SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
 sys.path.insert(0, str(SCRIPTS))

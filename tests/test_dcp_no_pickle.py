@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from tiercheck import Policy, TierPolicy
-from tiercheck.dcp import TierReader, TierWriter
 from tiercheck.errors import UnsupportedValue
+from tiercheck.integrations.dcp import TierReader, TierWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -13,7 +13,7 @@ def test_demo_crash_restore_is_bit_identical(tmp_path: Path) -> None:
     root = tmp_path / "store"
     args = ["--steps", "5", "--crash-at", "3", "--root", str(root)]
     proc = subprocess.run(
-        [sys.executable, "-m", "tiercheck.demo", *args],
+        [sys.executable, "-m", "tiercheck.cli.demo", *args],
         capture_output=True,
         text=True,
         timeout=240,

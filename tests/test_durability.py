@@ -20,19 +20,19 @@ import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.backends.registry import open_tier
-from tiercheck.config import default_config, load_config, save_config
+from tiercheck.engine.catalog import TierLog
+from tiercheck.engine.config import default_config, load_config, save_config
+from tiercheck.engine.leases import GCFence, TierLeases
+from tiercheck.engine.retention import GCState, collect_garbage
 from tiercheck.errors import (
     DurabilityError,
     NoRestorableVersion,
     UnfinishedWork,
     WaitTimeout,
 )
-from tiercheck.faults import FaultPlan, FaultyTier
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.ids import chunk_id
-from tiercheck.leases import GCFence, TierLeases
-from tiercheck.manifest_log import TierLog
-from tiercheck.retention import GCState, collect_garbage
+from tiercheck.testing.faults import FaultPlan, FaultyTier
 
 CHUNK = 4096
 EVERY = TierPolicy(keep_bases=None)
@@ -209,7 +209,7 @@ def shared_tier(tmp_path: Path) -> Any:
 
 
 def sweep(tier: Any, leases: TierLeases) -> Any:
-    from tiercheck.tierset import TierSlot
+    from tiercheck.engine.tierset import TierSlot
 
     slot = TierSlot(TierSpec("shared", tier.url), tier, TierPolicy())
     return collect_garbage(
@@ -279,7 +279,7 @@ def test_guarantees_round_trip_through_the_config_file(tmp_path: Path) -> None:
         },
     )
     path = tmp_path / "tiercheck.toml"
-    cfg = tiercheck.config.StoreConfig((TierSpec("a", mem()), TierSpec("b", mem())), policy)
+    cfg = tiercheck.engine.config.StoreConfig((TierSpec("a", mem()), TierSpec("b", mem())), policy)
     save_config(path, cfg)
     text = path.read_text()
     assert 'durability = "process"' in text and 'guarantee = "best_effort"' in text
@@ -296,7 +296,7 @@ def test_guarantees_round_trip_through_the_config_file(tmp_path: Path) -> None:
 def test_the_default_remote_tier_says_it_is_node_local(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tiercheck.cli import main
+    from tiercheck.cli.main import main
 
     root = tmp_path / "store"
     cfg = default_config(root)  # with its shm segment under tmp_path

@@ -17,7 +17,8 @@ import torch
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends._memory import MemoryTier
-from tiercheck.config import default_config
+from tiercheck.engine.catalog import read_tier_log
+from tiercheck.engine.config import default_config
 from tiercheck.errors import (
     CheckpointError,
     ConfigError,
@@ -30,7 +31,6 @@ from tiercheck.errors import (
     UnsupportedValue,
 )
 from tiercheck.formats.codecs import Codec, encode_blob
-from tiercheck.manifest_log import read_tier_log
 
 CHUNK = 4096
 
@@ -191,7 +191,7 @@ def test_lost_shm_restores_base_from_lmdb_and_hides_orphan_diffs(tmp_path: Path)
 
 
 def test_diff_whose_base_was_only_in_a_lost_tier_is_not_offered(tmp_path: Path) -> None:
-    from tiercheck.retention import drop_versions
+    from tiercheck.engine.retention import drop_versions
 
     name = uuid.uuid4().hex
     ckpt = two_tier_store(tmp_path, name)
@@ -278,22 +278,22 @@ def test_retention_keeps_newest_base_and_its_diffs_and_gc_frees_blobs(
     tier = store.tierset.get("fast").tier
     assert tier is not None
     log = read_tier_log("fast", tier)
-    from tiercheck.retention import mark
+    from tiercheck.engine.retention import mark
 
     live = mark(log, lambda mid: _manifest(store, mid))
     assert set(tier.list()) == live  # nothing unreferenced left behind
 
 
 def _manifest(store: Checkpointer, mid: str) -> Any:
-    from tiercheck.fetch import ChunkFetcher
+    from tiercheck.engine.fetch import ChunkFetcher
 
     return ChunkFetcher(store.tierset.by_speed()).manifest(mid)
 
 
 def test_retention_never_drops_a_base_a_kept_diff_needs() -> None:
+    from tiercheck.engine.catalog import TierLog
+    from tiercheck.engine.retention import plan_drops
     from tiercheck.formats.manifest import VersionInfo
-    from tiercheck.manifest_log import TierLog
-    from tiercheck.retention import plan_drops
 
     tl = TierLog("t")
     for vid, role, base in [(0, "base", None), (1, "diff", 0), (2, "base", None)]:
@@ -601,7 +601,7 @@ def test_the_first_config_written_wins(
     without hard links on the file system."""
     import os
 
-    from tiercheck.config import load_config, save_config
+    from tiercheck.engine.config import load_config, save_config
 
     if not hard_links:
 

@@ -15,12 +15,12 @@ import torch
 
 from tiercheck import Checkpointer
 from tiercheck.backends._shm import ShmTier
-from tiercheck.budgets import SLACK, default_budget, free_memory, version_bytes
-from tiercheck.config import TierSpec
+from tiercheck.engine.budgets import SLACK, default_budget, free_memory, version_bytes
+from tiercheck.engine.catalog import COMPACT_SLACK, read_tier_log
+from tiercheck.engine.config import TierSpec
+from tiercheck.engine.placement import Policy, TierPolicy
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
-from tiercheck.manifest_log import COMPACT_SLACK, read_tier_log
-from tiercheck.peer_server import PeerServer
-from tiercheck.placement import Policy, TierPolicy
+from tiercheck.peer.server import PeerServer
 
 TOKEN = b"test-token-0123456789"
 

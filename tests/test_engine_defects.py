@@ -2,7 +2,7 @@
 in order across threads, close() bounded by its timeout, a failed open releasing what it
 took, a changed tier list refused, and every background thread's failure reported.
 
-Races are forced with :class:`~tiercheck.faults.FaultyTier` hooks that block a real tier's
+Races are forced with :class:`~tiercheck.testing.faults.FaultyTier` hooks that block a real tier's
 call on an Event, never with sleeps.
 """
 
@@ -19,16 +19,16 @@ import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.registry import open_tier
-from tiercheck.config import CONFIG_NAME, coerce_tiers, load_config
+from tiercheck.engine.catalog import TierLog
+from tiercheck.engine.config import CONFIG_NAME, coerce_tiers, load_config
+from tiercheck.engine.copying import WRITE_WINDOW
+from tiercheck.engine.leases import TierLeases
+from tiercheck.engine.retention import GCState, collect_garbage
+from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import ConfigError, FormatVersionError, StoreLocked, UnfinishedWork
-from tiercheck.faults import FaultEvent, FaultPlan, FaultyTier
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.ids import chunk_id
-from tiercheck.leases import TierLeases
-from tiercheck.manifest_log import TierLog
-from tiercheck.migration import WRITE_WINDOW
-from tiercheck.retention import GCState, collect_garbage
-from tiercheck.tierset import TierSlot
+from tiercheck.testing.faults import FaultEvent, FaultPlan, FaultyTier
 
 CHUNK = 4096
 

@@ -15,9 +15,11 @@ import torch
 from tiercheck import Checkpointer, Policy
 from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.backends.registry import open_tier
-from tiercheck.config import TierSpec
+from tiercheck.engine.config import TierSpec
+from tiercheck.engine.fetch import ChunkFetcher
+from tiercheck.engine.placement import TierPolicy, default_tier_policy
+from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import BlobCorrupt, NotFound
-from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.codecs import (
     BLOB_HEADER_SIZE,
     Codec,
@@ -26,8 +28,6 @@ from tiercheck.formats.codecs import (
     raw_payload,
 )
 from tiercheck.formats.ids import chunk_id
-from tiercheck.placement import TierPolicy, default_tier_policy
-from tiercheck.tierset import TierSlot
 
 DATA = os.urandom(100_000) + bytes(50_000)  # compressible tail: zstd blobs are smaller
 CID = chunk_id(DATA)

@@ -103,7 +103,7 @@ def test_a_dtensor_is_saved_as_its_local_piece_with_its_placement(
         assert local.data_ptr() == target.to_local().data_ptr()
         info = ckpt.restore({"w": None, "b": None, "r": None})
         assert torch.equal(info.state["w"], w) and torch.equal(info.state["r"], torch.arange(4.0))
-    from tiercheck.cli import main
+    from tiercheck.cli.main import main
 
     assert main(["export", str(tmp_path / "s"), "latest", str(tmp_path / "out.pt")]) == 0
     exported = torch.load(tmp_path / "out.pt")

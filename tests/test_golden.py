@@ -22,7 +22,6 @@ import pytest
 import zstandard
 
 from tiercheck.errors import BlobCorrupt
-from tiercheck.fingerprint import fingerprints, wsum64_reference
 from tiercheck.formats import (
     Codec,
     chunk_id,
@@ -39,7 +38,14 @@ from tiercheck.formats.manifest import (
     unpack_manifest,
     unpack_record,
 )
-from tiercheck.update_log import CapturedStep, GradSlot, Implementation, LoggedSteps, plan_log
+from tiercheck.logversions.fingerprint import fingerprints, wsum64_reference
+from tiercheck.logversions.update_log import (
+    CapturedStep,
+    GradSlot,
+    Implementation,
+    LoggedSteps,
+    plan_log,
+)
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 INDEX: dict[str, Any] = json.loads((GOLDEN / "index.json").read_text())

@@ -23,7 +23,7 @@ from tiercheck import Checkpointer, Policy, TierPolicy
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.errors import NoRestorableVersion
 from tiercheck.formats.codecs import FORMAT_MAJOR, Codec, encode_blob
-from tiercheck.history import Version, migrate, verify
+from tiercheck.history.versions import Version, migrate, verify
 
 CHUNK = 16 * 1024
 

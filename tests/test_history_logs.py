@@ -26,10 +26,10 @@ from _models import Trainer
 from update_log_run import SKIP_AT, Run
 
 import tiercheck
-from tiercheck.cli import main
+from tiercheck.cli.main import main
 from tiercheck.errors import ReplayRequired
 from tiercheck.formats.manifest import Fingerprint
-from tiercheck.history import Version
+from tiercheck.history.versions import Version
 
 
 def live_state(t: Trainer | Run) -> dict[str, Any]:

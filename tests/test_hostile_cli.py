@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer
-from tiercheck.cli import main
+from tiercheck.cli.main import main
 from tiercheck.formats.manifest import MAX_INT
 
 # --- save() ---------------------------------------------------------------------------------

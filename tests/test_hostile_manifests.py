@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiercheck import Checkpointer, Policy, TierPolicy
+from tiercheck.engine.catalog import append_record
 from tiercheck.errors import BlobCorrupt, TiercheckError
 from tiercheck.formats.codecs import Codec, decode_blob, encode_blob
 from tiercheck.formats.ids import chunk_id
@@ -34,8 +35,7 @@ from tiercheck.formats.manifest import (
     pack_manifest,
     unpack_manifest,
 )
-from tiercheck.manifest_log import append_record
-from tiercheck.restore import check_stream
+from tiercheck.restore.service import check_stream
 
 Mutation = Callable[[ShardManifest], ShardManifest]
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tiercheck import Policy, TierSpec
-from tiercheck.config import (
+from tiercheck.engine.config import (
     CONFIG_NAME,
     StoreConfig,
     is_secret_option,

@@ -20,9 +20,9 @@ from _models import Trainer, assert_bit_identical, snapshot
 from update_log_run import AFTER, Run
 
 import tiercheck
-from tiercheck.config import TierSpec
+from tiercheck.engine.config import TierSpec
 from tiercheck.errors import NoRestorableVersion
-from tiercheck.log_versions import choose
+from tiercheck.logversions.planner import choose
 
 HERE = Path(__file__).resolve().parent
 
@@ -191,7 +191,7 @@ def test_choice_of_role() -> None:
 def test_cli_shows_the_replay_chain_and_export_replays(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tiercheck.cli import main
+    from tiercheck.cli.main import main
 
     t = Trainer()
     root = tmp_path / "s"
@@ -236,7 +236,7 @@ def test_cli_shows_the_replay_chain_and_export_replays(
     )
     # an optimizer outside torch.optim cannot be rebuilt here: a typed refusal
     from tiercheck.errors import ReplayRequired
-    from tiercheck.log_versions import replay_offline
+    from tiercheck.logversions.planner import replay_offline
 
     with tiercheck.Checkpointer(root, read_only=True) as ro:
         v = ro.version(2)

@@ -14,18 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiercheck.cli import main
-from tiercheck.config import load_config
+from tiercheck.cli.main import main
+from tiercheck.engine.config import load_config
 from tiercheck.errors import ConfigError
-from tiercheck.failure_model import (
+from tiercheck.planning.failure_model import (
     DEFAULT_FAILURE_MODEL,
     FailureClass,
     FailureModel,
     load_failure_model,
     save_failure_model,
 )
-from tiercheck.plan import DESIGNS, Job, plan, recommended_config
-from tiercheck.simulate import (
+from tiercheck.planning.intervals import DESIGNS, Job, plan, recommended_config
+from tiercheck.planning.simulate import (
     Failures,
     Schedule,
     TierTrack,
@@ -36,7 +36,13 @@ from tiercheck.simulate import (
     simulate,
     young_interval,
 )
-from tiercheck.tier_costs import Hardware, Measured, load_hardware, save_hardware, tier_rates
+from tiercheck.planning.tier_costs import (
+    Hardware,
+    Measured,
+    load_hardware,
+    save_hardware,
+    tier_rates,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -304,7 +310,7 @@ def test_job_and_design_validation() -> None:
 
 _PROBE = """
 import json, sys
-from tiercheck.cli import main
+from tiercheck.cli.main import main
 rc = main(sys.argv[2:])
 with open(sys.argv[1], "w") as f:
     json.dump(sorted(sys.modules), f)
@@ -325,7 +331,7 @@ def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert "tiercheck.simulate" in json.loads(modules.read_text())
+    assert "tiercheck.planning.simulate" in json.loads(modules.read_text())
     assert "torch" not in json.loads(modules.read_text())
     assert [d["design"]["name"] for d in data["designs"]] == [d.name for d in DESIGNS]
     assert data["best"] in {d.name for d in DESIGNS}

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import tiercheck
-from tiercheck.entries import is_stateful
+from tiercheck.core.entries import is_stateful
 from tiercheck.errors import StateError, UnsupportedValue
 
 

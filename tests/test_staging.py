@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercheck.chunking import plan_layout
-from tiercheck.entries import flatten
-from tiercheck.staging import StagingBuffer
+from tiercheck.core.chunking import plan_layout
+from tiercheck.core.entries import flatten
+from tiercheck.engine.staging import StagingBuffer
 
 
 def expected_stream(state: dict[str, Any]) -> bytes:

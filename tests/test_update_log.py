@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tiercheck.errors import BlobCorrupt, ReplayMismatch, ReplayRefused, StateError
-from tiercheck.fingerprint import fingerprint, fingerprints, wsum64_reference
 from tiercheck.formats import chunk_id
 from tiercheck.formats.manifest import (
     Fingerprint,
@@ -36,8 +35,9 @@ from tiercheck.formats.manifest import (
     pack_manifest,
     unpack_manifest,
 )
-from tiercheck.replay import replay
-from tiercheck.update_log import LoggedSteps, UpdateLog, plan_log
+from tiercheck.logversions.fingerprint import fingerprint, fingerprints, wsum64_reference
+from tiercheck.logversions.replay import replay
+from tiercheck.logversions.update_log import LoggedSteps, UpdateLog, plan_log
 
 RUNNER = Path(__file__).resolve().parent / "update_log_run.py"
 
@@ -493,8 +493,8 @@ def test_malformed_log_maps_are_corrupt() -> None:
 
 def test_replayed_leaves_are_found_by_storage() -> None:
     """What a log version leaves out of a flattened state: parameters and optimizer state."""
-    from tiercheck.entries import flatten
-    from tiercheck.update_log import replayed_leaves, replayed_tensors
+    from tiercheck.core.entries import flatten
+    from tiercheck.logversions.update_log import replayed_leaves, replayed_tensors
 
     s = Small()
     s.step()
@@ -509,8 +509,8 @@ def test_replayed_leaves_are_found_by_storage() -> None:
 
 def test_a_log_version_is_restorable_where_its_base_is() -> None:
     """SPEC.md section 12.1: a log version needs its base (a base or a diff) like a diff."""
+    from tiercheck.engine.catalog import Catalog, TierLog
     from tiercheck.formats.manifest import VersionInfo
-    from tiercheck.manifest_log import Catalog, TierLog
 
     def info(vid: int, role: Any, base: int | None) -> VersionInfo:
         return VersionInfo(vid, vid, role, base, 1, (chunk_id(b"x"),), 0.0, 0)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import TinyGPT
 
 import tiercheck
-from tiercheck.entries import torch_dtype
+from tiercheck.core.entries import torch_dtype
 from tiercheck.formats import chunk_id
 from tiercheck.formats.manifest import (
     ChunkRef,
@@ -36,8 +36,8 @@ from tiercheck.formats.manifest import (
     pack_manifest,
     unpack_manifest,
 )
-from tiercheck.replay import replay
-from tiercheck.update_log import LoggedSteps, plan_log
+from tiercheck.logversions.replay import replay
+from tiercheck.logversions.update_log import LoggedSteps, plan_log
 
 BASE_STEP = 2  # the full version is saved after this step
 LOG_STEPS = 4  # then these steps are logged; the second is skipped by the scaler

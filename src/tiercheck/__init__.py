@@ -27,10 +27,10 @@ if TYPE_CHECKING:
         SaveResult,
         VersionSummary,
     )
-    from tiercheck.config import TierSpec
-    from tiercheck.history import Diff, Version
-    from tiercheck.placement import Policy, TierPolicy
-    from tiercheck.rng import rng_state, set_rng_state
+    from tiercheck.core.rng import rng_state, set_rng_state
+    from tiercheck.engine.config import TierSpec
+    from tiercheck.engine.placement import Policy, TierPolicy
+    from tiercheck.history.versions import Diff, Version
 
 __version__ = "0.1.0"
 
@@ -40,13 +40,13 @@ _LAZY = {
     "SaveHandle": "tiercheck.checkpointer",
     "SaveResult": "tiercheck.checkpointer",
     "VersionSummary": "tiercheck.checkpointer",
-    "TierSpec": "tiercheck.config",
-    "Diff": "tiercheck.history",
-    "Version": "tiercheck.history",
-    "Policy": "tiercheck.placement",
-    "TierPolicy": "tiercheck.placement",
-    "rng_state": "tiercheck.rng",
-    "set_rng_state": "tiercheck.rng",
+    "TierSpec": "tiercheck.engine.config",
+    "Diff": "tiercheck.history.versions",
+    "Version": "tiercheck.history.versions",
+    "Policy": "tiercheck.engine.placement",
+    "TierPolicy": "tiercheck.engine.placement",
+    "rng_state": "tiercheck.core.rng",
+    "set_rng_state": "tiercheck.core.rng",
 }
 
 __all__ = [

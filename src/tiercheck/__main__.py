@@ -2,7 +2,7 @@
 
 import sys
 
-from tiercheck.cli import main
+from tiercheck.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,18 +2,18 @@
 
 A ``Checkpointer`` is a thin front over services that each own one piece of state:
 
-- :class:`~tiercheck.saving.SaveService`: the save pipeline (version ids and roles, the
+- :class:`~tiercheck.engine.saving.SaveService`: the save pipeline (version ids and roles, the
   saves in flight, the pipeline thread);
-- :class:`~tiercheck.migrating.MigrationService`: migrations to asynchronous tiers, with
+- :class:`~tiercheck.engine.migration.MigrationService`: migrations to asynchronous tiers, with
   retries (its own thread);
-- :class:`~tiercheck.maintenance.Maintenance`: retention and GC per tier (its own thread);
-- :class:`~tiercheck.manifest_log.LiveCatalog`: the merged view of every tier's log;
-- :mod:`tiercheck.leases`: the store lock, the GC fence and the leases in shared tiers;
-- :class:`~tiercheck.handles.Failures`: failures nobody has seen yet, for ``close()``.
+- :class:`~tiercheck.engine.maintenance.Maintenance`: retention and GC per tier (its own thread);
+- :class:`~tiercheck.engine.catalog.LiveCatalog`: the merged view of every tier's log;
+- :mod:`tiercheck.engine.leases`: the store lock, the GC fence and the leases in shared tiers;
+- :class:`~tiercheck.engine.handles.Failures`: failures nobody has seen yet, for ``close()``.
 
 Data flows one way: a save commits, then queues migrations and requests maintenance; a
 migration requests maintenance. What each call promises is written in
-:mod:`tiercheck.guarantees` and in ``docs/concepts.md`` ("Guarantees").
+:mod:`tiercheck.engine.guarantees` and in ``docs/concepts.md`` ("Guarantees").
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiercheck.background import Halt
-from tiercheck.chunking import plan_layout
-from tiercheck.cluster import Coordinator, DistCoordinator, LocalCoordinator
-from tiercheck.config import (
+from tiercheck.core.chunking import plan_layout
+from tiercheck.core.entries import flatten, is_stateful
+from tiercheck.core.sharded import Gathered, gather
+from tiercheck.engine.background import Halt
+from tiercheck.engine.catalog import Catalog, LiveCatalog, read_catalog
+from tiercheck.engine.config import (
     CONFIG_NAME,
     StoreConfig,
     TierSpec,
@@ -43,7 +45,17 @@ from tiercheck.config import (
     load_config,
     save_config,
 )
-from tiercheck.entries import flatten, is_stateful
+from tiercheck.engine.coordinator import Coordinator, DistCoordinator, LocalCoordinator
+from tiercheck.engine.fetch import ChunkFetcher
+from tiercheck.engine.handles import Failures, SaveHandle, SaveResult
+from tiercheck.engine.leases import GCFence, StoreLock, TierLeases
+from tiercheck.engine.maintenance import Maintenance
+from tiercheck.engine.migration import MigrationService
+from tiercheck.engine.placement import Policy
+from tiercheck.engine.retention import GCReport
+from tiercheck.engine.saving import SaveService
+from tiercheck.engine.staging import StagingBuffer, cuda_devices
+from tiercheck.engine.tierset import TierSet, TierSlot
 from tiercheck.errors import (
     BlobCorrupt,
     CheckpointError,
@@ -56,18 +68,11 @@ from tiercheck.errors import (
     TierUnavailable,
     UnfinishedWork,
 )
-from tiercheck.fetch import ChunkFetcher
 from tiercheck.formats.manifest import Role, ShardManifest, VersionInfo
-from tiercheck.handles import Failures, SaveHandle, SaveResult
-from tiercheck.history import Diff, Version, VersionSummary, build_history, open_version
-from tiercheck.history import diff as diff_versions
-from tiercheck.leases import GCFence, StoreLock, TierLeases
-from tiercheck.log_versions import LogSource, replay_version
-from tiercheck.maintenance import Maintenance
-from tiercheck.manifest_log import Catalog, LiveCatalog, read_catalog
-from tiercheck.migrating import MigrationService
-from tiercheck.placement import Policy
-from tiercheck.restore import (
+from tiercheck.history.versions import Diff, Version, VersionSummary, build_history, open_version
+from tiercheck.history.versions import diff as diff_versions
+from tiercheck.logversions.planner import LogSource, replay_version
+from tiercheck.restore.service import (
     Binding,
     RestoreInfo,
     Undo,
@@ -77,11 +82,6 @@ from tiercheck.restore import (
     load_stream,
     materialize,
 )
-from tiercheck.retention import GCReport
-from tiercheck.saving import SaveService
-from tiercheck.sharded import Gathered, gather
-from tiercheck.staging import StagingBuffer, cuda_devices
-from tiercheck.tierset import TierSet, TierSlot
 
 if TYPE_CHECKING:
     import torch
@@ -303,7 +303,7 @@ class Checkpointer:
     def failures(self) -> Failures:
         """Failures nobody has seen yet, which :meth:`close` raises. An integration that
         runs work of its own on a thread records its failures here too
-        (:func:`tiercheck.background.reporting`)."""
+        (:func:`tiercheck.engine.background.reporting`)."""
         return self._failures
 
     @property
@@ -330,7 +330,7 @@ class Checkpointer:
 
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Allocate the staging buffer for ``state`` now, so the first save pays nothing;
-        the default memory budgets (:mod:`tiercheck.budgets`) are set for its size too."""
+        the default memory budgets (:mod:`tiercheck.engine.budgets`) are set for its size too."""
         tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
         if self._saves is not None:
             self._saves.note_state(tree, leaves)
@@ -358,8 +358,8 @@ class Checkpointer:
         what each step consumes so that saves can be log versions.
 
         With ``log`` (the default, on a writable store), an update log is attached
-        (:mod:`tiercheck.update_log`): each step's gradients are copied into a reused host
-        buffer, and a save may store the steps since the last full version instead of
+        (:mod:`tiercheck.logversions.update_log`): each step's gradients are copied into a
+        reused host buffer, and a save may store the steps since the last full version instead of
         the state (a *log version*, ``docs/concepts.md``). Pass
         the ``torch.amp.GradScaler`` that steps this optimizer as ``scaler`` (a step it
         skips is logged as skipped); ``mirrors`` are ``(master, copy)`` pairs the trainer
@@ -610,7 +610,7 @@ class Checkpointer:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
         of ``state`` is written (what loading it will overwrite is noted in ``undo`` and
         copied meanwhile). Pieces of distributed tensors this rank's new layout needs
-        from other ranks' shards are read and verified too (:mod:`tiercheck.sharded`). A log
+        from other ranks' shards are read and verified too (:mod:`tiercheck.core.sharded`). A log
         version: its base into the staging buffer, its own shard into a buffer of its own."""
         if info.role == "log":
             assert info.base is not None
@@ -820,7 +820,7 @@ class Checkpointer:
     def history(self) -> list[Version]:
         """Every committed version, oldest first, with where it is held.
 
-        Reads the logs only; each :class:`~tiercheck.history.Version` opens its content
+        Reads the logs only; each :class:`~tiercheck.history.versions.Version` opens its content
         lazily (``v.entries``, ``v[key]``, ``v.to_state_dict()``).
         """
         self.flush()
@@ -842,7 +842,7 @@ class Checkpointer:
         return open_version(self, version, step=step, rank=rank)
 
     def diff(self, a: int | str | Version, b: int | str | Version) -> Diff:
-        """What changed from version ``a`` to ``b`` (see :func:`tiercheck.history.diff`)."""
+        """What changed from ``a`` to ``b`` (see :func:`tiercheck.history.versions.diff`)."""
         return diff_versions(self.version(a), self.version(b))
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -980,8 +980,8 @@ class Checkpointer:
 
     def destroy(self) -> None:
         """Close, then delete this store: its root, shm segments and LMDB environments
-        (see :func:`tiercheck.lifecycle.destroy_store`; remote tiers are kept)."""
-        from tiercheck.lifecycle import destroy_store
+        (see :func:`tiercheck.engine.lifecycle.destroy_store`; remote tiers are kept)."""
+        from tiercheck.engine.lifecycle import destroy_store
 
         self.close()
         destroy_store(self.root)

@@ -11,7 +11,7 @@ from example_tier import SqliteTier  # registers sqlite:// on import
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import available_schemes, open_tier
 from tiercheck.errors import InvalidURL, TierError
-from tiercheck.testing import TierConformance, blob
+from tiercheck.testing.conformance import TierConformance, blob
 
 _DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-tier.md"
 

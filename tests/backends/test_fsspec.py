@@ -28,7 +28,7 @@ from tiercheck.errors import (
     TierFull,
     TierUnavailable,
 )
-from tiercheck.testing import TierConformance, blob
+from tiercheck.testing.conformance import TierConformance, blob
 
 # --- conformance ---------------------------------------------------------------------
 

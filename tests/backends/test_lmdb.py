@@ -16,7 +16,7 @@ from tiercheck.backends._lmdb import LmdbTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import InvalidURL, ReadOnlyTier, TierError, TierFull
-from tiercheck.testing import TierConformance, blob
+from tiercheck.testing.conformance import TierConformance, blob
 
 
 def _url(path: Path) -> str:
@@ -151,7 +151,7 @@ _FILL_A_SMALL_DISK = """
 import os, sys
 from tiercheck.backends._lmdb import LmdbTier
 from tiercheck.errors import TierFull
-from tiercheck.testing import blob
+from tiercheck.testing.conformance import blob
 
 tier = LmdbTier("lmdb://" + sys.argv[1], map_size=256 << 20)  # the map: 8x the disk
 assert tier._e().data_fd is not None, "writemap is not on"

@@ -11,7 +11,7 @@ from tiercheck.backends._memory import MemoryTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import InvalidURL
-from tiercheck.testing import TierConformance, blob
+from tiercheck.testing.conformance import TierConformance, blob
 
 
 class TestMemoryTier(TierConformance):

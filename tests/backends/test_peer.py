@@ -43,8 +43,8 @@ from tiercheck.errors import (
     TierFull,
     TierUnavailable,
 )
-from tiercheck.peer_server import PeerServer, parse_address, parse_size, peer_status
-from tiercheck.testing import TierConformance, blob
+from tiercheck.peer.server import PeerServer, parse_address, parse_size, peer_status
+from tiercheck.testing.conformance import TierConformance, blob
 
 TOKEN = b"test-token-0123456789"
 LOOPBACK = "127.0.0.1"
@@ -57,7 +57,7 @@ TIMEOUT = 20.0
 
 @dataclass
 class Daemon:
-    """A ``python -m tiercheck.peer_server`` process on loopback."""
+    """A ``python -m tiercheck.peer.server`` process on loopback."""
 
     proc: subprocess.Popen[str]
     port: int
@@ -96,7 +96,7 @@ def run_daemon(tmp_path: Path, *args: str, memory_limit: str = "512MiB") -> Iter
             [
                 sys.executable,
                 "-m",
-                "tiercheck.peer_server",
+                "tiercheck.peer.server",
                 "--listen",
                 f"{LOOPBACK}:0",
                 "--memory-limit",
@@ -470,7 +470,7 @@ def test_status_command(daemon: Daemon) -> None:
         [
             sys.executable,
             "-m",
-            "tiercheck.peer_server",
+            "tiercheck.peer.server",
             "status",
             daemon.address,
             "--token-file",
@@ -571,7 +571,7 @@ def test_silent_server_times_out() -> None:
 
 def test_daemon_requires_token_or_explicit_insecure(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TIERCHECK_PEER_TOKEN"}
-    cmd = [sys.executable, "-m", "tiercheck.peer_server", "--listen", f"{LOOPBACK}:0"]
+    cmd = [sys.executable, "-m", "tiercheck.peer.server", "--listen", f"{LOOPBACK}:0"]
     out = subprocess.run(
         [*cmd, "--memory-limit", "1MiB"], capture_output=True, text=True, env=env, timeout=60
     )
@@ -720,7 +720,7 @@ def test_deleted_blob_buffers_are_recycled(server: PeerServer) -> None:
 
 
 def test_pinned_buffer_is_not_recycled_until_sent() -> None:
-    from tiercheck.peer_server import _BufferPool, _Store
+    from tiercheck.peer.server import _BufferPool, _Store
 
     pool = _BufferPool(1 << 30)
     store = _Store(1 << 30, pool)
@@ -850,7 +850,7 @@ def test_a_connection_the_daemon_closed_for_idling_is_not_reused() -> None:
 
 
 def test_namespace_tokens_open_their_own_namespace_only(tmp_path: Path) -> None:
-    from tiercheck.cli import main as cli_main
+    from tiercheck.cli.main import main as cli_main
 
     with run_daemon(tmp_path) as d:
         out = subprocess.run(

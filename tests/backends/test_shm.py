@@ -17,7 +17,7 @@ from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import InvalidURL, ReadOnlyTier, TierFull
 from tiercheck.formats.framing import frame_record
-from tiercheck.testing import TierConformance, blob
+from tiercheck.testing.conformance import TierConformance, blob
 
 
 def shm_root(tmp_path: Path) -> Path:

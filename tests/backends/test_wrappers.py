@@ -13,9 +13,9 @@ import pytest
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.backends.base import Capabilities, FailureDomain, Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.faults import FaultyTier
-from tiercheck.testing import TierConformance, blob
-from tiercheck.wrappers import WrapperTier
+from tiercheck.engine.wrappers import WrapperTier
+from tiercheck.testing.conformance import TierConformance, blob
+from tiercheck.testing.faults import FaultyTier
 
 
 class TestWrappedLmdb(TierConformance):  # type: ignore[misc,unused-ignore]
@@ -176,7 +176,7 @@ def test_a_budget_set_through_a_wrapper_bounds_the_inner_tier(
 ) -> None:
     """What the engine does with a memory tier (set its default budget, compare usage with
     it) works through any wrapper, FaultyTier included."""
-    from tiercheck.budgets import budget_of
+    from tiercheck.engine.budgets import budget_of
     from tiercheck.errors import OverBudget
 
     tier = wrapper(open_tier("memory://"))
@@ -192,7 +192,7 @@ def test_the_default_budget_sees_the_memory_behind_a_wrapped_tier() -> None:
     """The default budget's free-memory term is the wrapped tier's (it was unknown through
     a wrapper, so a wrapped shm tier got 2 x V + 1 MiB whatever /dev/shm had free)."""
     from tiercheck.backends import remove_segment
-    from tiercheck.budgets import free_memory
+    from tiercheck.engine.budgets import free_memory
 
     tier = open_tier(f"shm://wrapped-{uuid.uuid4().hex[:12]}")
     try:

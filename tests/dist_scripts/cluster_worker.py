@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
-from tiercheck.cluster import DistCoordinator
+from tiercheck.engine.coordinator import DistCoordinator
+from tiercheck.engine.leases import TierLeases
 from tiercheck.formats import Codec, chunk_id, encode_blob
-from tiercheck.leases import TierLeases
 
 REPLICA = 256 * 1024  # floats: 1 MiB, 16 chunks of 64 KiB
 
@@ -86,7 +86,7 @@ def inject(args: argparse.Namespace, ckpt: Checkpointer) -> None:
         # torchrun stops the survivors when a rank dies: let them finish and report first
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.kill_rank == rank and args.kill_at == "place":
-        import tiercheck.saving as engine
+        import tiercheck.engine.saving as engine
 
         real = engine.place_shard
 
@@ -107,9 +107,9 @@ def inject(args: argparse.Namespace, ckpt: Checkpointer) -> None:
 
         setattr(coordinator, args.kill_at, step_then_die)
     if args.fail_rank == rank:  # a local failure before the exchange (staging)
-        import tiercheck.staging
+        import tiercheck.engine.staging
 
-        real_stage = tiercheck.staging.StagingBuffer.stage
+        real_stage = tiercheck.engine.staging.StagingBuffer.stage
         calls = [0]
 
         def stage_or_fail(self: Any, *a: Any, **kw: Any) -> Any:
@@ -118,7 +118,7 @@ def inject(args: argparse.Namespace, ckpt: Checkpointer) -> None:
                 raise RuntimeError(f"injected staging failure on rank {rank}")
             return real_stage(self, *a, **kw)
 
-        tiercheck.staging.StagingBuffer.stage = stage_or_fail  # type: ignore[method-assign]
+        tiercheck.engine.staging.StagingBuffer.stage = stage_or_fail  # type: ignore[method-assign]
 
 
 def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:

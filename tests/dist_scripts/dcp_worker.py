@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.futures import Future
 
 from tiercheck import Policy, TierPolicy
-from tiercheck.dcp import TierReader, TierWriter
+from tiercheck.integrations.dcp import TierReader, TierWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

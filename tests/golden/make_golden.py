@@ -22,8 +22,7 @@ from typing import Any
 
 import zstandard
 
-from tiercheck.entries import encode_scalar
-from tiercheck.fingerprint import wsum64_reference
+from tiercheck.core.entries import encode_scalar
 from tiercheck.formats import Codec, chunk_id, encode_blob, frame_record
 from tiercheck.formats.manifest import (
     SCHEMA_MAJOR,
@@ -47,6 +46,7 @@ from tiercheck.formats.manifest import (
     pack_manifest,
     pack_record,
 )
+from tiercheck.logversions.fingerprint import wsum64_reference
 
 HERE = Path(__file__).resolve().parent
 

@@ -5,8 +5,9 @@
 - :mod:`tiercheck.integrations.hf`: exact resume for ``transformers.Trainer``
   (``pip install "tiercheck[hf]"``).
 
-For ``torch.distributed.checkpoint`` users, :mod:`tiercheck.dcp` has a ``StorageWriter`` and
-``StorageReader``. Each module imports its framework; this package imports nothing.
+For ``torch.distributed.checkpoint`` users, :mod:`tiercheck.integrations.dcp` has a
+``StorageWriter`` and a ``StorageReader``. Each module imports its framework; this package
+imports nothing.
 """
 
 from tiercheck.integrations._pointer import Pointer, read_pointer, write_pointer

@@ -44,12 +44,12 @@ from typing import Any, Literal
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from tiercheck.checkpointer import Checkpointer
-from tiercheck.cluster import LocalCoordinator
-from tiercheck.config import TierSpec
+from tiercheck.core.rng import rng_state, set_rng_state
+from tiercheck.engine.config import TierSpec
+from tiercheck.engine.coordinator import LocalCoordinator
+from tiercheck.engine.placement import Policy
 from tiercheck.errors import CheckpointError
 from tiercheck.integrations._pointer import Pointer, read_pointer, write_pointer
-from tiercheck.placement import Policy
-from tiercheck.rng import rng_state, set_rng_state
 
 __all__ = ["POINTER_NAME", "TiercheckCallback"]
 

@@ -53,14 +53,14 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 
-from tiercheck.background import reporting
 from tiercheck.checkpointer import Checkpointer
-from tiercheck.cluster import LocalCoordinator
-from tiercheck.config import TierSpec
+from tiercheck.core.rng import rng_state, set_rng_state
+from tiercheck.engine.background import reporting
+from tiercheck.engine.config import TierSpec
+from tiercheck.engine.coordinator import LocalCoordinator
+from tiercheck.engine.placement import Policy
 from tiercheck.errors import CheckpointError, NoRestorableVersion
 from tiercheck.integrations._pointer import Pointer, read_pointer, write_pointer
-from tiercheck.placement import Policy
-from tiercheck.rng import rng_state, set_rng_state
 
 __all__ = ["RNG_KEY", "TiercheckIO", "escape_keys", "load", "unescape_keys"]
 

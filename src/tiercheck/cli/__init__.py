@@ -1,0 +1,1 @@
+"""The ``tiercheck`` command line and the demo."""

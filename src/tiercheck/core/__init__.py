@@ -1,0 +1,1 @@
+"""A state as entries: flattening and validation, chunk layout, DTensor helpers, RNG state."""

@@ -1,0 +1,1 @@
+"""The save pipeline and everything that keeps the tiers consistent after it."""

@@ -1,0 +1,202 @@
+"""Memory budgets: how much node memory a memory tier may hold, and whether a version fits.
+
+A *memory tier* holds node memory that nothing else bounds: its capabilities say it is not
+persistent and survives at most the loss of a node (``shm://``, ``peer://``,
+``collective://``, ``memory://``). Left alone, such a tier grows with the versions its
+retention keeps (the newest base and all its diffs: with dense training, up to
+``base_every`` full copies of the state), and the memory it takes is the memory the trainer
+needs.
+
+**The default budget.** Once the engine knows the size of a version (the first save, or
+``Checkpointer.prepare``), every memory tier the user gave no ``budget`` option gets
+
+    budget = min(2 x V + 1 MiB, free / 2)
+
+where ``V`` is the bytes one full copy of a version takes in a tier (the state's bytes
+plus each chunk's blob header and the manifest: :func:`version_bytes`) and ``free`` the
+memory free behind the tier when the default is set (/dev/shm's free space for shm, the
+daemon's unused ``--memory-limit`` for a peer, the node's available memory for
+``memory://``; unknown for a remote collective partner, which then gets ``2 x V + 1 MiB``).
+Two copies are what a save needs at its peak: the version being written next to the newest
+one kept; the mebibyte (:data:`SLACK`) is room for what is not a version's (log records,
+where a tier counts them, and a manifest grown by a few bytes). The default follows the
+state: it is set again when a version grows, or shrinks by more than an eighth.
+
+**Making room.** Before a version is placed on a tier with a budget, the engine estimates
+what the tier must take (:func:`bytes_needed`: the chunks it lacks, each with its blob
+header, and the manifest) and, if ``usage() + needed`` exceeds the budget, the maintenance
+service drops versions by a tightened retention and sweeps the tier at once
+(:meth:`tiercheck.engine.maintenance.Maintenance.make_room`), never the tier's newest restorable
+version or what it needs (:func:`tiercheck.engine.retention.protection`: nothing acknowledged is
+lost); a base that LMDB also holds may go, so that dense diffs fit two copies of the state.
+A version that still does not fit is *skipped* on that tier (see ``docs/concepts.md``,
+"Guarantees"): the tier takes no memory for it, the save goes on with the other tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tiercheck.backends.base import FailureDomain, Tier
+from tiercheck.core.sizes import format_size
+from tiercheck.engine.tierset import TierSet
+from tiercheck.errors import NotSupported, TierError
+from tiercheck.formats.codecs import BLOB_HEADER_SIZE
+from tiercheck.formats.manifest import ChunkRef
+
+__all__ = [
+    "SLACK",
+    "Budgets",
+    "Shortfall",
+    "budget_of",
+    "bytes_needed",
+    "default_budget",
+    "free_memory",
+    "is_memory_tier",
+    "version_bytes",
+]
+
+#: What the default budget allows beyond two versions (log records, manifest growth).
+SLACK = 1 << 20
+
+log = logging.getLogger("tiercheck")
+
+
+def is_memory_tier(tier: Tier) -> bool:
+    """Whether ``tier`` holds node memory that a budget should bound (module docstring)."""
+    caps = tier.capabilities
+    return not caps.persistent and caps.survives.order <= FailureDomain.NODE.order
+
+
+def free_memory(tier: Tier) -> int | None:
+    """Bytes free in the memory behind ``tier`` now, or None where it is not known here."""
+    from tiercheck.backends._collective import CollectivePeerTier
+    from tiercheck.backends._memory import MemoryTier
+    from tiercheck.backends._peer import PeerTier
+    from tiercheck.backends._shm import ShmTier, shm_free_bytes
+    from tiercheck.engine.wrappers import WrapperTier
+
+    while isinstance(tier, WrapperTier):  # a fault-injection or retry wrapper: what it wraps
+        tier = tier.inner
+    try:
+        if isinstance(tier, ShmTier):
+            return shm_free_bytes(tier.path)
+        if isinstance(tier, CollectivePeerTier):
+            held = getattr(tier, "_held", None)
+            if getattr(tier, "_local", False) and held is not None:
+                return free_memory(held)
+            return None  # the partner's memory: not visible from this node
+        if isinstance(tier, PeerTier):
+            stats = tier.stats()
+            limit, used = stats.get("memory_limit"), stats.get("memory_used")
+            if isinstance(limit, int) and isinstance(used, int):
+                return max(0, limit - used)
+            return None
+        if isinstance(tier, MemoryTier):
+            import psutil
+
+            return int(psutil.virtual_memory().available)
+    except (OSError, TierError) as exc:
+        log.debug("free memory behind %s unknown: %s", tier.url, exc)
+    return None
+
+
+def version_bytes(stream_bytes: int, chunks: int, manifest_bytes: int) -> int:
+    """Bytes one full raw copy of a version takes in a tier: the state, a blob header per
+    chunk, and the manifest blob (at most its encoded size plus a header)."""
+    return stream_bytes + chunks * BLOB_HEADER_SIZE + manifest_bytes + BLOB_HEADER_SIZE
+
+
+def default_budget(version: int, free: int | None) -> int:
+    """``min(2 x version + SLACK, free / 2)`` (no second term when ``free`` is unknown)."""
+    two = 2 * version + SLACK
+    return two if free is None else min(two, free // 2)
+
+
+def bytes_needed(
+    tier: Tier, chunks: Iterable[ChunkRef], manifest_id: str, manifest_bytes: int
+) -> int:
+    """What placing a version with ``chunks`` on ``tier`` adds at most: each chunk the tier
+    lacks with a blob header, and the manifest blob unless present. (Encoded with zstd or as
+    a delta a blob is usually smaller; a put past the budget is refused by the tier
+    anyway, and the engine then skips the tier for the version.)"""
+    sizes: dict[str, int] = {}
+    for ref in chunks:
+        sizes.setdefault(ref.id, ref.length)
+    present = tier.has([*sizes, manifest_id])
+    need = sum(n + BLOB_HEADER_SIZE for cid, n in sizes.items() if cid not in present)
+    if manifest_id not in present:
+        need += manifest_bytes + BLOB_HEADER_SIZE
+    return need
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A version that does not fit a tier's budget, even after making room."""
+
+    tier: str
+    needed: int
+    held: int
+    budget: int
+
+    def message(self, version: int, step: int) -> str:
+        return (
+            f"tier {self.tier} skipped for version {version} (step {step}): it needs "
+            f"{format_size(self.needed)} more, {format_size(self.held)} of its budget of "
+            f"{format_size(self.budget)} is held by versions it must keep; give the tier a "
+            f"larger budget (tier option budget = ...), keep fewer versions there "
+            f"(keep_bases/keep_diffs), or free memory on the node"
+        )
+
+
+class Budgets:
+    """The default budgets of one store's memory tiers (module docstring).
+
+    A tier opened with a ``budget`` option keeps it: the user decided. The others get the
+    default each time the size of a version changes (:meth:`size_known`).
+    """
+
+    def __init__(self, tierset: TierSet) -> None:
+        self.tierset = tierset
+        self._defaulted = {
+            slot.name
+            for slot in tierset.open()
+            if slot.tier is not None
+            and not slot.tier.read_only
+            and is_memory_tier(slot.tier)
+            and getattr(slot.tier, "budget", None) is None
+        }
+        self._sized_for: int | None = None
+
+    def size_known(self, version: int) -> None:
+        """A version takes ``version`` bytes (:func:`version_bytes`): set the defaults."""
+        sized = self._sized_for
+        if sized is not None and sized - sized // 8 <= version <= sized:
+            return  # a few bytes less (a shorter scalar): the default still holds two
+        self._sized_for = version
+        for slot in self.tierset.open():
+            if slot.name not in self._defaulted or slot.tier is None:
+                continue
+            budget = default_budget(version, free_memory(slot.tier))
+            try:
+                slot.tier.set_budget(budget)
+            except NotSupported:
+                self._defaulted.discard(slot.name)
+                continue
+            except TierError as exc:  # a budget helps; it must not stop a save
+                log.warning("could not set the default budget of tier %s: %s", slot.name, exc)
+                continue
+            log.info(
+                "tier %s: default budget %s (a version takes %s)",
+                slot.name,
+                format_size(budget),
+                format_size(version),
+            )
+
+
+def budget_of(tier: Tier | None) -> int | None:
+    """The budget ``tier`` enforces now (None: none)."""
+    value = getattr(tier, "budget", None) if tier is not None else None
+    return value if isinstance(value, int) else None

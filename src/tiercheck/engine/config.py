@@ -1,0 +1,423 @@
+"""Store configuration: ``tiercheck.toml`` at a store root names the tiers and the policy.
+
+A new root with no configuration gets the embedded default: host shared memory named after
+the root, an LMDB tier under the root and a ``file://`` "remote" tier under the root. The
+"remote" tier is a directory on this node's disk: it survives a crash and a reboot, not
+losing the node, and is labelled so (``survives = "process"``); it is shared by the ranks
+of a job, so it receives migrated base versions asynchronously. Point it at real remote
+storage (and drop the label) for a checkpoint that survives losing the node. The file is
+plain TOML so people can read and edit it::
+
+    format = 1
+
+    [policy]
+    base_every = 10
+    chunk_size = 4194304
+
+    [[tier]]
+    name = "shm"
+    url = "shm://tiercheck-3f2a9c1e0b7d"
+    versions = "all"        # optional placement overrides (see tiercheck.TierPolicy)
+
+    [[tier]]
+    name = "remote"
+    url = "file:///data/ckpt/remote"
+    options = { survives = "process", shared = true }
+
+Secrets (peer tokens, object-store keys) are never written to the file: an option whose
+name says it is one (``token``, ``secret``, ``password``, ``key``, ``*_token``, ``*_key``,
+``*_id``, ...), everything under ``headers`` (``Authorization``, ``Cookie``, ...) and the
+user and password of a URL (``s3://KEY:SECRET@bucket/...``, in the tier's URL or an
+option's) are left out with a warning, and the next open needs them from elsewhere: the
+environment (``AWS_ACCESS_KEY_ID``, ``$TIERCHECK_PEER_TOKEN``), the options passed to that
+open (``Checkpointer(root, tiers=[TierSpec(name, url, {"storage_options": ...})])``), or a
+reference. The file is created mode 0600 all the same. Write a
+*reference* instead, resolved each time the store is opened: ``{ env = "NAME" }`` (an
+environment variable) or ``{ file = "/path" }`` (a file's content, without surrounding
+whitespace; it should be mode 0600)::
+
+    [[tier]]
+    name = "remote"
+    url = "s3://bucket/ckpt"
+    [tier.options.storage_options]
+    key = { env = "AWS_ACCESS_KEY_ID" }
+    secret = { file = "/run/secrets/s3" }
+
+The file is TOML written by ``tomli-w`` and read by ``tomllib`` (``tomli`` on Python 3.10).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import sys
+import urllib.parse
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import blake3
+import tomli_w
+
+from tiercheck.engine.placement import Policy, TierPolicy
+from tiercheck.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "CONFIG_NAME",
+    "StoreConfig",
+    "TierSpec",
+    "default_config",
+    "is_secret_option",
+    "load_config",
+    "resolve_references",
+    "save_config",
+    "without_userinfo",
+]
+
+log = logging.getLogger("tiercheck")
+
+CONFIG_NAME = "tiercheck.toml"
+CONFIG_FORMAT = 1
+
+_POLICY_KEYS = {f.name for f in fields(Policy)} - {"tiers"}
+_TIER_POLICY_KEYS = {f.name for f in fields(TierPolicy)}
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A tier of a store: a short ``name`` (used in policies and history), its URL, and the
+    options passed to the tier class."""
+
+    name: str
+    url: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"tier name {self.name!r} must be letters, digits, '-' or '_'")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    tiers: tuple[TierSpec, ...]
+    policy: Policy
+
+
+def default_config(root: Path, *, multi_rank: bool = False) -> StoreConfig:
+    """The embedded default tiers for a new store at ``root``.
+
+    The shm segment is named after the root *and* a random id drawn now, so a store created
+    again at the same path never picks up a segment a deleted store left in /dev/shm. With
+    ``multi_rank``, the shm and LMDB tiers get a ``{rank}`` each, so ranks sharing the root
+    (and a node) do not share them.
+    """
+    root = root.resolve()
+    tag = blake3.blake3(f"{root}\0{uuid.uuid4()}".encode()).hexdigest()[:12]
+    per_rank = "-{rank}" if multi_rank else ""
+    return StoreConfig(
+        tiers=(
+            TierSpec("shm", f"shm://tiercheck-{tag}{per_rank}"),
+            TierSpec("lmdb", f"lmdb://{root / 'lmdb'}{per_rank}"),
+            # a directory on this node's disk: it survives a crash and a reboot, not the
+            # node; shared by the ranks, so it takes migrated bases (placement defaults)
+            TierSpec(
+                "remote",
+                f"file://{root / 'remote'}",
+                {"survives": "process", "shared": True},
+            ),
+        ),
+        policy=Policy(),
+    )
+
+
+def coerce_tiers(tiers: Sequence[str | TierSpec | tuple[str, str]]) -> tuple[TierSpec, ...]:
+    """Accept URLs, ``(name, url)`` pairs or specs; name bare URLs after their scheme."""
+    specs: list[TierSpec] = []
+    for item in tiers:
+        if isinstance(item, TierSpec):
+            specs.append(item)
+        elif isinstance(item, tuple):
+            specs.append(TierSpec(item[0], item[1]))
+        elif isinstance(item, str):
+            scheme = item.split("://", 1)[0].replace("+", "-") if "://" in item else "tier"
+            name = scheme
+            n = 2
+            while any(s.name == name for s in specs):
+                name = f"{scheme}{n}"
+                n += 1
+            specs.append(TierSpec(name, item))
+        else:
+            raise ConfigError(f"a tier must be a URL, (name, url) or TierSpec, got {item!r}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tier names must be unique, got {names}")
+    if not specs:
+        raise ConfigError("a store needs at least one tier")
+    return tuple(specs)
+
+
+def load_config(path: Path) -> StoreConfig:
+    """Read a ``tiercheck.toml``; raise ``ConfigError`` naming the file on any problem."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"no store configuration at {path}") from None
+    except (tomllib.TOMLDecodeError, OSError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    fmt = data.get("format", CONFIG_FORMAT)
+    if fmt != CONFIG_FORMAT:
+        raise ConfigError(f"{path}: configuration format {fmt!r} is not supported (expected 1)")
+    policy_data = data.get("policy", {})
+    unknown = set(policy_data) - _POLICY_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown policy keys {sorted(unknown)}")
+    specs: list[TierSpec] = []
+    tier_policies: dict[str, TierPolicy] = {}
+    for raw in data.get("tier", []):
+        if (
+            not isinstance(raw, dict)
+            or not isinstance(raw.get("name"), str)
+            or not isinstance(raw.get("url"), str)
+            or not isinstance(raw.get("options", {}), dict)
+        ):
+            raise ConfigError(
+                f"{path}: every [[tier]] needs a name and a url (strings), and its options "
+                "are a table"
+            )
+        extra = set(raw) - {"name", "url", "options"} - _TIER_POLICY_KEYS
+        if extra:
+            raise ConfigError(f"{path}: tier {raw['name']!r} has unknown keys {sorted(extra)}")
+        specs.append(TierSpec(raw["name"], raw["url"], dict(raw.get("options", {}))))
+        # TOML has no null: keep_* = "all" stands for None (keep everything)
+        overrides: dict[str, Any] = {
+            k: (None if k.startswith("keep_") and raw[k] == "all" else raw[k])
+            for k in _TIER_POLICY_KEYS
+            if k in raw
+        }
+        if overrides:
+            tier_policies[raw["name"]] = TierPolicy(**overrides)
+    return StoreConfig(coerce_tiers(specs), Policy(**policy_data, tiers=tier_policies))
+
+
+_SECRET_NAMES = frozenset(
+    {
+        "token",
+        "secret",
+        "password",
+        "passwd",
+        "key",
+        "credentials",
+        "connection_string",
+        "sas_token",
+        "account_key",
+        "client_secret",
+        "private_key",
+        "api_key",
+        "auth",
+        "authorization",
+        "proxy_authorization",
+        "cookie",
+        "set_cookie",
+        "headers",
+    }
+)
+_SECRET_SUFFIXES = ("_token", "_secret", "_password", "_key", "_credentials", "_id", "_headers")
+_SECRET_HINT = (
+    "the next open needs them from the environment (AWS_ACCESS_KEY_ID, "
+    "TIERCHECK_PEER_TOKEN, ...), from the options passed to that open "
+    "(Checkpointer(root, tiers=[TierSpec(name, url, options)])), or from a reference "
+    'written in their place, e.g. options = {{ {name} = {{ env = "NAME" }} }}'
+)
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether an option called ``name`` holds a secret (and so is never written).
+
+    Case and ``-``/``_`` do not matter: ``X-Api-Key`` and ``x_api_key`` are both secrets.
+    Everything under an option that is a secret (``headers``) is one too.
+    """
+    lower = name.lower().replace("-", "_")
+    return lower in _SECRET_NAMES or lower.endswith(_SECRET_SUFFIXES)
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without the user and password of its authority (``s3://KEY:SECRET@b/x``
+    -> ``s3://b/x``); any other string is returned as it is."""
+    if "@" not in url or "://" not in url:
+        return url
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # not a URL after all (an unbalanced '[' ...): nothing to strip
+        return url
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def _reference(value: Any) -> tuple[str, str] | None:
+    """``("env", NAME)`` or ``("file", PATH)`` for a reference value, else None."""
+    if isinstance(value, Mapping) and len(value) == 1:
+        ((kind, target),) = value.items()
+        if kind in ("env", "file") and isinstance(target, str):
+            return kind, target
+    return None
+
+
+def _without_secrets(value: Any, where: str, dropped: list[str], secret: bool = False) -> Any:
+    """``value`` with every secret removed (references kept), recursively.
+
+    ``secret``: ``value`` lies under a secret option, so every plain value in it is one.
+    Removed values are named in ``dropped``; a string that is a URL loses its userinfo.
+    """
+    if _reference(value) is not None:
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            name = f"{where}.{k}" if where else str(k)
+            if v is None:
+                continue  # TOML has no null: an absent option means the default
+            inner = secret or is_secret_option(str(k))
+            if inner and _reference(v) is None and not isinstance(v, Mapping):
+                dropped.append(name)
+                continue
+            kept = _without_secrets(v, name, dropped, inner)
+            if isinstance(v, Mapping) and v and not kept:
+                continue  # a secret map of nothing but secrets: leave the key out too
+            out[str(k)] = kept
+        return out
+    if isinstance(value, (list, tuple)):
+        if secret:
+            dropped.append(where)
+            return []
+        return [_without_secrets(v, where, dropped) for v in value]
+    if isinstance(value, str):
+        stripped = without_userinfo(value)
+        if stripped != value:
+            dropped.append(f"{where} (the user and password in the URL)")
+        return stripped
+    return value
+
+
+def resolve_references(options: Mapping[str, Any], *, tier: str = "") -> dict[str, Any]:
+    """``options`` with every ``{env = NAME}`` / ``{file = PATH}`` replaced by its value.
+
+    ``ConfigError`` names the tier and the variable or file when one cannot be read.
+    """
+
+    def resolve(value: Any, where: str) -> Any:
+        ref = _reference(value)
+        if ref is not None:
+            kind, target = ref
+            if kind == "env":
+                found = os.environ.get(target)
+                if found is None:
+                    raise ConfigError(
+                        f"tier {tier!r} option {where}: environment variable {target} is not set"
+                    )
+                return found
+            try:
+                with open(target, "rb") as f:
+                    if os.fstat(f.fileno()).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                        log.warning(
+                            "secret file %s is readable by other users; chmod 600 it", target
+                        )
+                    return f.read().decode().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(
+                    f"tier {tier!r} option {where}: cannot read {target}: {exc}"
+                ) from None
+        if isinstance(value, Mapping):
+            return {k: resolve(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [resolve(v, where) for v in value]
+        return value
+
+    return {k: resolve(v, str(k)) for k, v in options.items()}
+
+
+def _document(config: StoreConfig) -> dict[str, Any]:
+    """The TOML document of ``config``, secrets left out (with a warning naming them)."""
+    policy = {
+        name: getattr(config.policy, name)
+        for name in sorted(_POLICY_KEYS)
+        if getattr(config.policy, name) is not None
+    }
+    tiers: list[dict[str, Any]] = []
+    for spec in config.tiers:
+        dropped: list[str] = []
+        url = without_userinfo(spec.url)
+        if url != spec.url:
+            dropped.append("url (the user and password in the URL)")
+        entry: dict[str, Any] = {"name": spec.name, "url": url}
+        tp = config.policy.tiers.get(spec.name)
+        if tp is not None:
+            for name in sorted(_TIER_POLICY_KEYS):
+                value = getattr(tp, name)
+                if name.startswith("keep_"):
+                    entry[name] = "all" if value is None else value
+                elif value is not None:  # guarantee None: by mode, as when absent
+                    entry[name] = value
+        options = _without_secrets(dict(spec.options), "", dropped)
+        if dropped:
+            log.warning(
+                "tier %s: not writing the secret option(s) %s to %s; %s",
+                spec.name,
+                ", ".join(dropped),
+                CONFIG_NAME,
+                _SECRET_HINT.format(name=min(dropped, key=lambda d: " (" in d).split(" ")[0]),
+            )
+        if options:
+            entry["options"] = options
+        tiers.append(entry)
+    return {"format": CONFIG_FORMAT, "policy": policy, "tier": tiers}
+
+
+def _write_synced(fd: int, text: str) -> None:
+    """Write ``text`` to the file open as ``fd``, fsync it and close it."""
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> bool:
+    """Write ``config`` to ``path`` atomically (temp file + fsync + rename).
+
+    ``exclusive``: only if ``path`` does not exist yet (a hard link, which fails on an
+    existing name, instead of the rename); returns False, writing nothing, if it does.
+    """
+    try:
+        body = tomli_w.dumps(_document(config))
+    except TypeError as exc:  # a value TOML cannot hold
+        raise ConfigError(f"cannot write the store configuration to TOML: {exc}") from None
+    text = "# tiercheck store configuration (secrets are never written here)\n" + body
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # 0600: the file holds no secret, but names where they live (and options people
+    # put there by hand); the store's owner reads it, nobody else needs to
+    _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), text)
+    if not exclusive:
+        os.replace(tmp, path)
+        return True
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links: create-if-absent, then write
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return False
+        _write_synced(fd, text)
+    finally:
+        tmp.unlink()
+    return True

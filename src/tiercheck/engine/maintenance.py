@@ -1,0 +1,385 @@
+"""Per-tier maintenance after commits and migrations: retention, then GC, then log
+compaction; and making room in a tier over its memory budget before a save places a
+version there. It owns the GC state and runs on one thread of its own.
+
+A commit or a migration *requests* maintenance of the tiers it wrote; requests coalesce,
+and the thread works through the tiers that are due, one at a time, so retention never
+runs from two threads and never blocks a save. :meth:`Maintenance.maintain_tier` is the
+one place a per-tier step is added. Failures are logged per tier and the thread goes on;
+an unexpected one is also recorded for ``close()`` to report.
+
+Log compaction (:func:`~tiercheck.engine.catalog.compact_log`) runs once a tier's log holds
+:data:`~tiercheck.engine.catalog.COMPACT_SLACK` more records than a checkpoint of it would,
+and its result replaces that tier's log in the live catalog. A tier that cannot compact
+(``NotSupported``, or a record this version cannot summarise) is not asked again by this
+process: each attempt reads the whole log.
+
+Once ``close()`` halts it (:class:`~tiercheck.engine.background.Halt`), no request is taken, the
+work queued is cancelled and no further tier is maintained; a request's unexpected failure
+is recorded by :func:`~tiercheck.engine.background.reporting` for ``close()`` to raise.
+
+:meth:`Maintenance.make_room` runs on the same thread, so retention, GC and eviction never
+race on a tier (see :mod:`tiercheck.engine.budgets`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from tiercheck.engine.background import Halt, reporting
+from tiercheck.engine.budgets import Shortfall, budget_of
+from tiercheck.engine.catalog import (
+    Catalog,
+    LiveCatalog,
+    TierLog,
+    compact_log,
+    read_tier_log,
+    should_compact,
+)
+from tiercheck.engine.fetch import ChunkFetcher
+from tiercheck.engine.handles import Failures
+from tiercheck.engine.leases import GCFence, TierLeases
+from tiercheck.engine.placement import Policy, TierPolicy
+from tiercheck.engine.retention import (
+    GCReport,
+    GCState,
+    Protection,
+    collect_garbage,
+    drop_versions,
+    plan_drops,
+    protection,
+)
+from tiercheck.engine.tierset import TierSet, TierSlot
+from tiercheck.errors import Halted, TiercheckError
+
+__all__ = ["Maintenance"]
+
+log = logging.getLogger("tiercheck")
+
+R = TypeVar("R")
+
+
+class Maintenance:
+    """Retention and GC for the tiers of one store (see the module docstring).
+
+    ``pinned()`` returns the versions that must not be dropped now (a migration reads
+    them, an in-flight diff needs them as its base). ``rank``: tiers shared by every rank
+    are maintained by rank 0 only.
+    """
+
+    def __init__(
+        self,
+        *,
+        tierset: TierSet,
+        policy: Policy,
+        catalog: LiveCatalog,
+        fence: GCFence,
+        leases: TierLeases,
+        pinned: Callable[[], set[int]],
+        failures: Failures,
+        rank: int = 0,
+        halt: Halt | None = None,
+    ) -> None:
+        self.tierset = tierset
+        self.policy = policy
+        self.catalog = catalog
+        self.fence = fence
+        self.leases = leases
+        self.pinned = pinned
+        self.failures = failures
+        self.rank = rank
+        self.halt = halt or Halt()
+        self.last_errors: dict[str, str] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-maint")
+        self._lock = threading.Lock()
+        self._due: set[str] = set()
+        self._scheduled = False
+        self._stopped = False  # halted: no work is taken
+        self._active: str | None = None  # what the thread is doing, for close() to name
+        # sweep every tier once after opening (what a crashed writer left behind); after
+        # that only after a drop, and while swept candidates wait out their grace
+        self._gc_due: set[str] = {s.name for s in tierset.slots}
+        self._gc_state = GCState()  # used on the maintenance thread only
+        self._no_compaction: dict[str, str] = {}  # tier -> why compaction was skipped
+
+    # --- requests -------------------------------------------------------------------------
+
+    def request(self, tiers: Iterable[str]) -> None:
+        """Maintain ``tiers`` soon (returns at once)."""
+        with self._lock:
+            self._due.update(tiers)
+            if self._scheduled or not self._due or self._stopped:
+                return
+            self._scheduled = True
+            run = reporting(self.failures, "maintenance", self._run)
+            self._executor.submit(self._as, "maintenance", run)
+
+    def flush(self) -> None:
+        """Block until the maintenance requested so far has run (at once once halted)."""
+        try:
+            self._wait(self._submit("flush", lambda: None), "flush")
+        except Halted:
+            return
+
+    def collect(self, *, dry_run: bool = False, grace: float | None = None) -> list[GCReport]:
+        """Sweep every tier now, on the maintenance thread; ``grace`` overrides the policy's
+        (with a fresh clock: a blob counts as first seen now). Returns one report per tier."""
+        return self._wait(self._submit("gc", self._collect_all, dry_run, grace), "gc")
+
+    def make_room(self, slot: TierSlot, needed: int) -> Shortfall | None:
+        """Make ``needed`` bytes fit ``slot``'s budget, on the maintenance thread; return
+        None once they fit (or the tier has no budget), else what is missing.
+
+        Versions are dropped by retention tightened step by step (first the policy itself,
+        then fewer diffs, down to none, then fewer bases, down to one, and last the versions
+        a newer one needs that a more durable tier keeps: a diff's base that LMDB holds) and
+        the tier is swept after each step: at once (grace 0) where no other process writes
+        to it, with the policy's grace in a shared tier. Never dropped: what the tier must
+        keep (:func:`tiercheck.engine.retention.protection`: its newest restorable version and
+        what that needs, until a newer one is committed here or somewhere at least as
+        durable), a pinned version (a migration still reads it, an in-flight diff follows
+        it) unless a more durable tier keeps it. What still does not fit is the *new*
+        version's shortfall: it skips the tier.
+        """
+        what = f"making room in tier {slot.name}"
+        return self._wait(self._submit(what, self._make_room, slot, needed), what)
+
+    def close(self) -> None:
+        self.stop()
+        self.join()
+
+    def stop(self) -> None:
+        """Take no more work and cancel what is queued (returns at once; see :meth:`join`)."""
+        with self._lock:
+            self._stopped = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def join(self) -> None:
+        """Block until the thread has ended (after :meth:`stop`)."""
+        self._executor.shutdown(wait=True)
+
+    def active(self) -> str | None:
+        """What the maintenance thread is doing now (None when idle)."""
+        return self._active
+
+    def _submit(self, what: str, fn: Callable[..., R], *args: Any) -> Future[R]:
+        with self._lock:
+            if self._stopped:
+                raise Halted(f"{what} was not started: the store is closing")
+            return self._executor.submit(self._as, what, fn, *args)
+
+    @staticmethod
+    def _wait(fut: Future[R], what: str) -> R:
+        try:
+            return fut.result()
+        except CancelledError:
+            raise Halted(f"{what} was not started: the store is closing") from None
+
+    def _as(self, what: str, fn: Callable[..., R], *args: Any) -> R:
+        self._active = what
+        try:
+            return fn(*args)
+        finally:
+            self._active = None
+
+    # --- the maintenance thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        with self._lock:
+            due, self._due = self._due, set()
+            self._scheduled = False
+        for slot in self.tierset.open():
+            if slot.name not in due:
+                continue
+            if self.halt.is_set():  # close(): no tier is started after it
+                return
+            self._active = f"maintenance of tier {slot.name}"
+            try:
+                self.maintain_tier(slot)
+                self.last_errors.pop(slot.name, None)
+            except (TiercheckError, OSError) as exc:  # retried at the next request
+                self.last_errors[slot.name] = f"{type(exc).__name__}: {exc}"
+                log.warning("maintenance of tier %s failed: %s", slot.name, exc)
+            except Exception as exc:  # a bug: reported by close(); the other tiers go on
+                self.last_errors[slot.name] = f"{type(exc).__name__}: {exc}"
+                log.exception("maintenance of tier %s failed unexpectedly", slot.name)
+                self.failures.background(f"maintenance of tier {slot.name}: {exc!r}")
+
+    def maintain_tier(self, slot: TierSlot) -> None:
+        """Everything done to one tier after a commit or a migration, in order: retention,
+        then GC, then log compaction (when due)."""
+        if slot.tier is None or slot.policy is None or not self._manages(slot):
+            return
+        tl = self._log_of(slot)  # unreachable when last read: read now (retention needs all)
+        drops = plan_drops(tl, slot.policy, self.pinned(), self._protection(slot))
+        if drops:
+            self.catalog.dropped(slot.name, drop_versions(slot, drops))
+            log.debug("retention dropped %s from %s", drops, slot.name)
+        # listing a tier is not free (a remote one especially): sweep only after a drop,
+        # while swept candidates wait out their grace, and once after opening
+        if drops or slot.name in self._gc_due:
+            report = self._sweep(slot, self._gc_state, self.policy.gc_grace_seconds, False)
+            if report.waiting or report.fenced:
+                self._gc_due.add(slot.name)
+            else:
+                self._gc_due.discard(slot.name)
+        self._compact(slot)
+
+    def _log_of(self, slot: TierSlot) -> TierLog:
+        """``slot``'s log in the catalog, read now if it is not there (whole: retention must
+        not act on a partial log)."""
+        assert slot.tier is not None
+        tl = self.catalog.snapshot().logs.get(slot.name)
+        if tl is not None:
+            return tl
+        mark = self.catalog.begin_read()
+        try:
+            fresh = read_tier_log(slot.name, slot.tier)
+        except BaseException:
+            self.catalog.end_read(mark)
+            raise
+        return self.catalog.install(Catalog({slot.name: fresh}, {}), mark, partial=True).logs[
+            slot.name
+        ]
+
+    def _compact(self, slot: TierSlot) -> None:
+        """Compact ``slot``'s log once it pays (module docstring)."""
+        assert slot.tier is not None
+        tl = self.catalog.snapshot().logs.get(slot.name)
+        if tl is None or slot.name in self._no_compaction:
+            return
+        # The catalog counts the records it read, not those this process appended since:
+        # each version it committed there wrote at least two (prepare, commit), each drop one.
+        written = 2 * len(tl.committed) + len(tl.dropped)
+        if not should_compact(replace(tl, records=max(tl.records, written))):
+            return
+        mark = self.catalog.begin_read()
+        try:
+            report = compact_log(slot.name, slot.tier)
+        except BaseException:
+            self.catalog.end_read(mark)
+            raise
+        if report.log is None:
+            self.catalog.end_read(mark)
+            self._no_compaction[slot.name] = report.skipped or "skipped"
+            log.info("the log of tier %s is not compacted: %s", slot.name, report.skipped)
+            return
+        # what this process recorded while compacting is merged into the log read after it
+        self.catalog.install(Catalog({slot.name: report.log}, {}), mark, partial=True)
+        log.debug(
+            "compacted the log of %s: %d -> %d records", slot.name, report.before, report.after
+        )
+
+    def _make_room(self, slot: TierSlot, needed: int) -> Shortfall | None:
+        tier = slot.tier
+        assert tier is not None
+        budget = budget_of(tier)
+        held = tier.usage()
+        if budget is None or held is None or held + needed <= budget:
+            return None
+        if slot.policy is None or not self._manages(slot):
+            return Shortfall(slot.name, needed, held, budget)
+        shared = tier.capabilities.shared
+        grace = self.policy.gc_grace_seconds if shared else 0.0
+        # first what retention dropped already (waiting out its grace), then tighter steps,
+        # and last what a more durable tier keeps; never what this tier must keep (which
+        # these drops do not change: its newest version and what that needs stay)
+        protect = self._protection(slot)
+        steps: list[tuple[TierPolicy, bool] | None] = [
+            None,
+            *((tight, False) for tight in _tightened(slot.policy, self._log_of(slot))),
+            (replace(slot.policy, keep_diffs=0, keep_bases=1), True),
+        ]
+        for step in steps:
+            if step is not None:
+                tight, last_resort = step
+                drops = plan_drops(
+                    self._log_of(slot), tight, self.pinned(), protect, last_resort=last_resort
+                )
+                if not drops:
+                    continue
+                self.catalog.dropped(slot.name, drop_versions(slot, drops))
+                log.info(
+                    "tier %s is over its budget: dropped versions %s to make room for %d bytes",
+                    slot.name,
+                    drops,
+                    needed,
+                )
+            report = self._sweep(slot, self._gc_state, grace, False)
+            if report.waiting or report.fenced:
+                self._gc_due.add(slot.name)
+            held = tier.usage() or 0
+            if held + needed <= budget:
+                return None
+        return Shortfall(slot.name, needed, held, budget)
+
+    def _protection(self, slot: TierSlot) -> Protection:
+        """What ``slot``'s tier must keep now (:func:`tiercheck.engine.retention.protection`)."""
+        self._log_of(slot)  # the rule reads this tier's whole log
+        caps = {s.name: s.tier.capabilities for s in self.tierset.slots if s.tier is not None}
+        return protection(self.catalog.snapshot(), slot.name, caps)
+
+    def _manages(self, slot: TierSlot) -> bool:
+        # one rank manages a tier every rank shares
+        return slot.tier is not None and (not slot.tier.capabilities.shared or self.rank == 0)
+
+    def _sweep(self, slot: TierSlot, state: GCState, grace: float, dry_run: bool) -> GCReport:
+        assert slot.tier is not None
+        fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
+        shared = slot.tier.capabilities.shared
+        name = slot.name
+        tier = slot.tier
+
+        def current_log() -> TierLog:
+            if shared:  # other processes commit here too: read what the tier says now
+                fresh = read_tier_log(name, tier)
+                mine = self.catalog.snapshot().logs.get(name)
+                if mine is not None:
+                    fresh.committed.update(
+                        {v: i for v, i in mine.committed.items() if v not in fresh.committed}
+                    )
+                return fresh
+            return self.catalog.snapshot().logs.get(name) or TierLog(name)
+
+        return collect_garbage(
+            slot,
+            current_log,
+            fetcher.manifest,
+            state=state,
+            grace=grace,
+            dry_run=dry_run,
+            # a per-rank tier holds this rank's shards only: other manifests are elsewhere
+            rank=None if shared else self.rank,
+            fence=self.fence,
+            leases=self.leases if shared else None,
+        )
+
+    def _collect_all(self, dry_run: bool, grace: float | None) -> list[GCReport]:
+        state = self._gc_state if grace is None else GCState()
+        grace_s = self.policy.gc_grace_seconds if grace is None else grace
+        reports = []
+        for slot in self.tierset.open():
+            if slot.name not in self.catalog.snapshot().logs:
+                continue
+            reports.append(self._sweep(slot, state, grace_s, dry_run))
+        return reports
+
+
+def _tightened(policy: TierPolicy, tl: TierLog) -> list[TierPolicy]:
+    """Retention of ``policy``, then tighter step by step: one diff fewer at a time down to
+    none, then one base fewer at a time down to one (what :meth:`Maintenance.make_room`
+    tries, in order)."""
+    held = tl.held()
+    n_bases = sum(1 for v in held if tl.committed[v].role == "base")
+    n_diffs = len(held) - n_bases
+    out = [policy]
+    diffs = n_diffs if policy.keep_diffs is None else min(policy.keep_diffs, n_diffs)
+    out += [replace(policy, keep_diffs=k) for k in range(diffs - 1, -1, -1)]
+    bases = n_bases if policy.keep_bases is None else min(policy.keep_bases, n_bases)
+    out += [replace(policy, keep_diffs=0, keep_bases=k) for k in range(bases - 1, 0, -1)]
+    return out

@@ -1,0 +1,471 @@
+"""The save pipeline after staging: hash -> encode -> place (prepare) -> decide -> record.
+
+Everything here runs on tiercheck's background threads. Per version and tier the order is
+always: blobs the tier lacks, then the manifest blob, then the ``prepare`` record; the
+``commit`` record comes only after the coordinator's decision. A tier that fails drops
+out of this version (a lower commit level) without failing the others.
+
+Blobs are placed while the stream is still being hashed (:class:`ShardStream`): each
+window of chunks goes to the tiers that need nothing but its bytes (a tier of this rank,
+codec raw or zstd) as soon as its ids are known, so copying, hashing and flushing
+overlap. This changes nothing of the order above: the manifest and the prepare record
+still come after every blob, so no version is committed before all its blobs are durable
+in the tier, and blobs of a version that is never committed are unreferenced (GC's).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercheck.backends.base import Tier
+from tiercheck.core.chunking import Layout
+from tiercheck.core.entries import torch_dtype
+from tiercheck.engine.catalog import append_record
+from tiercheck.engine.tierset import TierSlot
+from tiercheck.errors import NotFound, TierError
+from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
+from tiercheck.formats.ids import Buffer, chunk_id, chunk_ids
+from tiercheck.formats.manifest import (
+    ChunkRef,
+    CommitRecord,
+    Entry,
+    PrepareRecord,
+    ReplayLog,
+    Role,
+    ShardManifest,
+    VersionInfo,
+    pack_manifest,
+)
+
+__all__ = [
+    "PlaceResult",
+    "ShardStream",
+    "Streamed",
+    "build_manifest",
+    "commit_on",
+    "elem_size",
+    "hash_stream",
+    "held_bases",
+    "place_shard",
+    "streamable",
+]
+
+log = logging.getLogger("tiercheck")
+
+BaseLookup = Callable[[str], bytes]
+
+BATCH_BYTES = 64 * 1024 * 1024  # bytes per transaction on tiers with atomic_batch
+# A stream writer joins the windows hashed while it wrote the last one into one write (one
+# transaction and one sync on a tier with atomic_batch) of up to this many bytes.
+GROUP_BYTES = 256 * 1024 * 1024
+
+# a chunk's blob as parts (header, payload) and the base it is a delta against
+_Encoded = tuple[str, list[Buffer], str | None]
+
+
+def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
+    """Chunk ids of every window of the staged stream, hashed on ``threads`` cores."""
+    windows = layout.windows
+    ids = chunk_ids([view[o : o + n] for o, n in windows], threads=threads)
+    return tuple(ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, windows))
+
+
+def streamable(slots: Sequence[TierSlot], role: Role) -> list[TierSlot]:
+    """The synchronous tiers that take a version of ``role`` and can take its blobs while
+    the stream is being hashed: a tier of this rank alone (a shared tier learns which
+    chunks are this rank's from the exchange of chunk ids) whose blobs need nothing but
+    the chunk's bytes (not a delta against a base) and with no memory budget (room is made
+    in such a tier before it is written, for the whole shard, from every chunk's id)."""
+    out = []
+    for slot in slots:
+        tp, tier = slot.policy, slot.tier
+        if tier is None or tp is None or tp.mode != "sync" or not tp.wants(role):
+            continue
+        if tier.capabilities.shared or (tp.codec == "delta" and role == "diff"):
+            continue
+        if isinstance(getattr(tier, "budget", None), int):
+            continue
+        out.append(slot)
+    return out
+
+
+@dataclass
+class Streamed:
+    """What :class:`ShardStream` wrote to one tier before the shard's manifest existed."""
+
+    started: float
+    chunks_written: int = 0
+    bytes_written: int = 0
+    written: set[str] = field(default_factory=set)
+    error: BaseException | None = None
+
+
+class ShardStream:
+    """Place a shard's chunks in tiers window by window, as soon as each is hashed.
+
+    :meth:`hash` hashes the staged stream ``BATCH_BYTES`` at a time on the caller's thread
+    and hands each window to one writer thread per tier, which writes the chunks the tier
+    lacks while the next window is hashed: for a raw tier, the windows queued behind it go
+    in one write of up to ``GROUP_BYTES`` (group commit: one transaction and one sync on a
+    tier with ``atomic_batch``). Before a window is handed over, ``protect`` is called with its ids
+    (GC must not delete a blob a writer has just found present). What the writers hold in
+    flight is bounded: a window's blobs are a header and a view of the staged chunk (raw)
+    or one window's encoded blobs (zstd), nothing queues up.
+
+    A writer that fails stops writing; :func:`place_shard` (given :meth:`result` for its
+    tier) then reports the tier failed for this version. :meth:`close` stops the writers
+    and waits for them: the staging buffer must not be reused before (they read it).
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[TierSlot],
+        *,
+        pool: Executor,
+        view: memoryview,
+        zstd_level: int,
+        protect: Callable[[list[str]], None],
+    ) -> None:
+        self._pool = pool
+        self._view = view
+        self._zstd_level = zstd_level
+        self._protect = protect
+        self._stop = threading.Event()
+        self._queues: dict[str, queue.SimpleQueue[list[ChunkRef] | None]] = {}
+        self._results: dict[str, Future[Streamed]] = {}
+        self._threads: list[threading.Thread] = []
+        self._ended = False
+        for slot in slots:
+            q: queue.SimpleQueue[list[ChunkRef] | None] = queue.SimpleQueue()
+            fut: Future[Streamed] = Future()
+            t = threading.Thread(
+                target=self._writer,
+                args=(slot, q, fut),
+                name=f"tiercheck-stream-{slot.name}",
+                daemon=True,
+            )
+            self._queues[slot.name], self._results[slot.name] = q, fut
+            self._threads.append(t)
+            t.start()
+
+    def hash(self, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
+        """Chunk ids of every window of the staged stream (as :func:`hash_stream`),
+        handing each ``BATCH_BYTES`` of windows to the writers as soon as it is hashed."""
+        windows = layout.windows
+        step = max(1, BATCH_BYTES // max(1, layout.chunk_size))
+        refs: list[ChunkRef] = []
+        try:
+            for lo in range(0, len(windows), step):
+                part = windows[lo : lo + step]
+                ids = chunk_ids([self._view[o : o + n] for o, n in part], threads=threads)
+                batch = [ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, part)]
+                if self._queues:
+                    self._protect(ids)
+                    for q in self._queues.values():
+                        q.put(batch)
+                refs += batch
+        finally:
+            self._end()
+        return tuple(refs)
+
+    def result(self, tier: str) -> Future[Streamed] | None:
+        """What the writer of ``tier`` wrote (done once it has ended); None if no writer."""
+        return self._results.get(tier)
+
+    def close(self) -> None:
+        """Stop the writers (windows not yet written are dropped) and wait for them."""
+        self._stop.set()
+        self._end()
+        for t in self._threads:
+            t.join()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            for q in self._queues.values():
+                q.put(None)
+
+    def _writer(
+        self, slot: TierSlot, q: queue.SimpleQueue[list[ChunkRef] | None], fut: Future[Streamed]
+    ) -> None:
+        out = Streamed(started=time.perf_counter())
+        try:
+            # group commit where the blobs are views of the staged buffer (raw): an
+            # encoded window owns its memory, so those are written one window at a time
+            assert slot.policy is not None
+            group = GROUP_BYTES if slot.policy.codec == "raw" else 0
+            ended = False
+            while not ended and (batch := q.get()) is not None:
+                while sum(ref.length for ref in batch) < group:
+                    try:
+                        more = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        ended = True
+                        break
+                    batch = batch + more
+                if out.error is None and not self._stop.is_set():
+                    try:
+                        self._write(slot, batch, out)
+                    except Exception as exc:  # the tier drops out of this version
+                        out.error = exc
+        finally:
+            fut.set_result(out)
+
+    def _write(self, slot: TierSlot, batch: list[ChunkRef], out: Streamed) -> None:
+        tier = slot.tier
+        assert tier is not None and slot.policy is not None
+        codec = Codec.RAW if slot.policy.codec == "raw" else Codec.ZSTD
+        first: dict[str, ChunkRef] = {}
+        for ref in batch:
+            if ref.id not in out.written:
+                first.setdefault(ref.id, ref)
+        if not first:
+            return
+        present = tier.has(first)
+        missing = [ref for cid, ref in first.items() if cid not in present]
+        out.written.update(first)
+
+        def encode(ref: ChunkRef) -> tuple[str, list[Buffer]]:
+            raw = self._view[ref.offset : ref.offset + ref.length]
+            return ref.id, encode_blob_parts(raw, codec, level=self._zstd_level)
+
+        if codec == Codec.RAW:  # a header: queued on the pool it would wait behind writes
+            items = [encode(ref) for ref in missing]
+        else:
+            items = list(self._pool.map(encode, missing))
+        if tier.capabilities.atomic_batch:
+            tier.put_many_parts(items)
+        else:
+            for _ in self._pool.map(lambda item: tier.put_parts(*item), items):
+                pass
+        out.chunks_written += len(items)
+        out.bytes_written += sum(len(p) for _, parts in items for p in parts)
+
+
+def build_manifest(
+    *,
+    version: int,
+    rank: int,
+    world_size: int,
+    layout: Layout,
+    chunks: tuple[ChunkRef, ...],
+    tree: Any,
+    log: ReplayLog | None = None,
+) -> tuple[ShardManifest, bytes, str]:
+    """The shard manifest, its encoded bytes and its id (BLAKE3 of those bytes); ``log``
+    for a log version's shard."""
+    manifest = ShardManifest(
+        version=version,
+        rank=rank,
+        world_size=world_size,
+        chunk_size=layout.chunk_size,
+        stream_bytes=layout.stream_bytes,
+        entries=layout.entries,
+        chunks=chunks,
+        tree=tree,
+        log=log,
+        sharded=layout.sharded,
+    )
+    data = pack_manifest(manifest)
+    return manifest, data, chunk_id(data)
+
+
+@dataclass
+class PlaceResult:
+    """How one tier took one shard."""
+
+    tier: str
+    ok: bool
+    chunks_written: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    exception: BaseException | None = None
+    deltas: dict[str, str] = field(default_factory=dict)
+
+
+def elem_size(entries: Sequence[Entry], offset: int) -> int:
+    """Element size of the entry holding byte ``offset`` (for the delta byte-shuffle)."""
+    import torch
+
+    for e in entries:
+        if e.offset <= offset < e.offset + e.nbytes:
+            if e.kind == "tensor":
+                return torch.empty((), dtype=torch_dtype(e.dtype)).element_size()
+            if e.kind == "ndarray":
+                import numpy as np
+
+                return int(np.dtype(e.dtype).itemsize)
+            return 1
+    return 1
+
+
+def held_bases(tier: Tier, base_chunks: Sequence[ChunkRef]) -> set[str]:
+    """The base chunk ids ``tier`` holds: the only ones a delta on it may be encoded
+    against (a delta is only as safe as its base, and GC keeps a base the tier holds while
+    the delta lives; a copy held elsewhere only may be dropped there)."""
+    return tier.has(list({c.id for c in base_chunks}))
+
+
+def place_shard(
+    slot: TierSlot,
+    *,
+    pool: Executor,
+    view: memoryview,
+    layout: Layout,
+    manifest: ShardManifest,
+    manifest_bytes: bytes,
+    manifest_id: str,
+    step: int,
+    role: Role,
+    base: int | None,
+    base_chunks: Sequence[ChunkRef] | None,
+    base_lookup: BaseLookup | None,
+    zstd_level: int,
+    only: set[str] | None = None,
+    clock: Callable[[], float] = time.time,
+    streamed: Future[Streamed] | None = None,
+) -> PlaceResult:
+    """Write the chunks ``slot`` lacks, then the manifest, then the prepare record.
+
+    ``base_chunks`` (the base version's chunks, same layout) enables delta encoding for a
+    diff version on a tier whose codec is ``delta``. ``only`` limits the chunks this call
+    writes (cross-rank dedup on a shared tier: the other chunks are other ranks' to write).
+    ``streamed``: what a :class:`ShardStream` wrote to this tier already (awaited here; its
+    failure is this tier's failure).
+    """
+    t0 = time.perf_counter()
+    tier = slot.tier
+    assert tier is not None and slot.policy is not None
+    codec = slot.policy.codec
+    result = PlaceResult(slot.name, ok=False)
+    try:
+        if streamed is not None:
+            done = streamed.result()
+            t0 = min(t0, done.started)
+            if done.error is not None:
+                raise done.error
+            result.chunks_written, result.bytes_written = done.chunks_written, done.bytes_written
+        first: dict[str, int] = {}
+        for i, ref in enumerate(manifest.chunks):
+            first.setdefault(ref.id, i)
+        present = tier.has([*first, manifest_id])
+        missing = [cid for cid in first if cid not in present and (only is None or cid in only)]
+        local_bases: set[str] = set()
+        if codec == "delta" and role == "diff" and base_chunks is not None and missing:
+            local_bases = held_bases(tier, base_chunks)
+
+        def encode(index: int) -> _Encoded:
+            """The blob of chunk ``index`` as parts (header, payload), and its delta base.
+            A raw blob's payload is a view of the staged chunk: nothing is copied."""
+            ref = manifest.chunks[index]
+            raw = view[ref.offset : ref.offset + ref.length]
+            if codec == "raw":
+                return ref.id, encode_blob_parts(raw, Codec.RAW), None
+            if (
+                codec == "delta"
+                and role == "diff"
+                and base_chunks is not None
+                and base_lookup is not None
+                and index < len(base_chunks)
+                and base_chunks[index].id in local_bases
+            ):
+                base_id = base_chunks[index].id
+                try:
+                    base_raw = base_lookup(base_id)
+                except (NotFound, TierError) as exc:
+                    log.debug("no base for delta of %s: %s", ref.id, exc)
+                else:
+                    elem = elem_size(layout.entries, ref.offset)
+                    delta = delta_if_smaller(raw, base_raw, base_id, elem, zstd_level)
+                    if delta is not None:
+                        return ref.id, delta, base_id
+            return ref.id, encode_blob_parts(raw, Codec.ZSTD, level=zstd_level), None
+
+        def write(index: int) -> _Encoded:
+            cid, parts, base_id = encode(index)
+            tier.put_parts(cid, parts)  # one vectored write where the tier has it
+            return cid, parts, base_id
+
+        def note(cid: str, parts: Sequence[Buffer], base_id: str | None) -> None:
+            result.chunks_written += 1
+            result.bytes_written += sum(len(p) for p in parts)
+            if base_id is not None:
+                result.deltas[cid] = base_id
+
+        indices = [first[c] for c in missing]
+        if tier.capabilities.atomic_batch:
+            # A transactional tier pays one durable commit per transaction, not per chunk:
+            # each window of chunks is one transaction. The next window is encoded on the
+            # pool while this one is written and synced (raw needs no encoding: its parts
+            # are a header and a view of the staged chunk).
+            window = max(1, BATCH_BYTES // max(1, manifest.chunk_size))
+            batches = [indices[lo : lo + window] for lo in range(0, len(indices), window)]
+
+            def submit(batch: list[int]) -> list[Future[_Encoded]] | None:
+                # raw is encoded here (a header): queued on the pool, it would wait behind
+                # the other tiers' writes
+                return None if codec == "raw" else [pool.submit(encode, i) for i in batch]
+
+            ahead = submit(batches[0]) if batches else None
+            try:
+                for k, batch in enumerate(batches):
+                    encoded = (
+                        [encode(i) for i in batch] if ahead is None else [f.result() for f in ahead]
+                    )
+                    ahead = submit(batches[k + 1]) if k + 1 < len(batches) else None
+                    tier.put_many_parts([(cid, parts) for cid, parts, _ in encoded])
+                    for cid, parts, base_id in encoded:
+                        note(cid, parts, base_id)
+            finally:
+                for f in ahead or ():  # they read the staged view: done before we return
+                    if not f.cancel():
+                        f.exception()
+        else:
+            for cid, parts, base_id in pool.map(write, indices):
+                note(cid, parts, base_id)
+        manifest_blob = b""
+        if manifest_id not in present:
+            manifest_blob = encode_blob(manifest_bytes, Codec.ZSTD, level=zstd_level)
+            result.bytes_written += len(manifest_blob)
+        record = PrepareRecord(
+            version=manifest.version,
+            rank=manifest.rank,
+            step=step,
+            role=role,
+            base=base,
+            manifest=manifest_id,
+            chunks_written=result.chunks_written,
+            bytes_written=result.bytes_written,
+            time=clock(),
+            deltas=result.deltas,
+        )
+        blobs = [(manifest_id, manifest_blob)] if manifest_blob else []
+        append_record(tier, record, blobs=blobs)
+        result.ok = True
+    except Exception as exc:  # a failing tier lowers the commit level; reported, not raised
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.exception = exc
+        log.warning("tier %s failed to take version %s: %s", slot.name, manifest.version, exc)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def commit_on(slot: TierSlot, info: VersionInfo) -> str | None:
+    """Append the commit record to ``slot``; return an error string instead of raising."""
+    assert slot.tier is not None
+    try:
+        append_record(slot.tier, CommitRecord(info))
+    except Exception as exc:  # the other tiers' commit still stands
+        log.warning("tier %s failed to record commit of %s: %s", slot.name, info.id, exc)
+        return f"{type(exc).__name__}: {exc}"
+    return None

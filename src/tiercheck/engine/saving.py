@@ -1,0 +1,973 @@
+"""The save service: from ``save()`` to the commit, one version at a time.
+
+:meth:`SaveService.submit` runs on the caller's thread: it validates and flattens the
+state (bad input fails there, before anything is written), decides the version's id and
+role (a base still being written already counts), and queues the save. One pipeline
+thread then runs each save in order:
+
+1. **stage** the state into the staging buffer (the caller may change it afterwards);
+2. **hash** the staged stream and build the shard manifest; each window hashed goes at once
+   to this rank's own synchronous tiers (:class:`ShardStream`: step 4 begins here);
+3. **exchange** chunk ids with the other ranks (:mod:`tiercheck.engine.coordinator`; a local failure
+   is sent instead, so every rank aborts the version at once);
+4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`), after
+   making room in each tier with a memory budget, or skipping the tier for this version
+   when it cannot fit (:mod:`tiercheck.engine.budgets`);
+5. **vote** once one tier holds it, then record the decision in each tier as it finishes;
+6. **confirm** across ranks (commits in shared tiers, guarantees for every rank);
+7. judge the store's guarantees (:mod:`tiercheck.engine.guarantees`), deliver the outcome on the
+   save's handle, queue the migrations and request maintenance of the tiers written.
+
+The service owns the version planner (ids, roles, the base each diff follows), the
+in-flight saves and the base chunks diffs are encoded against; it borrows the staging
+buffer (``StagingBuffer`` acquire/release) and the I/O pool. No lock is held while a tier
+is called, and each save's outcome travels in return values to its handle, nowhere else.
+
+Once ``close()`` halts the store (:class:`~tiercheck.engine.background.Halt`), the saves queued
+are cancelled (their handles fail with :class:`~tiercheck.errors.Halted`), and the save
+running starts no new placement or commit.
+
+Log versions (issue 11): while an optimizer is guarded with its update log
+(:mod:`tiercheck.logversions.planner`), every save is planned on the pipeline thread instead, in
+order, while the guard holds the trainer: :meth:`SaveService._decide` makes it a log
+version of the steps since the last full version or a full one (base or diff), and the
+steps after it do not depend on the role.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Executor,
+    Future,
+    ThreadPoolExecutor,
+    as_completed,
+    wait,
+)
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
+from tiercheck.core.entries import Leaf, encode_scalar, flatten
+from tiercheck.engine import guarantees
+from tiercheck.engine.background import Halt, reporting
+from tiercheck.engine.budgets import Budgets, budget_of, bytes_needed, version_bytes
+from tiercheck.engine.catalog import LiveCatalog, append_record
+from tiercheck.engine.coordinator import Coordinator, Vote
+from tiercheck.engine.fetch import ChunkFetcher
+from tiercheck.engine.handles import Failures, SaveHandle, TierState
+from tiercheck.engine.leases import GCFence, TierLeases
+from tiercheck.engine.maintenance import Maintenance
+from tiercheck.engine.migration import MigrationService
+from tiercheck.engine.pipeline import (
+    PlaceResult,
+    ShardStream,
+    build_manifest,
+    commit_on,
+    place_shard,
+    streamable,
+)
+from tiercheck.engine.placement import Policy
+from tiercheck.engine.staging import StagingBuffer, ready_events
+from tiercheck.engine.tierset import TierSet, TierSlot
+from tiercheck.errors import (
+    CheckpointError,
+    CommitAborted,
+    DurabilityError,
+    Halted,
+    OverBudget,
+    TiercheckError,
+)
+from tiercheck.formats.manifest import MAX_INT, AbortRecord, ChunkRef, Role, VersionInfo
+from tiercheck.logversions.planner import LogProposal, LogSource, build, with_fingerprints
+
+__all__ = ["SaveService"]
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass(eq=False)
+class _Job:
+    handle: SaveHandle
+    step: int
+    version: int
+    role: Role
+    base: int | None
+    leaves: list[Leaf]
+    layout: Layout | None
+    tree: Any
+    metadata: dict[str, Any]
+    t_call: float
+    failure: BaseException | None = None  # failed on the caller's thread; still takes part
+    protected: list[str] = field(default_factory=list)
+    ready: dict[int, Any] = field(default_factory=dict)  # CUDA device -> torch.cuda.Event
+    deferred: bool = False  # planned on the pipeline thread (an update log is attached)
+    forced: Role | None = None  # the role save() was asked for
+    logical: int = 0  # bytes of the state (a log version's stream is smaller)
+    proposal: LogProposal | None = None  # a log version's steps
+    replay: Any = None  # a log version's ReplayLog, fingerprints filled in at staging
+    skipped: dict[str, str] = field(default_factory=dict)  # tier -> why (its memory budget)
+    future: Future[None] | None = None  # its run on the pipeline thread
+
+
+@dataclass
+class _Shard:
+    """This rank's shard of a version, staged and hashed."""
+
+    view: memoryview
+    chunks: tuple[ChunkRef, ...]
+    manifest: Any
+    manifest_bytes: bytes
+    manifest_id: str
+    base_chunks: tuple[ChunkRef, ...] | None
+    stream: ShardStream  # the blobs placed while hashing (step 2 overlaps step 4)
+
+
+class SaveService:
+    """The save pipeline of one store (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        tierset: TierSet,
+        policy: Policy,
+        coordinator: Coordinator,
+        catalog: LiveCatalog,
+        fence: GCFence,
+        leases: TierLeases,
+        staging: StagingBuffer,
+        pool: Executor,
+        migrations: MigrationService,
+        maintenance: Maintenance,
+        failures: Failures,
+        allow_pickle: bool,
+        next_id: int,
+        takes_diffs: bool,
+        halt: Halt | None = None,
+        confirmed: int | None = None,
+    ) -> None:
+        self.tierset = tierset
+        self.policy = policy
+        self.coordinator = coordinator
+        self.rank = coordinator.rank
+        self.world_size = coordinator.world_size
+        self.catalog = catalog
+        self.fence = fence
+        self.leases = leases
+        self.staging = staging
+        self.pool = pool
+        self.migrations = migrations
+        self.maintenance = maintenance
+        self.failures = failures
+        self.allow_pickle = allow_pickle
+        self.halt = halt or Halt()
+        self._pipeline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-save")
+        self._tier_pool = ThreadPoolExecutor(
+            max_workers=max(2, len(tierset.slots)), thread_name_prefix="tiercheck-tier"
+        )
+        self._outstanding = threading.Semaphore(2)  # the save running and the one queued
+        self._hash_threads = policy.hash_threads or None
+        self.budgets = Budgets(tierset)
+        # the planner and the in-flight list: changed under _lock, which guards no I/O
+        self._lock = threading.Lock()
+        self._inflight: list[_Job] = []
+        self._next_id = next_id
+        self._takes_diffs = takes_diffs
+        # roles are decided when save() is called, not when a save commits: a base still
+        # being written already counts, so two saves in a row never both become bases
+        self._plan_base: tuple[int, tuple[Any, ...]] | None = None  # version, layout signature
+        self._plan_since = 0  # diffs decided since that base
+        # used on the pipeline thread only
+        self._base_chunks: dict[int, tuple[ChunkRef, ...]] = {}  # the last committed base's
+        self._rebased: dict[int, int] = {}  # failed base -> the diff that became the base
+        self.logs: LogSource | None = None  # the guarded optimizer's update log
+        self._committed_full: set[int] = set()  # full versions committed by this process
+        # the newest version every rank has committed (agreed at open, then each confirmed
+        # here): kept in every tier that holds it (:meth:`pinned`), since this rank's own
+        # logs may name a newer version another rank never committed (a job killed in its
+        # commit), which the rule of retention.protection alone would keep instead
+        self._confirmed = confirmed
+
+    # --- the caller's thread -------------------------------------------------------------
+
+    def submit(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        role: Role | None = None,
+    ) -> SaveHandle:
+        """Validate and flatten ``state`` here, queue the rest; see ``Checkpointer.save``."""
+        t_call = time.perf_counter()
+        try:
+            if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_INT:
+                raise ValueError(
+                    f"step must be an int from 0 to 2**63 - 1 (the format's range), got {step!r}"
+                )
+            if role not in (None, "base", "diff"):
+                raise ValueError(f"role must be 'base', 'diff' or None, got {role!r}")
+            meta = dict(metadata or {})
+            encode_scalar(meta, "<metadata>", allow_pickle=False)
+            try:  # the commit record holds it as plain msgpack: refuse here what it cannot
+                msgpack.packb(meta, use_bin_type=True)
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(
+                    "metadata must be plain msgpack: str keys, and values that are None, "
+                    f"bool, float, str, bytes, lists, maps and ints of 64 bits at most ({exc})"
+                ) from None
+            tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+            layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
+        except (TiercheckError, ValueError, TypeError) as exc:
+            if self.world_size > 1:
+                # the other ranks' saves of this version wait for this one: take part,
+                # carrying the failure, so that they abort it at once
+                self._enqueue(
+                    step if isinstance(step, int) and 0 <= step <= MAX_INT else -1,
+                    [],
+                    None,
+                    None,
+                    {},
+                    t_call,
+                    None,
+                    exc,
+                )
+            raise
+        if self.policy.on_busy == "skip" and not self._outstanding.acquire(blocking=False):
+            handle = SaveHandle(step, None, None, None)
+            handle.skipped = True
+            handle._finish(None)
+            log.info("save of step %d skipped: the previous save is still running", step)
+            return handle
+        if self.policy.on_busy != "skip":
+            self._outstanding.acquire()
+        return self._enqueue(step, leaves, layout, tree, meta, t_call, role, None, acquired=True)
+
+    def _enqueue(
+        self,
+        step: int,
+        leaves: list[Leaf],
+        layout: Layout | None,
+        tree: Any,
+        meta: dict[str, Any],
+        t_call: float,
+        role: Role | None,
+        failure: BaseException | None,
+        *,
+        acquired: bool = False,
+    ) -> SaveHandle:
+        if not acquired:
+            self._outstanding.acquire()
+        with self._lock:
+            version = self.coordinator.next_version_id(self._next_id - 1)
+            self._next_id = version + 1
+            forced, deferred = role, self.logs is not None
+            if deferred:
+                role, base = "base", None  # provisional: _decide plans it, in order
+            else:
+                role, base = self._plan(layout, role)
+            # a save that failed on the caller's thread has raised there: nobody waits on
+            # its handle, so its failure is not kept for close() to report
+            handle = SaveHandle(
+                step,
+                version,
+                None if deferred else role,  # known once _decide has run
+                base,
+                failures=None if failure else self.failures,
+            )
+            job = _Job(
+                handle, step, version, role, base, leaves, layout, tree, meta, t_call, failure
+            )
+            job.deferred, job.forced = deferred, forced
+            job.logical = layout.stream_bytes if layout is not None else 0
+            self._inflight.append(job)
+        job.ready = ready_events(leaves)  # what the copies wait for on each GPU
+        if layout is not None:
+            handle._logical = layout.stream_bytes
+        handle._time("blocked", time.perf_counter() - t_call)
+        run = reporting(self.failures, f"the save of step {step} (version {version})", self._run)
+        with self._lock:
+            job.future = self._pipeline.submit(run, job)
+        return handle
+
+    def _plan(self, layout: Layout | None, role: Role | None) -> tuple[Role, int | None]:
+        """The role of the next version and the base it follows (under ``_lock``)."""
+        if layout is None:
+            return "base", None
+        sig = layout.signature()
+        plan = self._plan_base
+        if not self._takes_diffs:
+            role = "base"  # no synchronous tier takes diff versions: every one is a base
+        if role is None:
+            want_base = (
+                plan is None or plan[1] != sig or self._plan_since + 1 >= self.policy.base_every
+            )
+            role = "base" if want_base else "diff"
+        elif role == "diff" and (plan is None or plan[1] != sig):
+            role = "base"  # a diff needs a base with the same layout
+        base = None if role == "base" or plan is None else plan[0]
+        if role == "base":
+            self._plan_base, self._plan_since = (self._next_id - 1, sig), 0
+        else:
+            self._plan_since += 1
+        return role, base
+
+    def _decide(self, job: _Job) -> None:
+        """Plan a deferred job (pipeline thread, in order, the trainer held by the guard):
+        a log version when the update log allows it and is the cheaper choice
+        (:func:`tiercheck.logversions.planner.choose`), else a full version, which resets the
+        log. Every rank makes the same choice (one small all-gather)."""
+        logs = self.logs
+        proposal: LogProposal | None = None
+        ok = False
+        if (
+            logs is not None
+            and job.failure is None
+            and job.layout is not None
+            and job.forced is None
+            and self._takes_diffs
+            and not job.layout.sharded  # distributed tensors: full versions (not replayed)
+        ):
+            proposal = logs.propose(
+                job.leaves, self.policy.max_replay_seconds, self._committed_full
+            )
+            ok = proposal.reason is None
+            if not ok:
+                log.debug("version %d is a full version: %s", job.version, proposal.reason)
+        if self.world_size > 1:
+            ok = self.coordinator.all_true(ok)
+        with self._lock:
+            if ok:
+                assert logs is not None and logs.base is not None
+                job.role, job.base = "log", logs.base
+            else:
+                forced = job.forced
+                if forced is None and logs is not None and logs.dense:
+                    forced = "base"  # a dense diff stores every chunk: a base restores faster
+                job.role, job.base = self._plan(job.layout, forced)
+        job.handle.role, job.handle.base = job.role, job.base
+        if ok:
+            assert proposal is not None and proposal.logged is not None and job.layout is not None
+            assert proposal.replayed is not None
+            try:
+                lv = build(
+                    job.tree, job.leaves, proposal.logged, proposal.replayed, job.layout.chunk_size
+                )
+            except BaseException:
+                assert logs is not None
+                logs.release(proposal)
+                logs.invalidate("a log version could not be laid out")
+                raise
+            job.tree, job.leaves, job.layout = lv.tree, lv.leaves, lv.layout
+            job.proposal, job.replay = proposal, lv.replay
+            return
+        if logs is not None:
+            if proposal is not None:
+                logs.release(proposal)
+            if job.layout is not None and job.failure is None:
+                logs.full(job.version, job.layout.stream_bytes)
+
+    def note_state(self, tree: Any, leaves: list[Leaf]) -> None:
+        """The state to be saved is known (``Checkpointer.prepare``): set the default memory
+        budgets for its size now rather than at the first save."""
+        layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
+        placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
+        _, mbytes, _ = build_manifest(
+            version=self._next_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            layout=layout,
+            chunks=placeholder,
+            tree=tree,
+        )
+        self.budgets.size_known(version_bytes(layout.stream_bytes, len(placeholder), len(mbytes)))
+
+    def note_version_ids(self, max_id: int) -> None:
+        """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""
+        with self._lock:
+            self._next_id = max(self._next_id, max_id + 1)
+
+    def wait_staged(self) -> None:
+        """Block until every save so far has been staged (or failed); never raises."""
+        with self._lock:
+            handles = [job.handle for job in self._inflight]
+        for h in handles:
+            h._staged.wait()
+
+    def pinned(self) -> set[int]:
+        """Bases that in-flight diffs follow, and the newest version every rank committed:
+        retention must not drop them yet."""
+        with self._lock:
+            out = {j.base for j in self._inflight if j.base is not None}
+            if self._confirmed is not None:
+                out.add(self._confirmed)
+        logs = self.logs
+        if logs is not None and logs.base is not None:
+            out.add(logs.base)  # the next log version's base
+        return out
+
+    def flush(self) -> None:
+        """Block until every save submitted so far has finished."""
+        self._pipeline.submit(lambda: None).result()
+
+    def drain(self, timeout: float | None) -> bool:
+        """Block until every save submitted so far has finished, or ``timeout`` passed;
+        True if they finished."""
+        try:
+            self._pipeline.submit(lambda: None).result(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def running(self) -> list[str]:
+        """The saves not finished yet, by step and version."""
+        with self._lock:
+            return [f"the save of step {j.step} (version {j.version})" for j in self._inflight]
+
+    def stop(self) -> None:
+        """Take no more saves: those queued are cancelled and their handles fail (returns
+        at once; see :meth:`join`)."""
+        self._pipeline.shutdown(wait=False, cancel_futures=True)
+        self._tier_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            cancelled = [j for j in self._inflight if j.future is not None and j.future.cancelled()]
+        for job in cancelled:
+            why = f"the save of step {job.step} was not started: {self.halt.why}"
+            job.handle._fail(Halted(why))
+            self._finished(job)
+
+    def join(self) -> None:
+        """Block until the pipeline's threads have ended (after :meth:`stop`)."""
+        self._pipeline.shutdown(wait=True)
+        self._tier_pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        self.stop()
+        self.join()
+
+    # --- the pipeline thread -------------------------------------------------------------
+
+    def _run(self, job: _Job) -> None:
+        try:
+            self._save(job)
+        except BaseException as exc:
+            level = logging.WARNING if isinstance(exc, CommitAborted) else logging.ERROR
+            log.log(level, "save of step %d (version %d) failed: %s", job.step, job.version, exc)
+            job.handle._fail(exc)
+        finally:
+            self._finished(job)
+
+    def _finished(self, job: _Job) -> None:
+        """``job`` ran, or was cancelled: release what it held."""
+        self.fence.release(job.protected)
+        job.protected = []
+        with self._lock:
+            if job in self._inflight:
+                self._inflight.remove(job)
+        self._outstanding.release()
+
+    def _save(self, job: _Job) -> None:
+        handle = job.handle
+        self.halt.check(f"the save of step {job.step}")
+        if not self.staging.acquire():
+            raise CheckpointError("the staging buffer is unavailable")
+        held = True  # the staging buffer, until every tier write that reads it has ended
+        leased: list[TierSlot] = []
+        shard: _Shard | None = None
+        try:
+            failure = job.failure
+            if job.deferred:
+                try:
+                    self._decide(job)
+                except Exception as exc:
+                    failure = failure or exc
+            if failure is None:
+                try:
+                    shard = self._encode(job)
+                except Exception as exc:  # the other ranks must hear of it (exchange)
+                    failure = exc
+            sizes: dict[str, int] = {}
+            for ref in shard.chunks if shard is not None else ():
+                sizes.setdefault(ref.id, ref.length)
+            exchange = self.coordinator.exchange(
+                job.version,
+                list(sizes.items()) if shard is not None else None,
+                f"{type(failure).__name__}: {failure}" if failure is not None else "",
+            )
+            if failure is not None:
+                raise failure
+            assert shard is not None and job.layout is not None
+            if not exchange.ok:
+                raise CommitAborted(f"version {job.version} aborted: {exchange.reason}")
+            ids = [shard.manifest_id, *sizes]
+            if self._encodes_deltas(job.role):  # its delta blobs are read against these
+                ids += [c.id for c in shard.base_chunks or ()]
+            if self.world_size > 1 and self.rank == 0:
+                ids += exchange.ids  # rank 0 sweeps the shared tiers: every rank's ids
+            job.protected += self.fence.protect(ids)  # before any tier is asked what it has
+            sync = self._sync_slots(job)
+            for slot in [s for s in sync if _shared(s)]:
+                assert slot.tier is not None
+                try:
+                    self.leases.acquire_write(slot.tier)
+                    leased.append(slot)
+                except TiercheckError as exc:
+                    handle._set_tier(slot.name, "failed", f"{type(exc).__name__}: {exc}")
+                    sync.remove(slot)
+            sync = self._fit_budgets(job, shard, sync)
+            fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
+
+            def base_lookup(cid: str) -> bytes:
+                return bytes(fetcher.fetch(cid)[0])
+
+            self.halt.check(f"placing the save of step {job.step}")
+            futures = {
+                self._tier_pool.submit(
+                    place_shard,
+                    slot,
+                    pool=self.pool,
+                    view=shard.view,
+                    layout=job.layout,
+                    manifest=shard.manifest,
+                    manifest_bytes=shard.manifest_bytes,
+                    manifest_id=shard.manifest_id,
+                    step=job.step,
+                    role=job.role,
+                    base=job.base,
+                    base_chunks=shard.base_chunks,
+                    base_lookup=base_lookup,
+                    zstd_level=self.policy.zstd_level,
+                    only=set(exchange.owned)
+                    if _shared(slot) and exchange.owned is not None
+                    else None,
+                    streamed=shard.stream.result(slot.name),
+                ): slot
+                for slot in sync
+            }
+            try:
+                info, committed, shared_ready = self._vote_and_commit(job, futures, shard)
+            finally:
+                for f in futures:  # tier writes read the staged stream: let them all end
+                    f.exception()
+                shard.stream.close()
+                self.staging.release()
+                held = False
+            self._after_commit(
+                job, info, shard, committed, shared_ready, exchange.owned, exchange.ids
+            )
+        finally:
+            if held:
+                if shard is not None:
+                    shard.stream.close()
+                self.staging.release()
+            for slot in leased:
+                assert slot.tier is not None
+                self.leases.release_write(slot.tier)
+
+    def _encodes_deltas(self, role: Role) -> bool:
+        """Whether a synchronous tier that takes versions of ``role`` stores deltas (then
+        an in-flight diff reads its base's chunks, and a sweep must leave them; otherwise a
+        tier over its budget may free them: :func:`tiercheck.engine.retention.protection`)."""
+        return any(
+            s.policy is not None
+            and s.policy.mode == "sync"
+            and s.policy.codec == "delta"
+            and s.policy.wants(role)
+            for s in self.tierset.slots
+        )
+
+    def _encode(self, job: _Job) -> _Shard:
+        """Stage, hash and describe this rank's shard (steps 1 and 2), placing its blobs
+        in this rank's own synchronous tiers as they are hashed (:class:`ShardStream`)."""
+        handle, layout = job.handle, job.layout
+        assert layout is not None
+        base_chunks = self._resolve_base(job) if job.role == "diff" else None  # decides the role
+        proposal = job.proposal
+        try:
+            if proposal is not None:
+                assert self.logs is not None
+                # the state now, before the guard lets the trainer step again
+                job.replay = with_fingerprints(job.replay, self.logs)
+            event = self.staging.stage(job.leaves, layout, ready=job.ready)
+            if event is not None:
+                event.synchronize()
+        finally:
+            if proposal is not None and self.logs is not None:
+                self.logs.release(proposal)  # the gradients are staged: the ring may reuse them
+        job.leaves, job.ready = [], {}  # drop references to the caller's tensors
+        handle._time("staged", time.perf_counter() - job.t_call)
+        handle._mark_staged()
+        view = self.staging.view(layout.stream_bytes)
+        stream = ShardStream(
+            streamable(self.tierset.slots, job.role),
+            pool=self.pool,
+            view=view,
+            zstd_level=self.policy.zstd_level,
+            protect=lambda ids: job.protected.extend(self.fence.protect(ids)),
+        )
+        try:
+            chunks = stream.hash(layout, self._hash_threads)
+            handle._time("hashed", time.perf_counter() - job.t_call)
+            manifest, mbytes, mid = build_manifest(
+                version=job.version,
+                rank=self.rank,
+                world_size=self.world_size,
+                layout=layout,
+                chunks=chunks,
+                tree=job.tree,
+                log=job.replay,
+            )
+        except BaseException:
+            stream.close()
+            raise
+        return _Shard(view, chunks, manifest, mbytes, mid, base_chunks, stream)
+
+    def _resolve_base(self, job: _Job) -> tuple[ChunkRef, ...] | None:
+        """The chunks of diff ``job``'s base; if that base failed, make ``job`` a base.
+
+        A diff decided while its base was still being written finds the base committed by
+        now (saves run in order) unless the base failed. Then the first such diff becomes
+        the base instead, and the later diffs decided against the failed base use it.
+        """
+        assert job.base is not None
+        base = self._rebased.get(job.base, job.base)
+        chunks = self._base_chunks.get(base)
+        if chunks is not None:
+            job.base = job.handle.base = base
+            return chunks
+        self._rebased[job.base] = job.version
+        job.role, job.base = "base", None
+        job.handle.role, job.handle.base = "base", None
+        log.warning("version %d is a base: the base it was to follow failed", job.version)
+        return None
+
+    def _sync_slots(self, job: _Job) -> list[TierSlot]:
+        """The synchronous tiers that take this version; every tier's state starts here."""
+        handle = job.handle
+        sync = []
+        for slot in self.tierset.slots:
+            if slot.tier is None:
+                handle._set_tier(slot.name, "failed", f"tier could not be opened: {slot.error}")
+                continue
+            handle._set_tier(slot.name, "pending")
+            tp = slot.policy
+            if tp is not None and tp.mode == "sync" and tp.wants(job.role):
+                sync.append(slot)
+        return sync
+
+    def _fit_budgets(self, job: _Job, shard: _Shard, sync: list[TierSlot]) -> list[TierSlot]:
+        """The synchronous tiers that take ``job`` within their memory budgets.
+
+        Sets the default budgets for this version's size, then makes room in each tier with
+        a budget the version would overflow (:meth:`Maintenance.make_room`). A tier it still
+        does not fit is skipped for this version: its state is ``"skipped"`` with the
+        reason, and a warning names the tier, the sizes and the fix. If that leaves the
+        version no synchronous tier, the fastest other synchronous tier without a budget
+        takes it, whatever versions it usually takes (a diff goes to LMDB, which keeps
+        bases): the version is committed somewhere rather than not at all.
+        """
+        assert job.layout is not None
+        handle = job.handle
+        if job.role != "log":
+            # the defaults are sized for a full version: a log version (a third of the
+            # state, or less) must not shrink the budget the next base needs
+            size = version_bytes(
+                job.layout.stream_bytes, len(shard.chunks), len(shard.manifest_bytes)
+            )
+            self.budgets.size_known(size)
+        kept: list[TierSlot] = []
+        for slot in sync:
+            assert slot.tier is not None
+            if budget_of(slot.tier) is None:
+                kept.append(slot)
+                continue
+            try:
+                need = bytes_needed(
+                    slot.tier, shard.chunks, shard.manifest_id, len(shard.manifest_bytes)
+                )
+                short = self.maintenance.make_room(slot, need)
+            except TiercheckError as exc:  # counting failed: the tier still refuses past it
+                log.warning("could not make room in tier %s: %s", slot.name, exc)
+                short = None
+            if short is None:
+                kept.append(slot)
+                continue
+            why = short.message(job.version, job.step)
+            log.warning("%s", why)
+            handle._set_tier(slot.name, "skipped", why)
+            job.skipped[slot.name] = why
+        if kept or not job.skipped:
+            return kept
+        for slot in self.tierset.by_speed():
+            tp, tier = slot.policy, slot.tier
+            if (
+                tier is None
+                or tp is None
+                or tp.mode != "sync"
+                or slot.name in job.skipped
+                or tier.capabilities.shared
+                or budget_of(tier) is not None
+            ):
+                continue
+            log.warning(
+                "version %d (step %d) goes to tier %s instead: no tier that takes it has room",
+                job.version,
+                job.step,
+                slot.name,
+            )
+            return [slot]
+        return kept
+
+    def _vote_and_commit(
+        self,
+        job: _Job,
+        futures: Mapping[Future[PlaceResult], TierSlot],
+        shard: _Shard,
+    ) -> tuple[VersionInfo, list[TierSlot], list[TierSlot]]:
+        """Vote once one tier holds the shard, then commit each tier as it is prepared.
+
+        A fast tier (shm) is thus committed, and reported, without waiting for a slow one
+        (LMDB, a peer). Returns the version, the committed slots and the prepared shared
+        slots, whose commit needs every rank's agreement first (step 6).
+        """
+        handle = job.handle
+        results: list[PlaceResult] = []
+        pending = set(futures)
+        while pending and not any(r.ok for r in results):
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            results += [f.result() for f in done]
+        ok = [r for r in results if r.ok]
+        vote = Vote(
+            rank=self.rank,
+            ok=bool(ok),
+            manifest=shard.manifest_id,
+            tiers=tuple(r.tier for r in ok),
+            reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
+            or "; ".join(job.skipped.values())
+            or ("no synchronous tier wants this version" if not futures else ""),
+        )
+        t_vote = time.perf_counter()
+        decision = self.coordinator.decide(job.version, vote)
+        handle._time("voting", time.perf_counter() - t_vote)
+        if not decision.commit:
+            results += [f.result() for f in pending]
+            for r in results:
+                _note_placed(handle, r)
+                if r.ok:
+                    slot = self.tierset.get(r.tier)
+                    assert slot.tier is not None
+                    try:
+                        append_record(slot.tier, AbortRecord(job.version, decision.reason))
+                    except TiercheckError as exc:
+                        log.warning("could not record abort in %s: %s", slot.name, exc)
+            raise CommitAborted(f"version {job.version} aborted: {decision.reason}")
+        assert job.layout is not None
+        info = VersionInfo(
+            id=job.version,
+            step=job.step,
+            role=job.role,
+            base=job.base,
+            world_size=self.world_size,
+            shards=decision.shards,
+            time=time.time(),
+            logical_bytes=job.logical or job.layout.stream_bytes,
+            metadata=job.metadata,
+        )
+        committed: list[TierSlot] = []
+        shared_ready: list[TierSlot] = []
+
+        def settle(r: PlaceResult) -> None:
+            _note_placed(handle, r)
+            if not r.ok:
+                return
+            slot = self.tierset.get(r.tier)
+            if _shared(slot) and self.world_size > 1:
+                shared_ready.append(slot)
+                return
+            if self._commit(slot, info, handle, job.t_call):
+                committed.append(slot)
+
+        for r in results:
+            settle(r)
+        for f in as_completed(pending):
+            settle(f.result())
+        return info, committed, shared_ready
+
+    def _commit(self, slot: TierSlot, info: VersionInfo, handle: SaveHandle, t0: float) -> bool:
+        """Append the commit record of ``info`` to ``slot``; report it on ``handle``."""
+        assert slot.tier is not None
+        if self.halt.is_set():  # close() gave up waiting: no commit record after it
+            error: str | None = f"not committed: {self.halt.why}"
+        elif _shared(slot) and not self.leases.write_valid(slot.tier):
+            error = "the write lease lapsed while preparing; not committed here"
+        else:
+            error = commit_on(slot, info)
+        if error is not None:
+            handle._set_tier(slot.name, "failed", error)
+            return False
+        self.catalog.committed(slot.name, info)
+        handle._set_tier(slot.name, "committed")
+        handle._time(f"committed:{slot.name}", time.perf_counter() - t0)
+        return True
+
+    def _after_commit(
+        self,
+        job: _Job,
+        info: VersionInfo,
+        shard: _Shard,
+        committed: list[TierSlot],
+        shared_ready: list[TierSlot],
+        owned: frozenset[str] | None,
+        exchanged: frozenset[str],
+    ) -> None:
+        """Steps 6 and 7: confirm across ranks, judge the guarantees, deliver the outcome,
+        queue the migrations and request maintenance."""
+        handle = job.handle
+        targets = self.migrations.targets(info)
+        reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
+        try:
+            skipped = [n for n, st in handle.result_now().tiers.items() if st == "skipped"]
+            confirmation = self.coordinator.confirm(
+                job.version,
+                [s.name for s in committed],
+                [s.name for s in shared_ready],
+                skipped,
+            )
+            for slot in shared_ready:
+                if slot.name not in confirmation.shared_tiers:
+                    why = confirmation.reason or "not every rank prepared in this tier"
+                    handle._set_tier(slot.name, "failed", why)
+                elif self.rank == 0:  # one rank records the commit in a tier all share
+                    if self._commit(slot, info, handle, job.t_call):
+                        committed.append(slot)
+                else:
+                    self.catalog.committed(slot.name, info)
+                    handle._set_tier(slot.name, "committed")
+                    committed.append(slot)
+            if not committed:
+                raise CheckpointError(
+                    f"version {job.version} could not be committed in any tier: "
+                    f"{handle.result_now().errors}"
+                )
+            error = self._judge(
+                job,
+                info,
+                confirmation.ok,
+                confirmation.committed,
+                confirmation.reason,
+                confirmation.skipped,
+            )
+        except BaseException:
+            self.migrations.release(reservation)
+            raise
+        if confirmation.ok:
+            with self._lock:
+                self._confirmed = max(info.id, self._confirmed or -1)
+        if info.role in ("base", "diff"):
+            self._committed_full.add(info.id)
+        elif info.role == "log" and job.proposal is not None and self.logs is not None:
+            self.logs.stored(job.proposal)
+        if info.role == "base":
+            # a diff decided against an older base has run by now (saves run in order)
+            self._base_chunks = {info.id: shard.chunks}
+        handle._time("committed", time.perf_counter() - job.t_call)
+        handle._finish(error, [s.name for s in targets])
+        self.migrations.submit(info, handle, targets, owned=owned, reservation=reservation)
+        self.maintenance.request(s.name for s in committed)
+
+    def _judge(
+        self,
+        job: _Job,
+        info: VersionInfo,
+        confirmed: bool,
+        per_rank: Sequence[Sequence[str]],
+        reason: str,
+        skipped: Sequence[Sequence[str]] = (),
+    ) -> DurabilityError | None:
+        """What ``wait()`` raises for this committed version: the guarantees, judged for
+        every rank alike (each rank has the same tiers by name)."""
+        states = job.handle.result_now()
+        multi = self.world_size > 1
+        errors: list[DurabilityError] = []
+        mine = guarantees.check(
+            "wait",
+            version=info.id,
+            step=info.step,
+            role=info.role,
+            slots=self.tierset.slots,
+            policy=self.policy,
+            states=states.tiers,
+            errors=states.errors,
+            rank=self.rank if multi else None,
+        )
+        if mine is not None:
+            errors.append(mine)
+        if multi and not confirmed:
+            errors.append(
+                DurabilityError(
+                    f"version {info.id} (step {info.step}) is committed on rank {self.rank}, but "
+                    f"the ranks could not confirm it everywhere ({reason})",
+                    version=info.id,
+                    step=info.step,
+                    committed=states.committed_tiers,
+                )
+            )
+        for r, names in enumerate(per_rank if multi else ()):
+            if r == self.rank:
+                continue
+            theirs = guarantees.check(
+                "wait",
+                version=info.id,
+                step=info.step,
+                role=info.role,
+                slots=self.tierset.slots,
+                policy=self.policy,
+                states={
+                    **{n: "skipped" for n in (skipped[r] if r < len(skipped) else ())},
+                    **{n: "committed" for n in names},
+                },
+                errors={s.name: f"failed on rank {r}" for s in self.tierset.slots},
+                rank=r,
+            )
+            if theirs is not None:
+                errors.append(theirs)
+            elif not names:
+                errors.append(
+                    DurabilityError(
+                        f"version {info.id} (step {info.step}) is committed in no tier of "
+                        f"rank {r}: no rank can restore it",
+                        version=info.id,
+                        step=info.step,
+                    )
+                )
+        if not errors:
+            return None
+        if len(errors) == 1:
+            return errors[0]
+        first = errors[0]
+        return DurabilityError(
+            "; ".join(str(e) for e in errors),
+            version=first.version,
+            step=first.step,
+            committed=first.committed,
+            failed={k: v for e in errors for k, v in e.failed.items()},
+        )
+
+
+def _shared(slot: TierSlot) -> bool:
+    return slot.tier is not None and slot.tier.capabilities.shared
+
+
+def _note_placed(handle: SaveHandle, r: PlaceResult) -> None:
+    handle._written(r.tier, r.bytes_written, r.chunks_written)
+    handle._time(f"prepared:{r.tier}", r.seconds)
+    if not r.ok:
+        # past the tier's memory budget: the tier is skipped for this version, not failed
+        state: TierState = "skipped" if isinstance(r.exception, OverBudget) else "failed"
+        handle._set_tier(r.tier, state, r.error)

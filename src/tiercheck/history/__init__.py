@@ -1,0 +1,1 @@
+"""Browsing and managing a store's history: versions, diffs, verification, GC, migration."""

@@ -1,0 +1,1 @@
+"""Goodput planning: failure models, tier costs, the simulator and the interval planner."""

@@ -1,0 +1,1 @@
+"""For tier authors: the conformance suite and fault-injection wrappers."""
