@@ -1,0 +1,313 @@
+"""Shared by the commands: usage errors, human units, JSON output, progress bars, opening
+stores and versions."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tiercheck.errors import (
+    ConfigError,
+    FormatVersionError,
+    InvalidURL,
+    NoRestorableVersion,
+    StoreLocked,
+)
+
+if TYPE_CHECKING:
+    from tiercheck.history import versions as history
+
+
+EXPORT_SUFFIXES = (".safetensors", ".pt", ".pth")
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line on stderr, exit status 2."""
+
+
+def human_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    x = float(n)
+    for unit in units:
+        if abs(x) < 1024 or unit == units[-1]:
+            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    raise AssertionError("unreachable")
+
+
+def relative_time(t: float, now: float | None = None) -> str:
+    """``"3m ago"``, ``"2h ago"``, ``"5d ago"`` (``"in 2m"`` for a clock ahead of ours)."""
+    delta = (time.time() if now is None else now) - t
+    ahead = delta < 0
+    delta = abs(delta)
+    for size, unit in ((86400 * 365, "y"), (86400, "d"), (3600, "h"), (60, "m"), (1, "s")):
+        if delta >= size:
+            text = f"{int(delta // size)}{unit}"
+            break
+    else:
+        return "just now"
+    return f"in {text}" if ahead else f"{text} ago"
+
+
+def absolute_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def format_ratio(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
+
+
+def json_default(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return bytes(obj).hex()
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if hasattr(obj, "item"):  # NumPy scalars in metadata
+        return obj.item()
+    return repr(obj)
+
+
+def _clean_floats(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _clean_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean_floats(v) for v in obj]
+    return obj
+
+
+def emit_json(obj: Any) -> None:
+    """Print ``obj`` as JSON (non-finite floats as strings, bytes as hex): indented on a
+    terminal, compact when piped (json's C encoder only runs without indentation)."""
+    indent = 2 if sys.stdout.isatty() else None
+    text = json.dumps(_clean_floats(obj), indent=indent, default=json_default, allow_nan=False)
+    sys.stdout.write(text + "\n")
+
+
+def make_console() -> Any:
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, description: str) -> Iterator[history.Progress | None]:
+    """A ``progress(done, total)`` callback drawing a rich bar on stderr, or None."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def dcp_ranks(root: str) -> list[Path]:
+    """The per-rank stores of a DCP root (``TierWriter(root)`` makes ``root/rank{r}``), or
+    ``[]`` when ``root`` is not one."""
+    from tiercheck.engine.config import CONFIG_NAME
+
+    path = Path(root).expanduser()
+    if "://" in root or not path.is_dir() or (path / CONFIG_NAME).is_file():
+        return []
+    found = sorted(
+        (int(p.parent.name[4:]), p.parent)
+        for p in path.glob(f"rank*/{CONFIG_NAME}")
+        if p.parent.name[4:].isdigit()
+    )
+    return [p for _, p in found]
+
+
+def label(ckpt: Any) -> str:
+    """How a store is named on screen: its root, or the tier URL it was opened from."""
+    return str(getattr(ckpt, "cli_label", ckpt.root))
+
+
+def open_store(root: str, *, write: bool = False) -> Any:
+    """Open the store at ``root`` (read-only unless ``write``); UsageError if it is not one.
+
+    ``root`` may also be a tier URL (``file:///...``, ``s3://...``, ``lmdb:///...``, e.g. where
+    ``migrate --to URL`` copied versions): the tier alone is opened, read-only.
+    """
+    from tiercheck.checkpointer import Checkpointer
+    from tiercheck.engine.config import CONFIG_NAME
+    from tiercheck.engine.coordinator import LocalCoordinator
+
+    if "://" in root:
+        if write:
+            raise UsageError(f"{root}: a tier URL is opened read-only; this command writes")
+        try:
+            ckpt: Any = Checkpointer(
+                Path.cwd(), tiers=[root], read_only=True, coordinator=LocalCoordinator()
+            )
+        except (ConfigError, InvalidURL, FormatVersionError) as exc:
+            raise UsageError(f"{root}: {exc}") from None
+        down = [s for s in ckpt.tierset.slots if s.tier is None]
+        if down:
+            ckpt.close()
+            raise UsageError(f"{root}: cannot open the tier: {down[0].error}")
+        ckpt.cli_label = root
+        return ckpt
+    path = Path(root).expanduser()
+    if not path.exists():
+        raise UsageError(f"{root}: no such store root")
+    if not path.is_dir():
+        raise UsageError(f"{root}: not a directory")
+    ranks = dcp_ranks(root)
+    if ranks:
+        raise UsageError(
+            f"{root}: a DCP root holding one store per rank ({ranks[0].name}..{ranks[-1].name});"
+            f" `ls`, `verify` and `export` take it as it is, other commands one rank's store, "
+            f"e.g. {ranks[0]}"
+        )
+    if not (path / CONFIG_NAME).is_file():
+        raise UsageError(f"{root}: not a tiercheck store (no {CONFIG_NAME})")
+    try:
+        # one process, never in a process group: saying so spares importing torch.distributed
+        return Checkpointer(path, read_only=not write, coordinator=LocalCoordinator())
+    except StoreLocked as exc:
+        raise UsageError(str(exc)) from None
+    except (ConfigError, InvalidURL, FormatVersionError) as exc:
+        raise UsageError(f"{root}: {exc}") from None
+
+
+def pick_version(ckpt: Any, spec: str, rank: int | None = None) -> history.Version:
+    """The version ``spec`` names (id, ``latest``, ``step:N``); UsageError if none."""
+    from tiercheck.history import versions as history
+
+    try:
+        history.parse_version_spec(spec)
+        return ckpt.version(spec, rank=rank)  # type: ignore[no-any-return]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except NoRestorableVersion as exc:
+        raise UsageError(f"{ckpt.root}: {exc}") from None
+
+
+def tier_names(ckpt: Any, wanted: Sequence[str] | None) -> list[str] | None:
+    if not wanted:
+        return None
+    names = []
+    for w in wanted:
+        for slot in ckpt.tierset.slots:
+            if w in (slot.name, slot.spec.url):
+                names.append(slot.name)
+                break
+        else:
+            known = ", ".join(s.name for s in ckpt.tierset.slots)
+            raise UsageError(f"{w}: not a tier of this store (tiers: {known})")
+    return names
+
+
+def tiers_json(ckpt: Any) -> list[dict[str, Any]]:
+    from tiercheck.engine.guarantees import describe_survival
+
+    out = []
+    for slot in ckpt.tierset.slots:
+        pol = slot.policy
+        out.append(
+            {
+                "name": slot.name,
+                "url": slot.spec.url,
+                "available": slot.tier is not None,
+                "error": slot.error,
+                "speed_rank": slot.speed_rank if slot.tier is not None else None,
+                "survives": slot.tier.capabilities.survives.value if slot.tier else None,
+                "survives_text": describe_survival(slot.tier.capabilities) if slot.tier else None,
+                "persistent": slot.tier.capabilities.persistent if slot.tier else None,
+                "shared": slot.tier.capabilities.shared if slot.tier else None,
+                "policy": None
+                if pol is None
+                else {
+                    "versions": pol.versions,
+                    "mode": pol.mode,
+                    "codec": pol.codec,
+                    "keep_bases": pol.keep_bases,
+                    "keep_diffs": pol.keep_diffs,
+                    "guarantee": "required" if pol.required else "best_effort",
+                },
+            }
+        )
+    return out
+
+
+STATE_STYLE = {
+    "committed": "green",
+    "migrating": "yellow",
+    "missing": "dim",
+    "dropped": "dim",
+    "unreachable": "red",
+}
+
+
+def nonneg_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if x < 0 or not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return x
+
+
+def nonneg_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    x = nonneg_float(text)
+    if x == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return x
+
+
+def parse_size(text: str) -> int:
+    from tiercheck.peer.server import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return value
