@@ -215,7 +215,7 @@ def check_store(ckpt: Checkpointer) -> list[str]:
                     problems.append(f"{slot.name}: version {vid}: {type(exc).__name__}: {exc}")
     if ranks > 1:
         return problems
-    from tiercheck.history.versions import verify
+    from tiercheck.history.verify import verify
 
     try:
         report = verify(ckpt)

@@ -23,7 +23,9 @@ from tiercheck import Checkpointer, Policy, TierPolicy
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.errors import NoRestorableVersion
 from tiercheck.formats.codecs import FORMAT_MAJOR, Codec, encode_blob
-from tiercheck.history.versions import Version, migrate, verify
+from tiercheck.history.manage import migrate
+from tiercheck.history.verify import verify
+from tiercheck.history.versions import Version
 
 CHUNK = 16 * 1024
 

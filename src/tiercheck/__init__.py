@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from tiercheck.core.rng import rng_state, set_rng_state
     from tiercheck.engine.config import TierSpec
     from tiercheck.engine.placement import Policy, TierPolicy
-    from tiercheck.history.versions import Diff, Version
+    from tiercheck.history.diff import Diff
+    from tiercheck.history.versions import Version
 
 __version__ = "0.1.0"
 
@@ -41,7 +42,7 @@ _LAZY = {
     "SaveResult": "tiercheck.checkpointer",
     "VersionSummary": "tiercheck.checkpointer",
     "TierSpec": "tiercheck.engine.config",
-    "Diff": "tiercheck.history.versions",
+    "Diff": "tiercheck.history.diff",
     "Version": "tiercheck.history.versions",
     "Policy": "tiercheck.engine.placement",
     "TierPolicy": "tiercheck.engine.placement",

@@ -69,8 +69,9 @@ from tiercheck.errors import (
     UnfinishedWork,
 )
 from tiercheck.formats.manifest import Role, ShardManifest, VersionInfo
-from tiercheck.history.versions import Diff, Version, VersionSummary, build_history, open_version
-from tiercheck.history.versions import diff as diff_versions
+from tiercheck.history.diff import Diff
+from tiercheck.history.diff import diff as diff_versions
+from tiercheck.history.versions import Version, VersionSummary, build_history, open_version
 from tiercheck.logversions.planner import LogSource, replay_version
 from tiercheck.restore.service import (
     Binding,
@@ -842,7 +843,7 @@ class Checkpointer:
         return open_version(self, version, step=step, rank=rank)
 
     def diff(self, a: int | str | Version, b: int | str | Version) -> Diff:
-        """What changed from ``a`` to ``b`` (see :func:`tiercheck.history.versions.diff`)."""
+        """What changed from ``a`` to ``b`` (see :func:`tiercheck.history.diff.diff`)."""
         return diff_versions(self.version(a), self.version(b))
 
     # --- lifecycle ------------------------------------------------------------------------

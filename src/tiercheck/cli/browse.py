@@ -278,12 +278,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from tiercheck.history import versions as history
+    from tiercheck.history.diff import diff
 
     with contextlib.closing(open_store(args.root)) as ckpt:
         va = pick_version(ckpt, args.a, args.rank)
         vb = pick_version(ckpt, args.b, args.rank)
-        d = history.diff(va, vb)
+        d = diff(va, vb)
         if args.json:
             emit_json(d.to_json())
             return 0

@@ -97,7 +97,7 @@ def cmd_gc_orphans(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from tiercheck.history import versions as history
+    from tiercheck.history.manage import collect
 
     if args.orphans:
         if args.root is not None:
@@ -111,7 +111,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         with progress_bar(not args.json, "collecting") as progress:
             if progress is not None:
                 progress(0, 1)
-            reports = history.collect(ckpt, dry_run=args.dry_run, grace=args.grace)
+            reports = collect(ckpt, dry_run=args.dry_run, grace=args.grace)
             if progress is not None:
                 progress(1, 1)
         rows: list[dict[str, Any]] = [
@@ -154,7 +154,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from tiercheck.history import versions as history
+    from tiercheck.history.manage import migrate
 
     with contextlib.closing(open_store(args.root)) as probe:
         configured = any(args.to in (s.name, s.spec.url) for s in probe.tierset.slots)
@@ -162,7 +162,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         v = pick_version(ckpt, args.version)
         try:
             with progress_bar(not args.json, "migrating") as progress:
-                report = history.migrate(ckpt, v, args.to, progress=progress)
+                report = migrate(ckpt, v, args.to, progress=progress)
         except InvalidURL as exc:
             raise UsageError(str(exc)) from None
         if args.json:

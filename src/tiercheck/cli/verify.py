@@ -19,7 +19,7 @@ from tiercheck.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from tiercheck.history import versions as history
+    from tiercheck.history import verify as history_verify
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -42,13 +42,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _verify_one(root: str, args: argparse.Namespace) -> history.VerifyReport:
-    from tiercheck.history import versions as history
+def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyReport:
+    from tiercheck.history import verify as history_verify
 
     with contextlib.closing(open_store(root, write=args.repair)) as ckpt:
         tiers = tier_names(ckpt, args.tier)
         with progress_bar(not args.json, "verifying") as progress:
-            report = history.verify(ckpt, tiers=tiers, repair=args.repair, progress=progress)
+            report = history_verify.verify(ckpt, tiers=tiers, repair=args.repair, progress=progress)
         if not args.json:
             from rich.table import Table
 
