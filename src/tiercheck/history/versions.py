@@ -46,13 +46,12 @@ from tiercheck.formats.manifest import (
     ShardManifest,
     VersionInfo,
 )
+from tiercheck.history.view import StoreView
 
 # torch (and tiercheck.core.entries, which imports it) is imported only where an entry's value
 # is made or compared, so that browsing a store (`tiercheck ls`, `show`) need not import it.
 if TYPE_CHECKING:
     import torch
-
-    from tiercheck.checkpointer import Checkpointer
 
 
 __all__ = [
@@ -170,7 +169,7 @@ class Version:
     info: VersionInfo = field(repr=False, compare=False)
     survives: str | None = None
     rank: int = field(default=0, repr=False, compare=False)
-    _store: Checkpointer | None = field(default=None, repr=False, compare=False)
+    _store: StoreView[Version] | None = field(default=None, repr=False, compare=False)
 
     # --- log facts ----------------------------------------------------------------------
 
@@ -193,7 +192,7 @@ class Version:
 
     # --- lazy content -------------------------------------------------------------------
 
-    def _require_store(self) -> Checkpointer:
+    def _require_store(self) -> StoreView[Version]:
         store = self._store
         if store is None:
             raise CheckpointError(f"version {self.id} is detached from its store")
@@ -377,7 +376,7 @@ def _own_copy(value: Any) -> Any:
 class _Reader:
     """Fetches entries of one version through its store's tiers, fastest holder first."""
 
-    def __init__(self, store: Checkpointer, v: Version) -> None:
+    def __init__(self, store: StoreView[Version], v: Version) -> None:
         if v.rank >= len(v.info.shards):
             raise NoRestorableVersion(
                 f"version {v.id} has {len(v.info.shards)} shard(s); there is no rank {v.rank}"
@@ -480,7 +479,7 @@ class _Reader:
 
 
 def build_history(
-    store: Checkpointer,
+    store: StoreView[Version],
     catalog: Catalog,
     *,
     pending: Iterable[tuple[int, str]] = (),
@@ -605,7 +604,7 @@ def resolve_version(
 
 
 def open_version(
-    store: Checkpointer,
+    store: StoreView[Version],
     spec: int | str | Version | None = None,
     *,
     step: int | None = None,
