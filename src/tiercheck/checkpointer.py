@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.engine.catalog import Catalog
 from tiercheck.engine.config import StoreConfig, TierSpec
 from tiercheck.engine.coordinator import Coordinator
+from tiercheck.engine.executors import Executors
 from tiercheck.engine.handles import Failures, SaveHandle, SaveResult
 from tiercheck.engine.leases import StoreLock
 from tiercheck.engine.placement import Policy
@@ -142,9 +142,10 @@ class Checkpointer:
         return self._engine.failures
 
     @property
-    def executor(self) -> Executor:
-        """The store's I/O thread pool (for reads that history and verify run in parallel)."""
-        return self._engine.pool
+    def executors(self) -> Executors:
+        """The store's thread pools (I/O, writes, hashing, log reads), which history and
+        verify run their parallel reads on; shut down by :meth:`close`."""
+        return self._engine.executors
 
     # --- saving ---------------------------------------------------------------------------
 

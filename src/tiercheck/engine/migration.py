@@ -102,6 +102,7 @@ class MigrationService:
         fence: GCFence,
         leases: TierLeases,
         pool: Executor,
+        writes: Executor,
         maintenance: Maintenance,
         failures: Failures,
         rank: int = 0,
@@ -116,6 +117,7 @@ class MigrationService:
         self.fence = fence
         self.leases = leases
         self.pool = pool
+        self.writes = writes
         self.maintenance = maintenance
         self.failures = failures
         self.rank = rank
@@ -476,6 +478,7 @@ class MigrationService:
                         sources,
                         fetcher,
                         self.pool,
+                        writes=self.writes,
                         zstd_level=self.policy.zstd_level,
                         base_manifest_id=base_mid,
                         commit=False,

@@ -143,6 +143,7 @@ class SaveService:
         leases: TierLeases,
         staging: StagingBuffer,
         pool: Executor,
+        hashing: Executor,
         migrations: MigrationService,
         maintenance: Maintenance,
         failures: Failures,
@@ -162,6 +163,7 @@ class SaveService:
         self.leases = leases
         self.staging = staging
         self.pool = pool
+        self.hashing = hashing
         self.migrations = migrations
         self.maintenance = maintenance
         self.failures = failures
@@ -612,7 +614,7 @@ class SaveService:
             protect=lambda ids: job.protected.extend(self.fence.protect(ids)),
         )
         try:
-            chunks = stream.hash(layout, self._hash_threads)
+            chunks = stream.hash(layout, self._hash_threads, self.hashing)
             handle._time("hashed", time.perf_counter() - job.t_call)
             manifest, mbytes, mid = build_manifest(
                 version=job.version,

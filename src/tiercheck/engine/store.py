@@ -4,7 +4,8 @@
 
 - the tiers (:class:`~tiercheck.engine.tierset.TierSet`) and the merged view of their logs
   (:class:`~tiercheck.engine.catalog.LiveCatalog`);
-- the executors: the I/O pool every service reads and writes through (``tiercheck-io``);
+- the executors (:class:`~tiercheck.engine.executors.Executors`): the thread pools every
+  service reads, hashes and writes on, shut down when the store closes;
 - the staging buffer, reused by every save and restore;
 - the GC fence and the leases in shared tiers (:mod:`tiercheck.engine.leases`);
 - the services: :class:`~tiercheck.engine.saving.SaveService` (its pipeline thread),
@@ -26,7 +27,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from tiercheck.engine.config import (
     save_config,
 )
 from tiercheck.engine.coordinator import Coordinator, DistCoordinator, LocalCoordinator
+from tiercheck.engine.executors import Executors
 from tiercheck.engine.handles import Failures
 from tiercheck.engine.leases import GCFence, StoreLock, TierLeases
 from tiercheck.engine.maintenance import Maintenance
@@ -108,13 +109,11 @@ class Engine:
         read_only = self.read_only
         specs = [_for_rank(spec, self.coordinator) for spec in config.tiers]
         self.tierset = TierSet(specs, self.policy, read_only=read_only, owner=self.root)
-        cores = os.cpu_count() or 2
-        self.pool = ThreadPoolExecutor(
-            max_workers=threads or max(4, 2 * cores), thread_name_prefix="tiercheck-io"
-        )
+        self.executors = Executors.start(threads)
+        self.pool = self.executors.io
         self.staging = StagingBuffer()
         self.failures = Failures()
-        self.catalog = LiveCatalog(read_catalog(self.tierset.tiers()))
+        self.catalog = LiveCatalog(read_catalog(self.tierset.tiers(), pool=self.executors.logs))
         fence = GCFence()
         leases = TierLeases()
         next_id = self.coordinator.agree_max(self.catalog.snapshot().max_version_id()) + 1
@@ -144,6 +143,7 @@ class Engine:
             fence=fence,
             leases=leases,
             pool=self.pool,
+            writes=self.executors.writes,
             maintenance=self.maintenance,
             failures=self.failures,
             rank=self.rank,
@@ -160,6 +160,7 @@ class Engine:
             leases=leases,
             staging=self.staging,
             pool=self.pool,
+            hashing=self.executors.hashing,
             migrations=self.migrations,
             maintenance=self.maintenance,
             failures=self.failures,
@@ -187,9 +188,9 @@ class Engine:
         maintenance: Maintenance | None = getattr(self, "maintenance", None)
         if maintenance is not None:
             steps.append(maintenance.close)
-        pool: ThreadPoolExecutor | None = getattr(self, "pool", None)
-        if pool is not None:
-            steps.append(functools.partial(pool.shutdown, wait=True, cancel_futures=True))
+        executors: Executors | None = getattr(self, "executors", None)
+        if executors is not None:
+            steps.append(functools.partial(executors.shutdown, wait=True, cancel_futures=True))
         tierset: TierSet | None = getattr(self, "tierset", None)
         if tierset is not None:
             steps.append(tierset.close)
@@ -229,7 +230,7 @@ class Engine:
         """Re-read every tier's log and install it as the catalog."""
         mark = self.catalog.begin_read()
         try:
-            fresh = read_catalog(self.tierset.tiers())
+            fresh = read_catalog(self.tierset.tiers(), pool=self.executors.logs)
         except BaseException:
             self.catalog.end_read(mark)
             raise
@@ -392,7 +393,7 @@ class Engine:
         if self.saves is not None:
             self.saves.stop()
         self.maintenance.stop()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.executors.shutdown(wait=False, cancel_futures=True)
         closer = threading.Thread(target=self._release_all, name="tiercheck-close", daemon=True)
         self._closer = closer
         closer.start()
@@ -418,7 +419,7 @@ class Engine:
             if self.saves is not None:
                 self.saves.join()
             self.maintenance.join()
-            self.pool.shutdown(wait=True)
+            self.executors.shutdown(wait=True)
         finally:
             self.tierset.close()
             self.release_lock()

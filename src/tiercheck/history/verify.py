@@ -207,7 +207,7 @@ def verify(
         return slot, blob_id, n, problem
 
     found: list[BlobProblem] = []
-    for done, (slot, blob_id, n, problem) in enumerate(store.executor.map(check, work), 1):
+    for done, (slot, blob_id, n, problem) in enumerate(store.executors.io.map(check, work), 1):
         tv = by_name[slot.name]
         tv.blobs += 1
         tv.bytes += n

@@ -448,7 +448,7 @@ class _Reader:
         if len(indices) == 1:
             one(indices[0])
         elif indices:
-            list(self.store.executor.map(one, indices))
+            list(self.store.executors.io.map(one, indices))
         out: dict[str, Any] = {}
         for e, value in zip(entries, values):
             if e.kind in ("tensor", "ndarray"):
@@ -473,7 +473,7 @@ class _Reader:
             pieces.append(Piece(k, e.dtype, placement.global_shape, dest, (0,) * len(e.shape)))
             out[k] = dest
         gather(
-            pieces, self.info, self.fetcher, self.order, self.store.executor, expect=self.expect
+            pieces, self.info, self.fetcher, self.order, self.store.executors.io, expect=self.expect
         ).apply()
         return out
 

@@ -9,10 +9,10 @@ with these members.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from typing import Protocol, TypeVar
 
 from tiercheck.engine.catalog import Catalog
+from tiercheck.engine.executors import Executors
 from tiercheck.engine.placement import Policy
 from tiercheck.engine.retention import GCReport
 from tiercheck.engine.tierset import TierSet
@@ -58,8 +58,8 @@ class StoreView(Protocol[V_co]):
         ...
 
     @property
-    def executor(self) -> Executor:
-        """The store's I/O pool, for reads run in parallel."""
+    def executors(self) -> Executors:
+        """The store's thread pools: reads run in parallel on ``io``, writes on ``writes``."""
         ...
 
     def refresh(self) -> Catalog:
