@@ -27,7 +27,7 @@ domain (``Policy.durability`` for ``wait()``, ``Policy.migrated_durability`` for
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tiercheck.backends.base import Capabilities, FailureDomain
@@ -170,9 +170,6 @@ class Policy:
         """The placement of tier ``name``: explicit, or the default for its capabilities."""
         explicit = self.tiers.get(name)
         return explicit if explicit is not None else default_tier_policy(caps, self.base_every)
-
-    def with_tier(self, name: str, tier_policy: TierPolicy) -> Policy:
-        return replace(self, tiers={**self.tiers, name: tier_policy})
 
 
 def default_tier_policy(caps: Capabilities, base_every: int = 10) -> TierPolicy:
