@@ -2,7 +2,7 @@
 
 The policy decides; tiers only move bytes. A :class:`Policy` holds store-wide settings and a
 :class:`TierPolicy` per tier name. A tier without an explicit entry gets a default derived
-from its declared capabilities (DESIGN.md section 3):
+from its declared capabilities (:func:`default_tier_policy`, docs/configuration.md):
 
 | tier kind                                   | versions | mode  | codec | keeps                   |
 |---------------------------------------------|----------|-------|-------|-------------------------|
@@ -173,7 +173,7 @@ class Policy:
 
 
 def default_tier_policy(caps: Capabilities, base_every: int = 10) -> TierPolicy:
-    """DESIGN.md's default placement for a tier with capabilities ``caps``."""
+    """The default placement for a tier with capabilities ``caps`` (the table above)."""
     if caps.shared or caps.survives == FailureDomain.CLUSTER:
         codec: CodecName = "zstd" if caps.compress else "raw"
         return TierPolicy(versions="base", mode="async", codec=codec, keep_bases=None)

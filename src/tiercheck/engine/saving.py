@@ -20,8 +20,11 @@ thread then runs each save in order:
 
 The service owns the version planner (ids, roles, the base each diff follows), the
 in-flight saves and the base chunks diffs are encoded against; it borrows the staging
-buffer (``StagingBuffer`` acquire/release) and the I/O pool. No lock is held while a tier
-is called, and each save's outcome travels in return values to its handle, nowhere else.
+buffer and the I/O pool. The staging buffer is held (``StagingBuffer`` acquire/release) from
+staging until every tier write that reads it has ended, tier calls included: a restore or
+``prepare`` waits for it meanwhile. The service's own lock guards the planner and the
+in-flight list and is never held while a tier is called. Each save's outcome travels in
+return values to its handle, nowhere else.
 
 Once ``close()`` halts the store (:class:`~tiercheck.engine.background.Halt`), the saves queued
 are cancelled (their handles fail with :class:`~tiercheck.errors.Halted`), and the save
