@@ -6,7 +6,7 @@ subclass overrides only the calls it changes, and everything else reaches the in
 unchanged. It forwards *every* method and property of
 :class:`~tiercheck.backends.base.Tier`, including those the base class gives a default
 (``put_parts``, ``begin_put``, ``put_many``, ``put_many_parts``, ``get_parts``, ``size``,
-``head``, ``replace_log_prefix``, ``usage``, ``set_budget``, ``bind_store``): a wrapper that
+``head``, ``replace_log_prefix``, ``usage``, ``set_budget``, ``read_owner``, ``write_owner``, ``bind_store``): a wrapper that
 inherited those defaults would silently turn a vectored write into a join, hide a memory
 tier's budget from the engine, or refuse log compaction the inner tier can do.
 ``tests/backends/test_wrappers.py`` fails when a method is added to ``Tier`` and not here.
@@ -22,7 +22,7 @@ import builtins
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from tiercheck.backends.base import Buffer, Capabilities, PendingPut, Tier
+from tiercheck.backends.base import Buffer, Capabilities, PendingPut, StoreOwner, Tier
 
 __all__ = ["WrapperTier"]
 
@@ -134,6 +134,12 @@ class WrapperTier(Tier):
 
     def set_budget(self, nbytes: int | str | None) -> None:
         self.inner.set_budget(nbytes)
+
+    def read_owner(self) -> StoreOwner | None:
+        return self.inner.read_owner()
+
+    def write_owner(self, owner: StoreOwner) -> None:
+        self.inner.write_owner(owner)
 
     def bind_store(self, root: str) -> None:
         self.inner.bind_store(root)
