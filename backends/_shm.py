@@ -408,9 +408,8 @@ class ShmTier(Tier):
     def read_owner(self) -> StoreOwner | None:
         """The store id, root and node ``owner.json`` names (None: no store recorded)."""
         owner = read_owner(self.path) or {}
-        return StoreOwner.from_json(
-            {"store_id": owner.get("store_id"), "root": owner.get("store"), "host": owner.get("store_host")}
-        )
+        fields = {"store_id": "store_id", "root": "store", "host": "store_host"}
+        return StoreOwner.from_json({k: owner.get(v) for k, v in fields.items()})
 
     def write_owner(self, owner: StoreOwner) -> None:
         """Record ``owner`` in ``owner.json`` (written to a temporary name, then renamed)."""
