@@ -497,9 +497,7 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
                 store_id, root = before.store_id, before.recorded_root
         if store_id is None:
             store_id, root = new_store_id(), None
-        return _save_config(
-            path, config, store_id, root or str(path.parent.resolve()), exclusive
-        )
+        return _save_config(path, config, store_id, root or str(path.parent.resolve()), exclusive)
 
 
 def _save_config(

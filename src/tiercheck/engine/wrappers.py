@@ -8,7 +8,8 @@ unchanged. It forwards *every* method and property of
 (``put_parts``, ``begin_put``, ``put_many``, ``put_many_parts``, ``get_parts``, ``size``,
 ``head``, ``replace_log_prefix``, ``usage``, ``set_budget``, ``read_owner``,
 ``write_owner``, ``bind_store``): a wrapper that inherited those defaults would silently
-turn a vectored write into a join, hide a memory tier's budget from the engine, or refuse log compaction the inner tier can do.
+turn a vectored write into a join, hide a memory tier's budget from the engine, or refuse
+log compaction the inner tier can do.
 ``tests/backends/test_wrappers.py`` fails when a method is added to ``Tier`` and not here.
 
 Attributes the interface does not name (an LMDB tier's ``path``, a peer tier's ``stats``)
