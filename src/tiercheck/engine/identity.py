@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -52,6 +51,7 @@ from tiercheck.errors import ConfigError, ForeignTier, StoreCopied
 __all__ = [
     "SHARED_OPTION",
     "Relation",
+    "local_path",
     "namespaced",
     "open_identity",
     "relation",
@@ -73,14 +73,6 @@ def _same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 def store_at(root: str | os.PathLike[str]) -> str | None:
     """The id of the store at ``root`` (None: no store there, or one without an id)."""
     return read_store_id(Path(root) / CONFIG_NAME)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What :func:`relation` decided about one owner record, and why (for messages)."""
-
-    relation: Relation
-    owner: StoreOwner | None
 
 
 def relation(owner: StoreOwner | None, store_id: str, root: Path) -> Relation:
@@ -207,7 +199,7 @@ def resolve_spec(spec: TierSpec, root: Path | None, store_id: str | None) -> Tie
     return namespaced(spec, store_id)
 
 
-def _local_path(url: str) -> str | None:
+def local_path(url: str) -> str | None:
     """The directory of a local tier (``lmdb://``, ``file://``), else None."""
     if url.startswith(("lmdb://", "file://")):
         path = unquote(urlsplit(url).path)
@@ -231,7 +223,7 @@ def claim(tier: Tier, spec: TierSpec, store_id: str, root: Path, *, read_only: b
     owner = tier.read_owner()
     verdict = relation(owner, store_id, root)
     if verdict == "unowned":
-        local = _local_path(spec.url)
+        local = local_path(spec.url)
         other = _enclosing_store(local) if local is not None else None
         if other is not None and not _same_path(other, root):
             verdict = "copy" if store_at(other) == store_id else "foreign"
