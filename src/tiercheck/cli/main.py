@@ -154,8 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shm-root",
         action="append",
         metavar="DIR",
-        help="with --orphans: shm root to scan (repeatable; default /dev/shm/tiercheck-UID, "
-        "yours)",
+        help="with --orphans: shm root to scan (repeatable; default /dev/shm/tiercheck-UID, yours)",
     )
     p.add_argument(
         "--grace",

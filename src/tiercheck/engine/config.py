@@ -93,6 +93,7 @@ __all__ = [
     "load_config",
     "new_store_id",
     "read_store_id",
+    "relative_defaults",
     "resolve_references",
     "rewrite_store_file",
     "save_config",
@@ -187,6 +188,27 @@ def shm_default_name(root: Path) -> str:
     digits of a hash of the root and a random id)."""
     tag = blake3.blake3(f"{root.resolve()}\0{uuid.uuid4()}".encode()).hexdigest()[:12]
     return f"tiercheck-{tag}"
+
+
+def relative_defaults(tiers: tuple[TierSpec, ...], root: Path) -> dict[str, str]:
+    """The URLs of an older store's default tiers (``lmdb:///ROOT/lmdb``,
+    ``file:///ROOT/remote``) rewritten relative to the root (``{root}``), for the root
+    the store is at now, or a root it was moved from (one without a store any more, when
+    this root holds the directory)."""
+    urls: dict[str, str] = {}
+    for spec in tiers:
+        for scheme in ("lmdb://", "file://"):
+            if not spec.url.startswith(scheme) or ROOT_PLACEHOLDER in spec.url:
+                continue
+            where = spec.url[len(scheme) :]
+            parent, tail = os.path.split(where.rstrip("/"))
+            if not parent.startswith("/") or not tail:
+                continue
+            here = root / tail.replace("{rank}", "0")
+            moved = not (Path(parent) / CONFIG_NAME).exists() and here.exists()
+            if os.path.realpath(parent) == os.path.realpath(root) or moved:
+                urls[spec.url] = f"{scheme}{ROOT_PLACEHOLDER}/{tail}"
+    return urls
 
 
 def coerce_tiers(tiers: Sequence[str | TierSpec | tuple[str, str]]) -> tuple[TierSpec, ...]:
@@ -497,6 +519,10 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
                 store_id, root = before.store_id, before.recorded_root
         if store_id is None:
             store_id, root = new_store_id(), None
+            # a file written before stores had ids: its default tiers become relative
+            urls = relative_defaults(config.tiers, path.parent)
+            tiers = tuple(TierSpec(t.name, urls.get(t.url, t.url), t.options) for t in config.tiers)
+            config = StoreConfig(tiers, config.policy)
         return _save_config(path, config, store_id, root or str(path.parent.resolve()), exclusive)
 
 

@@ -33,17 +33,17 @@ import os
 import socket
 from pathlib import Path
 from typing import Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 from tiercheck.backends.base import StoreOwner, Tier
 from tiercheck.engine.config import (
     CONFIG_NAME,
-    ROOT_PLACEHOLDER,
     TierSpec,
     expand_root,
     load_config,
     new_store_id,
     read_store_id,
+    relative_defaults,
     rewrite_store_file,
 )
 from tiercheck.errors import ConfigError, ForeignTier, StoreCopied
@@ -113,7 +113,7 @@ def open_identity(root: Path, *, read_only: bool) -> str | None:
             path,
             store_id=new_store_id(),
             root=str(root),
-            urls=_relative_defaults(config.tiers, root),
+            urls=relative_defaults(config.tiers, root),
             only_without_id=True,
         )
         log.info("store %s has no id (written by an older tiercheck): it is now %s", root, adopted)
@@ -140,27 +140,6 @@ def open_identity(root: Path, *, read_only: bool) -> str | None:
     return store_id
 
 
-def _relative_defaults(tiers: tuple[TierSpec, ...], root: Path) -> dict[str, str]:
-    """The URLs of an older store's default tiers (``lmdb:///ROOT/lmdb``,
-    ``file:///ROOT/remote``) rewritten relative to the root (``{root}``), for the root
-    the store is at now, or a root it was moved from (one without a store any more, when
-    this root holds the directory)."""
-    urls: dict[str, str] = {}
-    for spec in tiers:
-        for scheme in ("lmdb://", "file://"):
-            if not spec.url.startswith(scheme) or ROOT_PLACEHOLDER in spec.url:
-                continue
-            where = spec.url[len(scheme) :]
-            parent, tail = os.path.split(where.rstrip("/"))
-            if not parent.startswith("/") or not tail:
-                continue
-            here = root / tail.replace("{rank}", "0")
-            moved = not (Path(parent) / CONFIG_NAME).exists() and here.exists()
-            if _same_path(parent, root) or moved:
-                urls[spec.url] = f"{scheme}{ROOT_PLACEHOLDER}/{tail}"
-    return urls
-
-
 def namespaced(spec: TierSpec, store_id: str) -> TierSpec:
     """The spec of this store's own namespace in a tier shared by stores: ``shm://NAME``
     becomes ``shm://NAME.ID16``, ``lmdb:///PATH`` ``lmdb:///PATH/stores/ID`` and an fsspec
@@ -176,7 +155,10 @@ def namespaced(spec: TierSpec, store_id: str) -> TierSpec:
         )
     parts = urlsplit(url)
     path = f"{parts.path.rstrip('/')}/stores/{store_id}"
-    return TierSpec(spec.name, urlunsplit(parts._replace(path=path)), options)
+    rebuilt = f"{parts.scheme}://{parts.netloc}{path}"  # urlunsplit drops an empty host's //
+    rebuilt += f"?{parts.query}" if parts.query else ""
+    rebuilt += f"#{parts.fragment}" if parts.fragment else ""
+    return TierSpec(spec.name, rebuilt, options)
 
 
 def resolve_spec(spec: TierSpec, root: Path | None, store_id: str | None) -> TierSpec:
