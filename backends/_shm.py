@@ -222,7 +222,7 @@ def _is_segment(path: str) -> bool:
 def list_segments(
     root: str | os.PathLike[str] = DEFAULT_ROOT, *, sizes: bool = True
 ) -> builtins.list[Segment]:
-    """Every shm store under ``root`` (an shm root, default ``/dev/shm/tiercheck``).
+    """Every shm store under ``root`` (an shm root, default ``/dev/shm/tiercheck-UID``).
 
     ``sizes=False`` skips measuring each store (a walk of its files): the cheap listing.
     """
@@ -313,7 +313,7 @@ class _Pool:
 class ShmTier(Tier):
     """Tier in host shared memory. See the module docstring for layout and guarantees.
 
-    Options: ``root`` (directory holding the stores, default ``/dev/shm/tiercheck``),
+    Options: ``root`` (directory holding the stores, default ``/dev/shm/tiercheck-UID``),
     ``read_only``, ``pool_limit`` (bytes of free segments kept for reuse, default 4 GiB),
     ``budget`` (most bytes of blobs plus pool held; default none: only the free memory of
     /dev/shm bounds it).
