@@ -586,12 +586,8 @@ def rewrite_store_file(
             if value is None:
                 continue
             line = f"{key} = {tomli_w.dumps({'u': value})[4:-1]}"
-            text, n = re.subn(
-                rf"(?m)^{key}\s*=\s*(\"[^\"\n]*\"|'[^'\n]*')[ \t]*$",
-                lambda _m, line=line: line,
-                text,
-                count=1,
-            )
+            pattern = rf"(?m)^{key}\s*=\s*(\"[^\"\n]*\"|'[^'\n]*')[ \t]*$"
+            text, n = re.subn(pattern, line.replace("\\", "\\\\"), text, count=1)
             if not n:
                 # a top-level key goes before the first table: after the leading comments
                 head = re.match(r"(?:[ \t]*(?:#[^\n]*)?\n)*", text)

@@ -359,7 +359,8 @@ def _owns(owner: StoreOwner | None, config: StoreConfig, root: Path) -> bool:
     if owner is None:
         return False
     if config.store_id is None:
-        return owner.store_id is None and owner.root is not None and _same_path(owner.root, root)
+        recorded = owner.root
+        return owner.store_id is None and recorded is not None and _same_path(recorded, str(root))
     return identity.relation(owner, config.store_id, root) in ("own", "moved")
 
 
