@@ -173,6 +173,14 @@ def test_an_older_store_is_adopted_on_its_first_writable_open(stores: Path) -> N
     assert adopted.store_id is not None and adopted.recorded_root == str(root.resolve())
     urls = {s.name: s.url for s in adopted.tiers}
     assert urls["lmdb"] == "lmdb://{root}/lmdb" and urls["remote"] == "file://{root}/remote"
+    # the tiers the file named before, passed as they were, are still the store's tiers
+    where = root.resolve()
+    as_before = [
+        TierSpec("shm", urls["shm"]),
+        TierSpec("lmdb", f"lmdb://{where}/lmdb"),
+        TierSpec("remote", f"file://{where}/remote", {"survives": "process", "shared": True}),
+    ]
+    assert _restored(root, tiers=as_before) == 1.0
 
 
 # --- 2. roots that move and copy -----------------------------------------------------

@@ -512,17 +512,19 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
     returns False, writing nothing, if it does.
     """
     with _store_file_lock(path):
-        store_id, root = None, None
+        store_id, root, older = None, None, False
         if not exclusive:
             with contextlib.suppress(ConfigError):
                 before = load_config(path)
                 store_id, root = before.store_id, before.recorded_root
-        if store_id is None:
-            store_id, root = new_store_id(), None
+                older = store_id is None
+        if older:
             # a file written before stores had ids: its default tiers become relative
             urls = relative_defaults(config.tiers, path.parent)
             tiers = tuple(TierSpec(t.name, urls.get(t.url, t.url), t.options) for t in config.tiers)
             config = StoreConfig(tiers, config.policy)
+        if store_id is None:
+            store_id, root = new_store_id(), None
         return _save_config(path, config, store_id, root or str(path.parent.resolve()), exclusive)
 
 
