@@ -371,3 +371,23 @@ def test_the_orphan_warning_is_given_once_per_process(
     assert len(warnings) == 1
     for shm_root in (shm_a, shm_b):
         shutil.rmtree(shm_root / "left")
+
+
+def test_an_s3_prefix_records_its_owner_and_refuses_another_store(
+    stores: Path, s3_bucket: tuple[str, dict[str, object]]
+) -> None:
+    """The remote tier's marker object under the prefix, through a real S3 endpoint."""
+    url, storage_options = s3_bucket
+    tiers = [TierSpec("remote", url, {"storage_options": storage_options})]
+    a, b = stores / "a", stores / "b"
+    _save(a, 1.0, tiers=tiers)
+    with open_tier(url, storage_options=storage_options, read_only=True) as tier:
+        owner = tier.read_owner()
+    assert owner is not None and owner.store_id == load_config(a / CONFIG_NAME).store_id
+    with pytest.raises(ForeignTier, match=str(a.resolve())):
+        Checkpointer(b, tiers=tiers)
+    shared = [
+        TierSpec("remote", url, {"storage_options": storage_options, "shared_by_stores": True})
+    ]
+    _save(b, 2.0, step=5, tiers=shared)
+    assert _restored(b, tiers=shared) == 2.0 and _restored(a) == 1.0
