@@ -5,7 +5,7 @@ per built-in tier; :func:`open_tier` opens any of them by URL. The shm tier's se
 
 from typing import TYPE_CHECKING, Any
 
-from tiercheck.backends.base import Capabilities, FailureDomain, PendingPut, Tier
+from tiercheck.backends.base import Capabilities, FailureDomain, PendingPut, StoreOwner, Tier
 from tiercheck.backends.registry import available_schemes, open_tier, register_tier
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ __all__ = [
     "FailureDomain",
     "PendingPut",
     "Segment",
+    "StoreOwner",
     "Tier",
     "available_schemes",
     "list_segments",

@@ -5,6 +5,8 @@ file system, unlike the native ``memory://`` tier).
 Layout under the root (the URL's path)::
 
     tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1}
+    owner.json                   the store owning the prefix: {"store_id", "root", "host"}
+                                 (formats/SPEC.md "Store identity"; replaced whole)
     blobs/<id[:2]>/<id>          one object per blob, written once (repairs overwrite)
     log/<seq:016d>.rec           one object per log record, seq = 0, 1, 2, ... in append order
     log/<seq:016d>.ckpt          a checkpoint record standing for every record up to seq
@@ -102,6 +104,7 @@ from tiercheck.backends.base import (
     Capabilities,
     FailureDomain,
     PendingPut,
+    StoreOwner,
     Tier,
     check_blob_id,
     invalid_url,
@@ -132,6 +135,7 @@ _os = os
 LAYOUT_VERSION = 1
 _MARKER = "tier.json"
 _MARKER_KIND = "tiercheck-fsspec"
+_OWNER = "owner.json"
 _LOG_NAME_RE = re.compile(r"^(\d{16})\.rec$")
 _CKPT_NAME_RE = re.compile(r"^(\d{16})\.ckpt$")
 _MAX_APPEND_RACES = 1000
@@ -874,6 +878,30 @@ class FsspecTier(Tier):
                 f"tier {self.url} has layout {layout}; this tiercheck reads up to "
                 f"{LAYOUT_VERSION}: upgrade tiercheck"
             )
+
+    # --- owner ---------------------------------------------------------------------
+
+    def read_owner(self) -> StoreOwner | None:
+        """The record in ``owner.json`` under the root (None: none, or not a record)."""
+        path = self._join(self._root, _OWNER)
+        try:
+            raw = bytes(self._call("read the owner", _OWNER, lambda: self._store.read(path, None)))
+        except NotFound:
+            return None
+        try:
+            return StoreOwner.from_json(json.loads(raw))
+        except ValueError:
+            return None
+
+    def write_owner(self, owner: StoreOwner) -> None:
+        """Replace ``owner.json`` (a whole object: temp file and rename, or one PUT)."""
+        self._check_writable("record the owner")
+        path = self._join(self._root, _OWNER)
+        body = memoryview(json.dumps(owner.to_json()).encode())
+
+        self._call(
+            "record the owner", _OWNER, lambda: self._store.put(path, [body], if_absent=False)
+        )
 
     # --- blobs ---------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ On-disk layout: ``PATH`` is an LMDB environment directory::
                    "blobs"  key: the blob id as 32 raw bytes, value: the blob bytes
                    "log"    key: sequence number as big-endian u64 (0, 1, 2, ...),
                             value: one framed record (tiercheck.formats.framing)
+                 and, in the main database, the key "tiercheck.owner": the store owning
+                 the environment (JSON, formats/SPEC.md "Store identity")
       lock.mdb   LMDB's reader table and writer lock
 
 URL: only the absolute form ``lmdb:///abs/path`` (empty host, percent-encoding allowed) is
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import json
 import logging
 import os
 import struct
@@ -69,6 +72,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    StoreOwner,
     Tier,
     check_blob_id,
     invalid_url,
@@ -90,6 +94,7 @@ _BATCH_BYTES = 256 << 20
 _RESERVE_STEP = 64 << 20
 _RESERVE_SLACK = 16 << 20
 _SEQ = struct.Struct(">Q")
+_OWNER_KEY = b"tiercheck.owner"
 _T = TypeVar("_T")
 
 
@@ -673,3 +678,29 @@ class LmdbTier(Tier):
             return pages * int(st["psize"])
 
         return self._read(txn_usage, "usage", "")
+
+    # --- owner ---------------------------------------------------------------------
+
+    def read_owner(self) -> StoreOwner | None:
+        """The owner record under the key ``tiercheck.owner`` of the main database."""
+
+        def txn_owner(txn: lmdb.Transaction, e: _Env) -> bytes | None:
+            value = txn.get(_OWNER_KEY)
+            return None if value is None else bytes(value)
+
+        raw = self._read(txn_owner, "read the owner", "")
+        if raw is None:
+            return None
+        try:
+            return StoreOwner.from_json(json.loads(raw))
+        except ValueError:
+            return None  # not a record this version wrote: treated as none
+
+    def write_owner(self, owner: StoreOwner) -> None:
+        """Record ``owner`` under ``tiercheck.owner`` (one write transaction)."""
+        body = json.dumps(owner.to_json()).encode()
+
+        def txn_owner(txn: lmdb.Transaction, e: _Env) -> None:
+            txn.put(_OWNER_KEY, body)
+
+        self._write(txn_owner, "record the owner", "", len(body))

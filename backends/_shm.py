@@ -1,10 +1,10 @@
 """``shm://NAME``: blobs and log in host shared memory (tmpfs), surviving a crashed process.
 
-On-disk layout (``ROOT`` is ``/dev/shm/tiercheck`` unless the option ``root=`` says
-otherwise)::
+On-disk layout (``ROOT`` is ``/dev/shm/tiercheck-UID``, one directory per user, unless
+the option ``root=`` says otherwise)::
 
     ROOT/NAME/
-      owner.json       who owns the segment: store root, host, creating pid, time
+      owner.json       who owns the segment: store id and root, host, creating pid, time
       blobs/<id>       one file per blob; only complete files ever get this name
       pool/<token>     free segments: files of deleted blobs, pages still allocated
       tmp/<pid>.<n>    puts in flight; a dead writer's leftovers are recycled at open
@@ -12,9 +12,16 @@ otherwise)::
       log.compact      a compacted log being written (renamed over ``log``, or removed)
 
 Ownership: the first writable open writes ``owner.json`` (``{"kind": "tiercheck-shm",
-"store": null, "host", "pid", "created", "url"}``); :meth:`ShmTier.bind_store` records the
-owning store's root in it. ``tiercheck gc --orphans`` reads it to find segments whose store
-is gone (:func:`list_segments`, :func:`remove_segment`; see :mod:`tiercheck.engine.lifecycle`).
+"store_id": null, "store": null, "host", "pid", "created", "url"}``);
+:meth:`ShmTier.write_owner` records the owning store's id, root and node in it
+(:meth:`ShmTier.read_owner` reads them back; formats/SPEC.md, "Store identity"), and
+:meth:`ShmTier.bind_store` the root alone. ``tiercheck gc --orphans`` reads it to find
+segments whose store is gone (:func:`list_segments`, :func:`remove_segment`; see
+:mod:`tiercheck.engine.lifecycle`).
+
+Privacy: the default root is per user (``/dev/shm/tiercheck-UID``), made mode 0700 and
+refused if another user owns it; a segment's directories are 0700 and its files 0600,
+so no other user of the node reads (or lists) what a store holds.
 
 Budget: the option ``budget`` (bytes or a size such as ``"8GiB"``) bounds the bytes of
 blobs held plus the pool; pooled segments are freed first to make room, and a put that
@@ -74,6 +81,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    StoreOwner,
     Tier,
     check_blob_id,
     check_budget,
@@ -93,7 +101,7 @@ __all__ = [
     "shm_free_bytes",
 ]
 
-DEFAULT_ROOT = "/dev/shm/tiercheck"
+DEFAULT_ROOT = f"/dev/shm/tiercheck-{os.getuid()}"
 DEFAULT_POOL_LIMIT = 4 << 30
 # Every call that changes the store's files goes through this name, so a test can record
 # an operation trace and replay the states a crash could leave (tests/test_power_loss.py).
@@ -137,7 +145,7 @@ def shm_free_bytes(path: str | os.PathLike[str]) -> int:
 
 def _write_json_atomic(path: str, obj: dict[str, Any]) -> None:
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         _write_all(fd, memoryview(json.dumps(obj).encode()), 0)
     finally:
@@ -149,16 +157,17 @@ def _write_json_atomic(path: str, obj: dict[str, Any]) -> None:
 class Segment:
     """One shm store (a directory under an shm root) and what its owner file says.
 
-    ``store`` is the owning store's root on node ``store_host`` (None: opened without a
-    store, or no owner file); ``host`` is the node that created it; ``owned`` says whether
-    an owner file was found at all. ``nbytes`` is the memory its files take (None when
-    not measured).
+    ``store`` is the owning store's root on node ``store_host`` and ``store_id`` its id
+    (None: opened without a store, no owner file, or written before stores had ids);
+    ``host`` is the node that created it; ``owned`` says whether an owner file was found
+    at all. ``nbytes`` is the memory its files take (None when not measured).
     """
 
     path: str
     name: str
     root: str
     store: str | None
+    store_id: str | None
     store_host: str | None
     host: str | None
     pid: int | None
@@ -188,6 +197,24 @@ def read_owner(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) and obj.get("kind") == _OWNER_KIND else None
 
 
+def _private_root(root: str) -> None:
+    """Make the shm root ``root`` (mode 0700) if it is not there; refuse one another user
+    owns (it could read every segment), and close the default root to other users."""
+    try:
+        _os.makedirs(root, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # a file or a dangling link: the stat below says so
+    st = os.stat(root)
+    if st.st_uid != os.getuid():
+        raise OSError(
+            errno.EPERM,
+            f"the shm root {root} belongs to uid {st.st_uid}, not to this user "
+            f"({os.getuid()}); use your own (the option root=)",
+        )
+    if root == DEFAULT_ROOT and st.st_mode & 0o077:
+        os.chmod(root, 0o700)
+
+
 def _is_segment(path: str) -> bool:
     return os.path.isdir(os.path.join(path, "blobs")) and os.path.exists(os.path.join(path, "log"))
 
@@ -195,7 +222,7 @@ def _is_segment(path: str) -> bool:
 def list_segments(
     root: str | os.PathLike[str] = DEFAULT_ROOT, *, sizes: bool = True
 ) -> builtins.list[Segment]:
-    """Every shm store under ``root`` (an shm root, default ``/dev/shm/tiercheck``).
+    """Every shm store under ``root`` (an shm root, default ``/dev/shm/tiercheck-UID``).
 
     ``sizes=False`` skips measuring each store (a walk of its files): the cheap listing.
     """
@@ -221,6 +248,7 @@ def list_segments(
                 name=os.path.basename(path),
                 root=root,
                 store=field("store", str),
+                store_id=field("store_id", str),
                 store_host=field("store_host", str),
                 host=field("host", str),
                 pid=field("pid", int),
@@ -285,7 +313,7 @@ class _Pool:
 class ShmTier(Tier):
     """Tier in host shared memory. See the module docstring for layout and guarantees.
 
-    Options: ``root`` (directory holding the stores, default ``/dev/shm/tiercheck``),
+    Options: ``root`` (directory holding the stores, default ``/dev/shm/tiercheck-UID``),
     ``read_only``, ``pool_limit`` (bytes of free segments kept for reuse, default 4 GiB),
     ``budget`` (most bytes of blobs plus pool held; default none: only the free memory of
     /dev/shm bounds it).
@@ -343,11 +371,13 @@ class ShmTier(Tier):
                 raise invalid_url(url, f"no shm store at {self.path} to open read-only")
             return
         try:
+            _private_root(self.root)
+            _os.makedirs(self.path, mode=0o700, exist_ok=True)
             for d in (self._blobs, self._pool_dir, self._tmp):
-                _os.makedirs(d, exist_ok=True)
+                _os.makedirs(d, mode=0o700, exist_ok=True)
             if read_owner(self.path) is None:
                 self._write_owner(None)
-            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o600)
             self._recover()
         except OSError as exc:
             self.close()
@@ -355,12 +385,17 @@ class ShmTier(Tier):
 
     # --- opening -------------------------------------------------------------------
 
-    def _write_owner(self, store: str | None, store_host: str | None = None) -> None:
+    def _write_owner(
+        self, store: str | None, store_host: str | None = None, *, store_id: str | None = None
+    ) -> None:
         previous = read_owner(self.path) or {}
+        if store_id is None and previous.get("store") == store:
+            store_id = previous.get("store_id")
         _write_json_atomic(
             os.path.join(self.path, OWNER_FILE),
             {
                 "kind": _OWNER_KIND,
+                "store_id": store_id,
                 "store": store,
                 "store_host": store_host,
                 "host": previous.get("host", socket.gethostname()),
@@ -369,6 +404,20 @@ class ShmTier(Tier):
                 "url": self.url,
             },
         )
+
+    def read_owner(self) -> StoreOwner | None:
+        """The store id, root and node ``owner.json`` names (None: no store recorded)."""
+        owner = read_owner(self.path) or {}
+        fields = {"store_id": "store_id", "root": "store", "host": "store_host"}
+        return StoreOwner.from_json({k: owner.get(v) for k, v in fields.items()})
+
+    def write_owner(self, owner: StoreOwner) -> None:
+        """Record ``owner`` in ``owner.json`` (written to a temporary name, then renamed)."""
+        self._check_writable("record the owner")
+        try:
+            self._write_owner(owner.root, owner.host, store_id=owner.store_id)
+        except OSError as exc:
+            raise self._os_error(exc, "record the owner") from exc
 
     def bind_store(self, root: str, *, host: str | None = None) -> None:
         """Record ``root`` on ``host`` (default: this one) as the store owning this segment
@@ -506,7 +555,7 @@ class ShmTier(Tier):
             self.segments_reused += 1
             return tmp, _os.open(tmp, os.O_RDWR), seg_size
         self.segments_created += 1
-        return tmp, _os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), 0
+        return tmp, _os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), 0
 
     # --- blobs ---------------------------------------------------------------------
 
@@ -774,7 +823,7 @@ class ShmTier(Tier):
             fcntl.flock(self._log_fd, fcntl.LOCK_UN)
             _os.close(self._log_fd)
             self._log_fd = -1
-            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o600)
 
     def read_log(self) -> builtins.list[bytes]:
         """Every intact record; a damaged frame in the middle is skipped, not the rest."""
@@ -802,7 +851,7 @@ class ShmTier(Tier):
                 if not 1 <= count <= len(scan.spans):
                     raise ValueError(f"count {count} is outside the log of {len(scan.spans)}")
                 cut = scan.spans[count - 1][1]
-                fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 try:
                     _write_all(fd, memoryview(frame), 0)
                     _write_all(fd, memoryview(data)[cut:], len(frame))
@@ -818,4 +867,4 @@ class ShmTier(Tier):
             finally:
                 fcntl.flock(self._log_fd, fcntl.LOCK_UN)
             _os.close(self._log_fd)
-            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o600)

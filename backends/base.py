@@ -75,6 +75,7 @@ __all__ = [
     "Capabilities",
     "FailureDomain",
     "PendingPut",
+    "StoreOwner",
     "Tier",
     "check_blob_id",
     "check_budget",
@@ -145,6 +146,33 @@ class Capabilities:
     atomic_batch: bool = False
     compress: bool = True
     empty_objects: bool = True
+
+
+@dataclass(frozen=True)
+class StoreOwner:
+    """The owner record of a tier: the id of the store that owns it, the store's root (as
+    that store last opened it) and the node it was opened on. ``store_id`` is None in a
+    record written before stores had ids (an shm segment's ``owner.json`` naming a root)."""
+
+    store_id: str | None
+    root: str | None
+    host: str | None
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"store_id": self.store_id, "root": self.root, "host": self.host}
+
+    @classmethod
+    def from_json(cls, obj: object) -> StoreOwner | None:
+        """The record in ``obj`` (a decoded JSON object), or None if it is not one."""
+        if not isinstance(obj, dict):
+            return None
+        values = [obj.get(k) for k in ("store_id", "root", "host")]
+        if not all(v is None or isinstance(v, str) for v in values):
+            return None
+        store_id, root, host = values
+        if store_id is None and root is None:
+            return None
+        return cls(store_id, root, host)
 
 
 def check_blob_id(blob_id: str, url: str = "") -> None:
@@ -319,6 +347,16 @@ class Tier(abc.ABC):
         (:mod:`tiercheck.engine.budgets`). May raise ``OSError`` or a ``TierError``.
         """
         return None
+
+    def read_owner(self) -> StoreOwner | None:
+        """The owner record this tier holds (formats/SPEC.md, "Store identity"), or None:
+        none recorded yet, or a tier that keeps none (the default)."""
+        return None
+
+    def write_owner(self, owner: StoreOwner) -> None:  # noqa: B027 - optional hook
+        """Record ``owner`` as the store owning this tier, replacing any record (atomically:
+        a reader sees the old record or the new one). Tiers that keep an owner record (shm,
+        LMDB, fsspec) implement it; the default records nothing."""
 
     def bind_store(self, root: str) -> None:  # noqa: B027 - optional hook
         """Record that the store at ``root`` owns this tier (called once, before saving).

@@ -2,7 +2,7 @@
 leaks an shm segment.
 
 - ``_no_leaked_segments`` (autouse): fails a test that leaves behind, in
-  ``/dev/shm/tiercheck``, a segment it created: one whose owner record names this test
+  ``/dev/shm/tiercheck-UID``, a segment it created: one whose owner record names this test
   process, or a store under this session's temporary directory (a subprocess's). Other
   processes' segments (other test runs on the machine) are never counted. A leaked
   segment is removed after it is reported.

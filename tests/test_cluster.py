@@ -253,5 +253,7 @@ def test_the_default_store_under_torchrun_gives_each_rank_its_own_tiers(
         restored = by(events, "restored")
         assert [(e["step"], e["exact"], e["source"]) for e in restored] == [(3, True, "shm")] * 2
     finally:
+        from tiercheck.backends import DEFAULT_SHM_ROOT
+
         for r in (0, 1):
-            shutil.rmtree(f"/dev/shm/tiercheck/{segment.replace('{rank}', str(r))}", True)
+            shutil.rmtree(f"{DEFAULT_SHM_ROOT}/{segment.replace('{rank}', str(r))}", True)

@@ -17,6 +17,7 @@ import torch
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.backends import DEFAULT_SHM_ROOT
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.engine.catalog import read_tier_log
 from tiercheck.engine.config import default_config
@@ -518,7 +519,7 @@ def test_default_config_is_written_and_reread(tmp_path: Path) -> None:
         assert shm is not None
         # clean the shared memory this test created
         shm.delete(list(shm.list()))
-    shutil.rmtree(f"/dev/shm/tiercheck/{shm_url.removeprefix('shm://')}", ignore_errors=True)
+    shutil.rmtree(f"{DEFAULT_SHM_ROOT}/{shm_url.removeprefix('shm://')}", ignore_errors=True)
 
 
 def test_bad_config_is_a_config_error(tmp_path: Path) -> None:
@@ -582,13 +583,13 @@ def test_a_store_created_again_at_the_same_path_starts_empty(tmp_path: Path) -> 
                 second.restore(state_of(1))
     finally:
         for url in {old, new}:
-            shutil.rmtree(f"/dev/shm/tiercheck/{url.removeprefix('shm://')}", ignore_errors=True)
+            shutil.rmtree(f"{DEFAULT_SHM_ROOT}/{url.removeprefix('shm://')}", ignore_errors=True)
 
 
 def test_default_config_for_several_ranks_is_per_rank() -> None:
     cfg = default_config(Path("/data/ckpt"), multi_rank=True)
     urls = {s.name: s.url for s in cfg.tiers}
-    assert urls["shm"].endswith("-{rank}") and urls["lmdb"] == "lmdb:///data/ckpt/lmdb-{rank}"
+    assert urls["shm"].endswith("-{rank}") and urls["lmdb"] == "lmdb://{root}/lmdb-{rank}"
     assert default_config(Path("/data/ckpt")).tiers[0].url != urls["shm"].removesuffix("-{rank}")
 
 

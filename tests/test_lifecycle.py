@@ -136,12 +136,12 @@ def test_gc_orphans_finds_and_removes_segments_of_deleted_stores(tmp_path: Path)
 def test_a_store_created_again_orphans_its_old_segment(tmp_path: Path) -> None:
     root = tmp_path / "store"
     first = _store(root)
-    (root / CONFIG_NAME).unlink()  # a new store at the same path gets a new segment name
+    shutil.rmtree(root)  # a new store at the same path gets a new id and segment name
     second = _store(root)
     try:
         assert first != second
         orphans = [o for o in find_orphans() if o.segment.path == str(first)]
-        assert len(orphans) == 1 and "no longer names it" in orphans[0].reason
+        assert len(orphans) == 1 and "another store is at" in orphans[0].reason
         assert not [o for o in find_orphans() if o.segment.path == str(second)]
         assert remove_orphans(orphans) > 0
         assert not first.exists() and second.is_dir()
@@ -172,14 +172,14 @@ def test_opening_a_store_warns_about_orphans(
     with Checkpointer(gone, tiers=spec) as ckpt:
         ckpt.save(1, STATE).wait()
     shutil.rmtree(gone)
-    monkeypatch.setattr("tiercheck.engine.lifecycle._warned", set())  # a fresh process's memory
+    monkeypatch.setattr("tiercheck.engine.lifecycle._warned", False)  # a fresh process
     with caplog.at_level(logging.WARNING, logger="tiercheck"):
         other = [TierSpec("shm", "shm://other", {"root": str(shm_root)})]
         with Checkpointer(tmp_path / "other", tiers=other):
             pass
     assert "gc --orphans" in caplog.text and str(shm_root / "gone") in caplog.text
     caplog.clear()
-    warn_orphans([shm_root])  # once per process and root
+    warn_orphans([shm_root, tmp_path])  # once per process, whatever the roots
     assert caplog.text == ""
 
 

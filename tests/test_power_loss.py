@@ -226,12 +226,13 @@ def _policy(tier: str) -> Policy:
 
 
 def check_restore(store: Path, tier: TierSpec, state: CrashState, *, promised: bool) -> None:
-    """A fresh Checkpointer over the crash state opens and restores a version that was
-    saved, bit for bit, or finds none; where the tier ``promised`` to survive this crash,
-    that version is the newest acknowledged step or a newer one."""
+    """A fresh Checkpointer of the store that saved (``store``) over the crash state opens
+    and restores a version that was saved, bit for bit, or finds none; where the tier
+    ``promised`` to survive this crash, that version is the newest acknowledged step or a
+    newer one. (The store itself reopens: the tier's owner record names it.)"""
     acked = acked_number(state) if promised else -1
     where = f"{state.variant} state at op {state.cut}"
-    with Checkpointer(store, tiers=[tier], policy=_policy(tier.name)) as ckpt:
+    with Checkpointer(store, tiers=[tier], policy=_policy(tier.name), rewrite_config=True) as ckpt:
         target: dict[str, Any] = {
             "frozen": torch.zeros(CHUNK // 2),
             "w": torch.zeros(CHUNK // 2),
@@ -272,9 +273,7 @@ def test_checkpointer_over_file_tier_restores_the_newest_acknowledged_step_after
     assert len(states) > 20
 
     def check(where: Path, state: CrashState) -> None:
-        store = tmp_path / f"store-{where.name}"
-        check_restore(store, TierSpec("disk", f"file://{where}"), state, promised=True)
-        shutil.rmtree(store)
+        check_restore(tmp_path / "store", TierSpec("disk", f"file://{where}"), state, promised=True)
 
     check_states(states, tmp_path, check)
 
@@ -333,10 +332,8 @@ def test_checkpointer_over_shm_tier_after_a_killed_writer_and_after_power_loss(
     promised = {id(s) for s in [*killed[::3], killed[-1]]}
 
     def check(where: Path, state: CrashState) -> None:
-        store = tmp_path / f"store-{where.name}"
         tier = TierSpec("shm", "shm://power-loss", {"root": str(where)})
-        check_restore(store, tier, state, promised=id(state) in promised)
-        shutil.rmtree(store)
+        check_restore(tmp_path / "store", tier, state, promised=id(state) in promised)
 
     check_states([*killed[::3], killed[-1], *lost], tmp_path, check)
 

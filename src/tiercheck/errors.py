@@ -15,6 +15,7 @@ __all__ = [
     "CommitAborted",
     "ConfigError",
     "DurabilityError",
+    "ForeignTier",
     "FormatVersionError",
     "Halted",
     "InvalidURL",
@@ -28,6 +29,7 @@ __all__ = [
     "ReplayRefused",
     "ReplayRequired",
     "StateError",
+    "StoreCopied",
     "StoreLocked",
     "TierError",
     "TierFull",
@@ -157,6 +159,28 @@ class ConfigError(TiercheckError, ValueError):
 
 class StoreLocked(TiercheckError):
     """Another process holds the store root open for writing."""
+
+
+class ForeignTier(ConfigError):
+    """A tier is owned by another store (its owner record names another store id).
+
+    ``tier`` is the tier's URL, ``owner_root`` the root its owner record names and ``root``
+    the store that tried to open it. Give the store a tier of its own, or declare the tier
+    shared by stores (option ``shared_by_stores = true``: each store keeps its own namespace
+    in it).
+    """
+
+    def __init__(self, message: str, *, tier: str = "", owner_root: str = "", root: str = ""):
+        super().__init__(message)
+        self.tier = tier
+        self.owner_root = owner_root
+        self.root = root
+
+
+class StoreCopied(ForeignTier):
+    """The store at ``root`` is a copy of the store at ``owner_root`` (same store id, and the
+    original is still there): it opens read-only until ``tiercheck adopt ROOT`` makes it a
+    store of its own."""
 
 
 class CheckpointError(TiercheckError):

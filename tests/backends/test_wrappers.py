@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tiercheck.backends._memory import MemoryTier
-from tiercheck.backends.base import Capabilities, FailureDomain, Tier
+from tiercheck.backends.base import Capabilities, FailureDomain, StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.engine.wrappers import WrapperTier
 from tiercheck.testing.conformance import TierConformance, blob
@@ -134,6 +134,8 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "usage": lambda t: t.usage(),
     "set_budget": lambda t: t.set_budget("1MiB"),
     "free_memory": lambda t: t.free_memory(),
+    "read_owner": lambda t: t.read_owner(),
+    "write_owner": lambda t: t.write_owner(StoreOwner("0" * 32, "/nonexistent/store", "h")),
     "bind_store": lambda t: t.bind_store("/nonexistent/store"),
     "close": lambda t: t.close(),
 }

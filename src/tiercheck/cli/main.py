@@ -1,7 +1,7 @@
 """The ``tiercheck`` command line (also ``python -m tiercheck``).
 
 Commands: ``ls``, ``show``, ``diff``, ``verify``, ``gc`` (also ``gc --orphans``), ``rm``,
-``export``, ``migrate``, ``peer serve`` / ``peer status`` / ``peer token`` and ``plan``.
+``adopt``, ``export``, ``migrate``, ``peer serve`` / ``peer status`` / ``peer token`` and ``plan``.
 Every command takes ``--json`` for scripts (stable keys, one JSON document on stdout). Long
 commands draw a progress bar on stderr when it is a terminal and stay quiet otherwise. Exit
 status: 0 ok, 1 problems found (or an operation failed), 2 usage errors (bad arguments,
@@ -34,7 +34,7 @@ from tiercheck.cli.common import (
     positive_int,
 )
 from tiercheck.cli.export import cmd_export
-from tiercheck.cli.manage import cmd_gc, cmd_migrate, cmd_rm
+from tiercheck.cli.manage import cmd_adopt, cmd_gc, cmd_migrate, cmd_rm
 from tiercheck.cli.peer import cmd_peer_serve, cmd_peer_status, cmd_peer_token
 from tiercheck.cli.plan import cmd_plan
 from tiercheck.cli.verify import cmd_verify
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Mark and sweep every tier: blobs referenced by no version the tier keeps "
         "are deleted once past the grace period. Takes the writer lock unless --dry-run. A "
         "tier shared with a process that is writing to it is skipped (its write lease says "
-        "so). With --orphans (and no ROOT): list the shm segments of this node whose store "
+        "so). With --orphans (and no ROOT): list your shm segments on this node whose store "
         "is gone or no longer names them; --yes deletes them.",
     )
     p.add_argument("root", metavar="ROOT", nargs="?", help="store root")
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shm-root",
         action="append",
         metavar="DIR",
-        help="with --orphans: shm root to scan (repeatable; default /dev/shm/tiercheck)",
+        help="with --orphans: shm root to scan (repeatable; default /dev/shm/tiercheck-UID, yours)",
     )
     p.add_argument(
         "--grace",
@@ -177,6 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root", metavar="ROOT", help="store root")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser(
+        "adopt",
+        parents=[common],
+        help="make a copied store root a store of its own",
+        description="A copy of a store root (cp -r, or a copied tiercheck.toml) has the "
+        "original's store id, and opens read-only while the original is there. adopt gives "
+        "ROOT a new store id and new shm segment names, and records it as the owner of the "
+        "tiers inside ROOT (their versions become its own). Tiers outside ROOT stay their "
+        "owner's. Refused while a process holds ROOT open for writing.",
+    )
+    p.add_argument("root", metavar="ROOT", help="store root")
+    p.set_defaults(func=cmd_adopt)
 
     p = sub.add_parser(
         "export",

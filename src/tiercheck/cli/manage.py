@@ -1,5 +1,5 @@
-"""``tiercheck rm``, ``gc`` (also ``gc --orphans``) and ``migrate``: the commands that change
-a store."""
+"""``tiercheck rm``, ``adopt``, ``gc`` (also ``gc --orphans``) and ``migrate``: the commands
+that change a store."""
 
 from __future__ import annotations
 
@@ -55,6 +55,37 @@ def cmd_rm(args: argparse.Namespace) -> int:
     )
     for tier in report.kept:
         print(f"kept tier {tier}: delete its data yourself if you no longer need it")
+    return 0
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from tiercheck.engine.lifecycle import adopt_store
+
+    try:
+        report = adopt_store(args.root)
+    except StoreLocked as exc:
+        raise UsageError(str(exc)) from None
+    except ConfigError as exc:
+        raise UsageError(f"{args.root}: {exc}") from None
+    if args.json:
+        emit_json(
+            {
+                "root": report.root,
+                "old_store_id": report.old_id,
+                "store_id": report.new_id,
+                "renamed": report.renamed,
+                "claimed": list(report.claimed),
+                "left": list(report.left),
+            }
+        )
+        return 0
+    print(f"{report.root} is now store {report.new_id} (was {report.old_id})")
+    for old, new in report.renamed.items():
+        print(f"shm tier {old} is now {new} (empty: the old segment stays its owner's)")
+    for tier in report.claimed:
+        print(f"owns tier {tier}")
+    for tier in report.left:
+        print(f"left tier {tier} to its owner: point it elsewhere if another store owns it")
     return 0
 
 

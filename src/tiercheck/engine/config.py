@@ -1,7 +1,9 @@
 """Store configuration: ``tiercheck.toml`` at a store root names the tiers and the policy.
 
 A new root with no configuration gets the embedded default: host shared memory named after
-the root, an LMDB tier under the root and a ``file://`` "remote" tier under the root. The
+the root, an LMDB tier under the root and a ``file://`` "remote" tier under the root, both
+written relative to the root (``{root}`` in a URL or a string option stands for the store's
+root wherever it is now, so a moved root still finds them). The
 "remote" tier is a directory on this node's disk: it survives a crash and a reboot, not
 losing the node, and is labelled so (``survives = "process"``); it is shared by the ranks
 of a job, so it receives migrated base versions asynchronously. Point it at real remote
@@ -9,6 +11,7 @@ storage (and drop the label) for a checkpoint that survives losing the node. The
 plain TOML so people can read and edit it::
 
     format = 1
+    store_id = "5f0c3b9ad2e14e7f8a6b1c2d3e4f5a6b"   # made when the store is created
 
     [policy]
     base_every = 10
@@ -21,8 +24,15 @@ plain TOML so people can read and edit it::
 
     [[tier]]
     name = "remote"
-    url = "file:///data/ckpt/remote"
+    url = "file://{root}/remote"
     options = { survives = "process", shared = true }
+
+``store_id`` names the store (formats/SPEC.md, "Store identity"): every tier the store
+owns records it, and a tier recording another store's id is refused
+(:mod:`tiercheck.engine.identity`). It belongs to the file at the root: :func:`save_config`
+keeps the id of the file it replaces, or draws a new one for a new file, so a
+configuration used as a template (``config=``) never gives a new store another's id. A
+file without one (written before stores had ids) gets one at the first writable open.
 
 Secrets (peer tokens, object-store keys) are never written to the file: an option whose
 name says it is one (``token``, ``secret``, ``password``, ``key``, ``*_token``, ``*_key``,
@@ -48,13 +58,16 @@ The file is TOML written by ``tomli-w`` and read by ``tomllib`` (``tomli`` on Py
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import re
 import stat
 import sys
 import urllib.parse
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -75,9 +88,14 @@ __all__ = [
     "StoreConfig",
     "TierSpec",
     "default_config",
+    "expand_root",
     "is_secret_option",
     "load_config",
+    "new_store_id",
+    "read_store_id",
+    "relative_defaults",
     "resolve_references",
+    "rewrite_store_file",
     "save_config",
     "without_userinfo",
 ]
@@ -86,6 +104,8 @@ log = logging.getLogger("tiercheck")
 
 CONFIG_NAME = "tiercheck.toml"
 CONFIG_FORMAT = 1
+ROOT_PLACEHOLDER = "{root}"
+_STORE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 _POLICY_KEYS = {f.name for f in fields(Policy)} - {"tiers"}
 _TIER_POLICY_KEYS = {f.name for f in fields(TierPolicy)}
@@ -107,8 +127,34 @@ class TierSpec:
 
 @dataclass(frozen=True)
 class StoreConfig:
+    """Tiers and policy of a store; ``store_id`` as read from its file (None: not read
+    from a file, or a file written before stores had ids)."""
+
     tiers: tuple[TierSpec, ...]
     policy: Policy
+    store_id: str | None = None
+    #: the root the store's file was last written or opened at (``root`` in the file):
+    #: another path means the root was moved, or copied (:mod:`tiercheck.engine.identity`)
+    recorded_root: str | None = None
+
+
+def new_store_id() -> str:
+    """A fresh store id: 128 random bits as 32 lowercase hex digits."""
+    return uuid.uuid4().hex
+
+
+def expand_root(spec: TierSpec, root: str | os.PathLike[str]) -> TierSpec:
+    """``spec`` with ``{root}`` in its URL and string options replaced by ``root``."""
+    if ROOT_PLACEHOLDER not in spec.url and not any(
+        isinstance(v, str) and ROOT_PLACEHOLDER in v for v in spec.options.values()
+    ):
+        return spec
+    where = os.fspath(root)
+    options = {
+        k: v.replace(ROOT_PLACEHOLDER, where) if isinstance(v, str) else v
+        for k, v in spec.options.items()
+    }
+    return TierSpec(spec.name, spec.url.replace(ROOT_PLACEHOLDER, where), options)
 
 
 def default_config(root: Path, *, multi_rank: bool = False) -> StoreConfig:
@@ -119,23 +165,50 @@ def default_config(root: Path, *, multi_rank: bool = False) -> StoreConfig:
     ``multi_rank``, the shm and LMDB tiers get a ``{rank}`` each, so ranks sharing the root
     (and a node) do not share them.
     """
-    root = root.resolve()
-    tag = blake3.blake3(f"{root}\0{uuid.uuid4()}".encode()).hexdigest()[:12]
     per_rank = "-{rank}" if multi_rank else ""
     return StoreConfig(
         tiers=(
-            TierSpec("shm", f"shm://tiercheck-{tag}{per_rank}"),
-            TierSpec("lmdb", f"lmdb://{root / 'lmdb'}{per_rank}"),
+            TierSpec("shm", f"shm://{shm_default_name(root)}{per_rank}"),
+            # relative to the root: a moved root still opens its tiers
+            TierSpec("lmdb", f"lmdb://{ROOT_PLACEHOLDER}/lmdb{per_rank}"),
             # a directory on this node's disk: it survives a crash and a reboot, not the
             # node; shared by the ranks, so it takes migrated bases (placement defaults)
             TierSpec(
                 "remote",
-                f"file://{root / 'remote'}",
+                f"file://{ROOT_PLACEHOLDER}/remote",
                 {"survives": "process", "shared": True},
             ),
         ),
         policy=Policy(),
     )
+
+
+def shm_default_name(root: Path) -> str:
+    """A new default shm segment name for a store at ``root`` (``tiercheck-`` and 12 hex
+    digits of a hash of the root and a random id)."""
+    tag = blake3.blake3(f"{root.resolve()}\0{uuid.uuid4()}".encode()).hexdigest()[:12]
+    return f"tiercheck-{tag}"
+
+
+def relative_defaults(tiers: tuple[TierSpec, ...], root: Path) -> dict[str, str]:
+    """The URLs of an older store's default tiers (``lmdb:///ROOT/lmdb``,
+    ``file:///ROOT/remote``) rewritten relative to the root (``{root}``), for the root
+    the store is at now, or a root it was moved from (one without a store any more, when
+    this root holds the directory)."""
+    urls: dict[str, str] = {}
+    for spec in tiers:
+        for scheme in ("lmdb://", "file://"):
+            if not spec.url.startswith(scheme) or ROOT_PLACEHOLDER in spec.url:
+                continue
+            where = spec.url[len(scheme) :]
+            parent, tail = os.path.split(where.rstrip("/"))
+            if not parent.startswith("/") or not tail:
+                continue
+            here = root / tail.replace("{rank}", "0")
+            moved = not (Path(parent) / CONFIG_NAME).exists() and here.exists()
+            if os.path.realpath(parent) == os.path.realpath(root) or moved:
+                urls[spec.url] = f"{scheme}{ROOT_PLACEHOLDER}/{tail}"
+    return urls
 
 
 def coerce_tiers(tiers: Sequence[str | TierSpec | tuple[str, str]]) -> tuple[TierSpec, ...]:
@@ -176,6 +249,12 @@ def load_config(path: Path) -> StoreConfig:
     fmt = data.get("format", CONFIG_FORMAT)
     if fmt != CONFIG_FORMAT:
         raise ConfigError(f"{path}: configuration format {fmt!r} is not supported (expected 1)")
+    store_id = data.get("store_id")
+    if store_id is not None and not (isinstance(store_id, str) and _STORE_ID_RE.match(store_id)):
+        raise ConfigError(f"{path}: store_id must be 32 lowercase hex digits, got {store_id!r}")
+    recorded_root = data.get("root")
+    if recorded_root is not None and not isinstance(recorded_root, str):
+        raise ConfigError(f"{path}: root must be a string, got {recorded_root!r}")
     policy_data = data.get("policy", {})
     unknown = set(policy_data) - _POLICY_KEYS
     if unknown:
@@ -205,7 +284,12 @@ def load_config(path: Path) -> StoreConfig:
         }
         if overrides:
             tier_policies[raw["name"]] = TierPolicy(**overrides)
-    return StoreConfig(coerce_tiers(specs), Policy(**policy_data, tiers=tier_policies))
+    return StoreConfig(
+        coerce_tiers(specs),
+        Policy(**policy_data, tiers=tier_policies),
+        store_id=store_id,
+        recorded_root=recorded_root,
+    )
 
 
 _SECRET_NAMES = frozenset(
@@ -345,7 +429,7 @@ def resolve_references(options: Mapping[str, Any], *, tier: str = "") -> dict[st
     return {k: resolve(v, str(k)) for k, v in options.items()}
 
 
-def _document(config: StoreConfig) -> dict[str, Any]:
+def _document(config: StoreConfig, store_id: str, root: str) -> dict[str, Any]:
     """The TOML document of ``config``, secrets left out (with a warning naming them)."""
     policy = {
         name: getattr(config.policy, name)
@@ -379,7 +463,13 @@ def _document(config: StoreConfig) -> dict[str, Any]:
         if options:
             entry["options"] = options
         tiers.append(entry)
-    return {"format": CONFIG_FORMAT, "policy": policy, "tier": tiers}
+    return {
+        "format": CONFIG_FORMAT,
+        "store_id": store_id,
+        "root": root,
+        "policy": policy,
+        "tier": tiers,
+    }
 
 
 def _write_synced(fd: int, text: str) -> None:
@@ -390,14 +480,59 @@ def _write_synced(fd: int, text: str) -> None:
         os.fsync(f.fileno())
 
 
+@contextlib.contextmanager
+def _store_file_lock(path: Path) -> Iterator[None]:
+    """Serialise the writers of the store file ``path`` (an flock on its directory), so
+    that the id one of them read is the id the file keeps."""
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_store_id(path: Path) -> str | None:
+    """The store id in the file at ``path`` (None: no file, one without an id, or one that
+    does not read as a configuration: a new id is drawn when it is written again)."""
+    try:
+        return load_config(path).store_id
+    except ConfigError:
+        return None
+
+
 def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> bool:
     """Write ``config`` to ``path`` atomically (temp file + fsync + rename).
 
-    ``exclusive``: only if ``path`` does not exist yet (a hard link, which fails on an
-    existing name, instead of the rename); returns False, writing nothing, if it does.
+    The store id and root written are those of the file it replaces (the root a store was
+    moved or copied from is :mod:`tiercheck.engine.identity`'s to judge), or a new id and
+    the file's directory (never ``config.store_id``: a configuration read elsewhere does
+    not carry its store's id to another root). ``exclusive``: only if ``path`` does not
+    exist yet (a hard link, which fails on an existing name, instead of the rename);
+    returns False, writing nothing, if it does.
     """
+    with _store_file_lock(path):
+        store_id, root, older = None, None, False
+        if not exclusive:
+            with contextlib.suppress(ConfigError):
+                before = load_config(path)
+                store_id, root = before.store_id, before.recorded_root
+                older = store_id is None
+        if older:
+            # a file written before stores had ids: its default tiers become relative
+            urls = relative_defaults(config.tiers, path.parent)
+            tiers = tuple(TierSpec(t.name, urls.get(t.url, t.url), t.options) for t in config.tiers)
+            config = StoreConfig(tiers, config.policy)
+        if store_id is None:
+            store_id, root = new_store_id(), None
+        return _save_config(path, config, store_id, root or str(path.parent.resolve()), exclusive)
+
+
+def _save_config(
+    path: Path, config: StoreConfig, store_id: str, root: str, exclusive: bool
+) -> bool:
     try:
-        body = tomli_w.dumps(_document(config))
+        body = tomli_w.dumps(_document(config, store_id, root))
     except TypeError as exc:  # a value TOML cannot hold
         raise ConfigError(f"cannot write the store configuration to TOML: {exc}") from None
     text = "# tiercheck store configuration (secrets are never written here)\n" + body
@@ -421,3 +556,61 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
     finally:
         tmp.unlink()
     return True
+
+
+def rewrite_store_file(
+    path: Path,
+    *,
+    store_id: str | None = None,
+    root: str | None = None,
+    urls: Mapping[str, str] | None = None,
+    only_without_id: bool = False,
+) -> str | None:
+    """Change the store file at ``path`` in place, as text, so that nothing else in it
+    changes (comments, inline secrets a user wrote there): set its ``store_id`` and
+    ``root`` and replace each quoted URL ``old`` by ``urls[old]``. The result is parsed
+    before it replaces the file (atomically); ``ConfigError`` if it would not read back as
+    intended. ``only_without_id``: change nothing if the file has a store id by now (another
+    process adopted it first). Returns the file's store id afterwards."""
+    with _store_file_lock(path):
+        if only_without_id:
+            found = read_store_id(path)
+            if found is not None:
+                return found
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+        before = load_config(path)
+        for old, new in (urls or {}).items():
+            text = text.replace(tomli_w.dumps({"u": old})[4:-1], tomli_w.dumps({"u": new})[4:-1])
+        for key, value in (("root", root), ("store_id", store_id)):
+            if value is None:
+                continue
+            line = f"{key} = {tomli_w.dumps({'u': value})[4:-1]}"
+            pattern = rf"(?m)^{key}\s*=\s*(\"[^\"\n]*\"|'[^'\n]*')[ \t]*$"
+            text, n = re.subn(pattern, line.replace("\\", "\\\\"), text, count=1)
+            if not n:
+                # a top-level key goes before the first table: after the leading comments
+                head = re.match(r"(?:[ \t]*(?:#[^\n]*)?\n)*", text)
+                cut = head.end() if head else 0
+                text = f"{text[:cut]}{line}\n{text[cut:]}"
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), text)
+            after = load_config(tmp)
+            wanted = {without_userinfo(u): v for u, v in (urls or {}).items()}
+            same = [(t.name, wanted.get(t.url, t.url)) for t in before.tiers] == [
+                (t.name, t.url) for t in after.tiers
+            ]
+            if (
+                not same
+                or (store_id is not None and after.store_id != store_id)
+                or (root is not None and after.recorded_root != root)
+            ):
+                raise ConfigError(f"{path}: could not rewrite it as text; edit it by hand")
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return after.store_id

@@ -1,18 +1,24 @@
-"""Store lifecycle: deleting a store with the node memory it holds, and finding orphans.
+"""Store lifecycle: deleting a store with the node memory it holds, finding orphans, and
+adopting a copied root as a store of its own.
 
 A store's shm tier lives in /dev/shm, outside the store root, so deleting the root alone
-would leave the segment behind for good. Every shm segment records its owner (the store
-root, the node, the creating process and time: ``owner.json``, written by the shm tier
-and :meth:`~tiercheck.backends.base.Tier.bind_store`), which lets this module:
+would leave the segment behind for good. Every shm segment, LMDB environment and fsspec
+prefix records its owner (the store id and root: :mod:`tiercheck.engine.identity`; a
+segment also the node, the creating process and time in ``owner.json``), which lets this
+module:
 
 - :func:`destroy_store` (``tiercheck rm ROOT``, ``Checkpointer.destroy()``): delete a
   store, its shm segments and its LMDB environments, refusing while a writer holds the
-  store's lock;
-- :func:`find_orphans` (``tiercheck gc --orphans``): find the segments of this node whose
-  store is gone (no ``tiercheck.toml`` at the root any more) or no longer names them (a
-  store created again at the same path gets a new segment name);
-- :func:`warn_orphans`: log one warning per process and shm root when a store is opened
-  next to orphans (a listing of small files; the segments are not measured).
+  store's lock. Only what the store owns: a segment or an LMDB environment outside the root
+  whose owner record names another store (or none, or the original of a copied root) is
+  kept; a ``{rank}`` in a name matches ranks (digits) only, never another segment; and one
+  another live process holds open stops the deletion (``StoreLocked``), nothing deleted;
+- :func:`find_orphans` (``tiercheck gc --orphans``): find this user's segments on this node
+  whose store is gone (no ``tiercheck.toml`` at the root any more), was replaced (another
+  store id there) or no longer names them; none that a live process holds open;
+- :func:`warn_orphans`: log one warning per process when a store is opened next to orphans
+  (a listing of small files; the segments are not measured);
+- :func:`adopt_store` (``tiercheck adopt ROOT``): make a copied root a store of its own.
 
 Segments without an owner store (opened as a bare ``shm://`` tier, or written before
 owner records existed) are never judged orphans: shm is meant to outlive its process.
@@ -35,12 +41,25 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from tiercheck.backends import DEFAULT_SHM_ROOT, Segment, list_segments, remove_segment
-from tiercheck.engine.config import CONFIG_NAME, StoreConfig, TierSpec, load_config
-from tiercheck.errors import ConfigError, StoreLocked
+from tiercheck.backends.base import StoreOwner
+from tiercheck.backends.registry import open_tier
+from tiercheck.engine import identity
+from tiercheck.engine.config import (
+    CONFIG_NAME,
+    StoreConfig,
+    TierSpec,
+    load_config,
+    new_store_id,
+    resolve_references,
+    rewrite_store_file,
+)
+from tiercheck.errors import ConfigError, StoreLocked, TierError
 
 __all__ = [
+    "AdoptReport",
     "DestroyReport",
     "Orphan",
+    "adopt_store",
     "destroy_store",
     "find_orphans",
     "remove_orphans",
@@ -51,7 +70,14 @@ __all__ = [
 
 log = logging.getLogger("tiercheck")
 
-_PLACEHOLDER = re.compile(r"\\\{(rank|local_rank|node|src)\\\}")
+# what each placeholder of a segment name stands for: ranks are numbers, a node a name
+_PLACEHOLDERS = {
+    "rank": "[0-9]+",
+    "local_rank": "[0-9]+",
+    "src": "[0-9]+",
+    "node": "[A-Za-z0-9._-]+",
+}
+_PLACEHOLDER = re.compile(r"\\\{(" + "|".join(_PLACEHOLDERS) + r")\\\}")
 
 
 @dataclass(frozen=True)
@@ -68,7 +94,8 @@ class DestroyReport:
 
     ``segments``: paths of the shm segments; ``freed``: their bytes; ``lmdb``: LMDB
     environments outside the root; ``kept``: tiers it does not delete (remote stores,
-    peer daemons), each with its URL, so the user can decide.
+    peer daemons, and segments or environments another store owns), each with its URL or
+    path and why, so the user can decide.
     """
 
     root: str
@@ -84,8 +111,11 @@ def _this_host() -> str:
 
 
 def _name_pattern(template: str) -> re.Pattern[str]:
-    """A regex for segment names made from ``template`` (``{rank}`` etc. match any)."""
-    return re.compile("^" + _PLACEHOLDER.sub(r"[^/]+", re.escape(template)) + "$")
+    """A regex for the segment names ``template`` makes: a ``{rank}`` is a rank (digits),
+    a ``{node}`` a host name; everything else exactly as written."""
+    return re.compile(
+        "^" + _PLACEHOLDER.sub(lambda m: _PLACEHOLDERS[m.group(1)], re.escape(template)) + "$"
+    )
 
 
 def _shm_names(spec: TierSpec) -> tuple[str, re.Pattern[str]] | None:
@@ -108,8 +138,20 @@ def _same_path(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _names_segment(config: StoreConfig, seg: Segment) -> bool:
+def _resolved(config: StoreConfig, root: str | os.PathLike[str]) -> list[TierSpec]:
+    """The store's specs as an open of the store at ``root`` resolves them (``{root}``
+    filled, a tier shared by stores narrowed to the store's namespace)."""
+    specs = []
     for spec in config.tiers:
+        try:
+            specs.append(identity.resolve_spec(spec, Path(root), config.store_id))
+        except ConfigError:
+            continue  # shared by stores, in a store without an id: it has no namespace yet
+    return specs
+
+
+def _names_segment(specs: Iterable[TierSpec], seg: Segment) -> bool:
+    for spec in specs:
         found = _shm_names(spec)
         if found is not None and _same_path(found[0], seg.root) and found[1].match(seg.name):
             return True
@@ -126,9 +168,47 @@ def store_shm_roots(config: StoreConfig | None) -> list[str]:
     return roots
 
 
+def _holders(paths: Iterable[str]) -> dict[str, int]:
+    """For each of ``paths`` (directories) that another live process holds a file of open
+    (a writable shm tier keeps its log open, LMDB its data and lock files): a pid of one.
+    Reads ``/proc/PID/fd`` of the processes this user may inspect, which are all that can
+    hold this user's segments (mode 0700)."""
+    prefixes = {os.path.realpath(p): os.path.realpath(p) + os.sep for p in paths}
+    found: dict[str, int] = {}
+    if not prefixes:
+        return found
+    try:
+        pids = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return found  # no /proc: cannot tell, as before
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or another user's
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            for path, prefix in prefixes.items():
+                if target.startswith(prefix):
+                    found.setdefault(path, pid)
+    return found
+
+
+def _mine(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def _orphan_reason(seg: Segment) -> str | None:
     """Why ``seg`` is an orphan, or None if its store still uses it (or cannot tell)."""
-    if seg.store is None:
+    if seg.store is None or not _mine(seg.path):
         return None
     if (seg.store_host or seg.host or _this_host()) != _this_host():
         return None  # its store is on another node: only that node can tell
@@ -139,7 +219,9 @@ def _orphan_reason(seg: Segment) -> str | None:
         config = load_config(config_path)
     except ConfigError:
         return None  # unreadable right now: never guess toward deleting
-    if not _names_segment(config, seg):
+    if seg.store_id is not None and config.store_id not in (None, seg.store_id):
+        return f"its store {seg.store_id} is gone (another store is at {seg.store} now)"
+    if not _names_segment(_resolved(config, seg.store), seg):
         return f"its store {seg.store} no longer names it"
     return None
 
@@ -147,14 +229,16 @@ def _orphan_reason(seg: Segment) -> str | None:
 def find_orphans(
     shm_roots: Iterable[str | os.PathLike[str]] = (DEFAULT_SHM_ROOT,), *, sizes: bool = True
 ) -> list[Orphan]:
-    """Segments under ``shm_roots`` created on this node whose store is gone."""
-    orphans = []
+    """This user's segments under ``shm_roots``, created on this node, whose store is gone
+    and which no other live process holds open."""
+    candidates = []
     for root in dict.fromkeys(os.fspath(r) for r in shm_roots):
         for seg in list_segments(root, sizes=sizes):
             reason = _orphan_reason(seg)
             if reason is not None:
-                orphans.append(Orphan(seg, reason))
-    return orphans
+                candidates.append(Orphan(seg, reason))
+    held = _holders(o.segment.path for o in candidates)
+    return [o for o in candidates if os.path.realpath(o.segment.path) not in held]
 
 
 def remove_orphans(orphans: Iterable[Orphan]) -> int:
@@ -163,36 +247,38 @@ def remove_orphans(orphans: Iterable[Orphan]) -> int:
     for orphan in orphans:
         seg = orphan.segment
         fresh = [s for s in list_segments(seg.root, sizes=False) if s.path == seg.path]
-        if fresh and _orphan_reason(fresh[0]) is not None:
-            freed += remove_segment(seg.path)
-            log.info("removed orphaned shm segment %s (%s)", seg.path, orphan.reason)
+        if not fresh or _orphan_reason(fresh[0]) is None:
+            continue
+        pid = _holders([seg.path]).get(os.path.realpath(seg.path))
+        if pid is not None:
+            log.warning("kept shm segment %s: process %d holds it open", seg.path, pid)
+            continue
+        freed += remove_segment(seg.path)
+        log.info("removed orphaned shm segment %s (%s)", seg.path, orphan.reason)
     return freed
 
 
-_warned: set[str] = set()
+_warned = False
 _warned_lock = threading.Lock()
 
 
 def warn_orphans(shm_roots: Iterable[str | os.PathLike[str]] = (DEFAULT_SHM_ROOT,)) -> None:
-    """Log a warning about orphaned segments under each root, once per process and root."""
-    fresh = []
+    """Log a warning about this user's orphaned segments under ``shm_roots``, once per
+    process (the first store opened for writing scans; later ones do not)."""
+    global _warned
     with _warned_lock:
-        for root in shm_roots:
-            key = os.path.realpath(root)
-            if key not in _warned:
-                _warned.add(key)
-                fresh.append(os.fspath(root))
-    if not fresh:
-        return
+        if _warned:
+            return
+        _warned = True
     try:
-        orphans = find_orphans(fresh, sizes=False)
+        orphans = find_orphans(shm_roots, sizes=False)
     except OSError as exc:  # a scan must never stop a store from opening
         log.debug("orphan scan failed: %s", exc)
         return
     if orphans:
         log.warning(
-            "%d shm segment(s) of deleted stores hold memory on this node (%s); "
-            "run `tiercheck gc --orphans --yes` to free them",
+            "%d shm segment(s) of your deleted stores hold memory on this node (%s); "
+            "`tiercheck gc --orphans` lists them, `tiercheck gc --orphans --yes` frees them",
             len(orphans),
             ", ".join(o.segment.path for o in orphans[:3]) + (", ..." if len(orphans) > 3 else ""),
         )
@@ -257,15 +343,40 @@ def shm_root_left_as_found(root: str | os.PathLike[str] = DEFAULT_SHM_ROOT) -> I
                 pass
 
 
+def _owner_of_lmdb(url: str) -> StoreOwner | None:
+    """The owner record of the LMDB environment at ``url`` (read-only open)."""
+    tier = open_tier(url, read_only=True)
+    try:
+        return tier.read_owner()
+    finally:
+        tier.close()
+
+
+def _owns(owner: StoreOwner | None, config: StoreConfig, root: Path) -> bool:
+    """Whether the tier whose record is ``owner`` belongs to the store at ``root``: its
+    own, or recorded at a root it was moved from. A store without an id (an older store)
+    owns what records its root."""
+    if owner is None:
+        return False
+    if config.store_id is None:
+        recorded = owner.root
+        return owner.store_id is None and recorded is not None and _same_path(recorded, str(root))
+    return identity.relation(owner, config.store_id, root) in ("own", "moved")
+
+
 def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> DestroyReport:
     """Delete the store at ``root``: its shm segments, its LMDB environments and the root.
 
     Refuses with ``StoreLocked`` while a process holds the store open for writing, and
     holds the writer locks while it deletes, so no writer opens it meanwhile. Segments are
-    found through the store's configuration and through their owner records (which also
-    finds the segments of a root that is already gone). Remote tiers (``file://`` outside
-    the root, object stores) and peer daemons are left as they are and listed in
-    ``kept``. ``dry_run`` reports and deletes nothing. ``FileNotFoundError`` if there is
+    found through the store's configuration (a ``{rank}`` matching ranks only) and through
+    their owner records (which also finds the segments of a root that is already gone);
+    a segment or an LMDB environment outside the root is deleted only if its owner record
+    names this store (not another store, not the original of a copied root, not none),
+    and ``StoreLocked`` is raised, nothing deleted, if another live process holds one
+    open. Remote tiers (``file://`` outside the root, object stores) and peer daemons are
+    left as they are and listed in ``kept``, as are segments and environments of other
+    stores. ``dry_run`` reports and deletes nothing. ``FileNotFoundError`` if there is
     neither a store at ``root`` nor a segment it owns.
     """
     path = Path(root).expanduser().resolve()
@@ -277,17 +388,37 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
     with lock:
         if config_path.is_file():
             config = load_config(config_path)
+        specs = _resolved(config, path) if config is not None else []
         segments: dict[str, Segment] = {}
+        kept: list[str] = []
         for shm_root in store_shm_roots(config):
             for seg in list_segments(shm_root):
-                named = config is not None and _names_segment(config, seg)
-                if named or (seg.store is not None and _same_path(seg.store, str(path))):
-                    segments[seg.path] = seg
+                owner = StoreOwner.from_json(
+                    {"store_id": seg.store_id, "root": seg.store, "host": seg.store_host}
+                )
+                if config is not None and _names_segment(specs, seg):
+                    if _owns(owner, config, path):
+                        segments[seg.path] = seg
+                    else:
+                        kept.append(f"shm segment {seg.path} (owned by {_describe(owner)})")
+                elif (
+                    seg.store is not None
+                    and _same_path(seg.store, str(path))
+                    and (config is None or config.store_id in (None, seg.store_id))
+                ):
+                    segments[seg.path] = seg  # recorded at this root (even a root now gone)
         lmdb: list[str] = []
-        kept: list[str] = []
-        for spec in config.tiers if config is not None else ():
+        for spec in specs:
             if spec.url.startswith("lmdb://"):
-                lmdb += [p for p in _lmdb_paths(spec) if not _inside(p, path)]
+                for env in _lmdb_paths(spec):
+                    if _inside(env, path):
+                        continue  # deleted with the root
+                    assert config is not None
+                    owner = _owner_of_lmdb(f"lmdb://{env}")
+                    if _owns(owner, config, path):
+                        lmdb.append(env)
+                    else:
+                        kept.append(f"LMDB environment {env} (owned by {_describe(owner)})")
             elif spec.url.startswith(("shm://", "collective://", "memory://")) or (
                 spec.url.startswith("file://") and _inside(urlsplit(spec.url).path, path)
             ):
@@ -296,6 +427,13 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
                 kept.append(f"{spec.name} ({spec.url})")
         if not path.exists() and not segments:
             raise FileNotFoundError(f"no store at {path} and no shm segment it owns")
+        held = _holders([*segments, *lmdb])
+        if held:
+            where, pid = next(iter(held.items()))
+            raise StoreLocked(
+                f"{where} is held open by process {pid}: stop it (or close its Checkpointer), "
+                f"then delete the store {path}; nothing was deleted"
+            )
         freed = sum(s.nbytes or 0 for s in segments.values())
         if not dry_run:
             for seg in segments.values():
@@ -319,3 +457,97 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
     if not dry_run:
         log.info("deleted store %s (%d shm segments, %d bytes)", path, len(segments), freed)
     return report
+
+
+def _describe(owner: StoreOwner | None) -> str:
+    if owner is None:
+        return "no store: it records no owner"
+    return f"store {owner.store_id or '(no id)'} at {owner.root}"
+
+
+# --- adopting a copied root ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdoptReport:
+    """What :func:`adopt_store` changed: the root, its old and new store ids, the shm URLs
+    it renamed (old -> new), the tiers now recorded as the new store's, and the tiers it
+    left alone (outside the root: still owned by whoever owned them)."""
+
+    root: str
+    old_id: str | None
+    new_id: str
+    renamed: dict[str, str]
+    claimed: tuple[str, ...]
+    left: tuple[str, ...]
+
+
+def _new_shm_url(url: str, new_id: str) -> str:
+    """A new segment name for ``url`` (``shm://NAME``): a default name gets a new tag, any
+    other name the new id's first digits; a ``{rank}`` after it is kept."""
+    name = url[len("shm://") :].rstrip("/")
+    tag = new_id[:12]
+    match = re.match(r"^tiercheck-[0-9a-f]{12}(.*)$", name)
+    if match:
+        return f"shm://tiercheck-{tag}{match.group(1)}"
+    head, sep, tail = name.partition("-{")
+    return f"shm://{head}-{tag}{sep}{tail}"
+
+
+def adopt_store(root: str | os.PathLike[str]) -> AdoptReport:
+    """Make the store at ``root`` a store of its own (``tiercheck adopt ROOT``): for a copied
+    root (``cp -r``, or a copied ``tiercheck.toml``), which otherwise opens read-only.
+
+    Draws a new store id, gives its shm tiers new segment names (the original's segments
+    stay the original's; the copy starts with empty shm), records the root, and records
+    the new store as the owner of every tier inside the root (its copied LMDB and
+    ``file://`` tiers: their versions become the new store's). Tiers outside the root are
+    left to their owner: the next open refuses those the original owns (``ForeignTier``),
+    so point them elsewhere, or declare them shared. ``StoreLocked`` while a process holds
+    the store open for writing.
+    """
+    path = Path(root).expanduser().resolve()
+    config_path = path / CONFIG_NAME
+    if not config_path.is_file():
+        raise ConfigError(f"{path} is not a tiercheck store (no {CONFIG_NAME})")
+    with _writer_locks(path):
+        config = load_config(config_path)
+        new_id = new_store_id()
+        renamed = {
+            spec.url: _new_shm_url(spec.url, new_id)
+            for spec in config.tiers
+            if spec.url.startswith("shm://")
+        }
+        rewrite_store_file(config_path, store_id=new_id, root=str(path), urls=renamed)
+        adopted = load_config(config_path)
+        claimed: list[str] = []
+        left: list[str] = []
+        owner = StoreOwner(new_id, str(path), _this_host())
+        for spec in _resolved(adopted, path):
+            local = identity.local_path(spec.url)
+            if local is None or not _inside(local, path):
+                if not spec.url.startswith("shm://"):
+                    left.append(f"{spec.name} ({spec.url})")
+                continue
+            if not os.path.exists(local):
+                continue  # nothing there yet: the first open records the owner
+            try:
+                options = resolve_references(spec.options, tier=spec.name)
+                tier = open_tier(spec.url, **options)
+            except (TierError, ConfigError, OSError) as exc:
+                left.append(f"{spec.name} ({spec.url}): cannot open it: {exc}")
+                continue
+            try:
+                tier.write_owner(owner)
+            finally:
+                tier.close()
+            claimed.append(f"{spec.name} ({spec.url})")
+    log.info("%s is now store %s (was %s)", path, new_id, config.store_id)
+    return AdoptReport(
+        root=str(path),
+        old_id=config.store_id,
+        new_id=new_id,
+        renamed=renamed,
+        claimed=tuple(claimed),
+        left=tuple(left),
+    )

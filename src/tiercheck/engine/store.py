@@ -40,6 +40,7 @@ from tiercheck.engine.config import (
     TierSpec,
     coerce_tiers,
     default_config,
+    expand_root,
     load_config,
     save_config,
 )
@@ -488,7 +489,10 @@ def _check_same_tiers(path: Path, stored: StoreConfig, wanted: StoreConfig) -> N
     rewriting it would leave the store's versions behind in tiers it no longer opens.
     Tiers are compared by name and URL: options (a budget, credentials the file never
     holds) may change from one open to the next."""
-    if [(t.name, t.url) for t in stored.tiers] == [(t.name, t.url) for t in wanted.tiers]:
+    root = path.parent.resolve()
+    if [(t.name, expand_root(t, root).url) for t in stored.tiers] == [
+        (t.name, expand_root(t, root).url) for t in wanted.tiers
+    ]:
         return
 
     def names(cfg: StoreConfig) -> str:

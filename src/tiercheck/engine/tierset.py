@@ -6,12 +6,14 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
+from tiercheck.engine import identity
 from tiercheck.engine.config import StoreConfig, TierSpec, resolve_references
 from tiercheck.engine.placement import Policy, TierPolicy
-from tiercheck.errors import ConfigError, InvalidURL, TierError
+from tiercheck.errors import ConfigError, ForeignTier, InvalidURL, TierError
 
 __all__ = ["TierSet", "TierSlot"]
 
@@ -48,15 +50,27 @@ class TierSet:
         read_only: bool = False,
         owner: str | os.PathLike[str] | None = None,
     ):
-        """``owner``: the root of the store these tiers belong to; each writable tier is
-        told (``Tier.bind_store``) so that its node memory can be reclaimed once the store
-        is deleted, and orphans of deleted stores on this node are warned about."""
+        """``owner``: the root of the store these tiers belong to. ``{root}`` in a spec
+        stands for it; each tier's owner record is checked against the store
+        (:mod:`tiercheck.engine.identity`: a tier of another store raises ``ForeignTier``
+        when writing, and is unavailable when reading) and, when writing, records it, so
+        that its node memory can be reclaimed once the store is deleted; orphans of
+        deleted stores on this node are warned about."""
         self.slots: list[TierSlot] = []
+        root = Path(owner) if owner is not None else None
+        #: the store's id (None: no owner, or an older store opened read-only)
+        self.store_id = (
+            identity.open_identity(root, read_only=read_only) if root is not None else None
+        )
         try:
-            self._open_all(specs, policy, read_only)
+            resolved = [identity.resolve_spec(s, root, self.store_id) for s in specs]
+            self._open_all(resolved, policy, read_only)
+            if root is not None and self.store_id is not None:
+                self._claim(root, self.store_id, read_only)
         except BaseException:
             self.close()  # the tiers opened before the one that failed
             raise
+        specs = resolved
         self._ensure_a_sync_tier(policy, writing=not read_only)
         if owner is not None and not read_only:
             self._bind(os.fspath(owner), specs)
@@ -81,6 +95,25 @@ class TierSet:
                 self.slots.append(TierSlot(spec, None, None, str(exc)))
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
+
+    def _claim(self, root: Path, store_id: str, read_only: bool) -> None:
+        """Check every open tier's owner record (and, writing, record this store)."""
+        for slot in self.open():
+            assert slot.tier is not None
+            try:
+                identity.claim(slot.tier, slot.spec, store_id, root, read_only=read_only)
+            except ForeignTier as exc:
+                if not read_only:
+                    raise
+                # reading: that store's versions are not this one's; the others still are
+                log.warning("tier %s is unavailable: %s", slot.name, exc)
+                slot.tier.close()
+                slot.tier, slot.policy, slot.error = None, None, str(exc)
+            except TierError as exc:
+                # whose it is cannot be told now: neither written nor read this open
+                log.warning("tier %s is unavailable: its owner record: %s", slot.name, exc)
+                slot.tier.close()
+                slot.tier, slot.policy, slot.error = None, None, f"owner record: {exc}"
 
     def _bind(self, owner: str, specs: Sequence[TierSpec]) -> None:
         from tiercheck.engine import lifecycle

@@ -6,9 +6,10 @@ subclass overrides only the calls it changes, and everything else reaches the in
 unchanged. It forwards *every* method and property of
 :class:`~tiercheck.backends.base.Tier`, including those the base class gives a default
 (``put_parts``, ``begin_put``, ``put_many``, ``put_many_parts``, ``get_parts``, ``size``,
-``head``, ``replace_log_prefix``, ``usage``, ``set_budget``, ``bind_store``): a wrapper that
-inherited those defaults would silently turn a vectored write into a join, hide a memory
-tier's budget from the engine, or refuse log compaction the inner tier can do.
+``head``, ``replace_log_prefix``, ``usage``, ``set_budget``, ``read_owner``,
+``write_owner``, ``bind_store``): a wrapper that inherited those defaults would silently
+turn a vectored write into a join, hide a memory tier's budget from the engine, or refuse
+log compaction the inner tier can do.
 ``tests/backends/test_wrappers.py`` fails when a method is added to ``Tier`` and not here.
 
 Attributes the interface does not name (an LMDB tier's ``path``, a peer tier's ``stats``)
@@ -22,7 +23,7 @@ import builtins
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from tiercheck.backends.base import Buffer, Capabilities, PendingPut, Tier
+from tiercheck.backends.base import Buffer, Capabilities, PendingPut, StoreOwner, Tier
 
 __all__ = ["WrapperTier"]
 
@@ -137,6 +138,11 @@ class WrapperTier(Tier):
 
     def free_memory(self) -> int | None:
         return self.inner.free_memory()
+    def read_owner(self) -> StoreOwner | None:
+        return self.inner.read_owner()
+
+    def write_owner(self, owner: StoreOwner) -> None:
+        self.inner.write_owner(owner)
 
     def bind_store(self, root: str) -> None:
         self.inner.bind_store(root)

@@ -1,0 +1,240 @@
+"""Store identity: which store owns a tier, and what an open does when a tier names another.
+
+A store has an id, drawn when its ``tiercheck.toml`` is first written (``store_id``), and
+the file records the root it was last opened at (``root``). Every tier the store owns
+records the owner in its own way (formats/SPEC.md, "Store identity"): the shm segment's
+``owner.json``, the key ``tiercheck.owner`` of an LMDB environment, the object
+``owner.json`` under an fsspec prefix. Opening the store compares each record with the
+store (:func:`relation`):
+
+- ``own``: the record names this store at this root;
+- ``unowned``: no record yet (a new tier, or one written before tiers had owners): a
+  writable open records this store, unless the tier lies inside another store's root;
+- ``moved``: this store's id at another root that no longer holds this store: the root
+  was moved; a writable open records the new root;
+- ``copy``: this store's id at another root that still holds a store with this id: the
+  root was copied (``cp -r``, or its ``tiercheck.toml`` copied to a new root). A writable
+  open raises :class:`~tiercheck.errors.StoreCopied`; a read-only one reads;
+  ``tiercheck adopt ROOT`` (:func:`tiercheck.engine.lifecycle.adopt_store`) makes the copy a
+  store of its own;
+- ``foreign``: another store's id: :class:`~tiercheck.errors.ForeignTier`, naming both
+  roots, when writing; the tier is unavailable to a read-only open. Two stores never read
+  each other's versions.
+
+A tier declared shared by stores (option ``shared_by_stores = true``) is opened in a
+namespace of this store's own (:func:`namespaced`): a segment, an LMDB environment or a
+prefix named after the store id, which this store then owns as above.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+from urllib.parse import unquote, urlsplit
+
+from tiercheck.backends.base import StoreOwner, Tier
+from tiercheck.engine.config import (
+    CONFIG_NAME,
+    TierSpec,
+    expand_root,
+    load_config,
+    new_store_id,
+    read_store_id,
+    relative_defaults,
+    rewrite_store_file,
+)
+from tiercheck.errors import ConfigError, ForeignTier, StoreCopied
+
+__all__ = [
+    "SHARED_OPTION",
+    "Relation",
+    "local_path",
+    "namespaced",
+    "open_identity",
+    "relation",
+    "resolve_spec",
+    "store_at",
+]
+
+log = logging.getLogger("tiercheck")
+
+SHARED_OPTION = "shared_by_stores"
+
+Relation = Literal["own", "unowned", "moved", "copy", "foreign"]
+
+
+def _same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def store_at(root: str | os.PathLike[str]) -> str | None:
+    """The id of the store at ``root`` (None: no store there, or one without an id)."""
+    return read_store_id(Path(root) / CONFIG_NAME)
+
+
+def relation(owner: StoreOwner | None, store_id: str, root: Path) -> Relation:
+    """How the tier whose owner record is ``owner`` stands to the store ``store_id`` at
+    ``root`` (module docstring)."""
+    if owner is None or (owner.store_id is None and owner.root is None):
+        return "unowned"
+    if owner.store_id is None:
+        # written before stores had ids: the record names a root only
+        assert owner.root is not None
+        if _same_path(owner.root, root):
+            return "own"
+        return "moved" if not (Path(owner.root) / CONFIG_NAME).exists() else "foreign"
+    if owner.store_id != store_id:
+        return "foreign"
+    if owner.root is None or _same_path(owner.root, root):
+        return "own"
+    return "copy" if store_at(owner.root) == store_id else "moved"
+
+
+def open_identity(root: Path, *, read_only: bool) -> str | None:
+    """The id of the store at ``root``, checked against the root its file records.
+
+    A writable open gives a file without an id (written before stores had ids) one, and
+    records the new root of a moved store; it raises ``StoreCopied`` when the file records
+    another root that still holds a store with the same id. None: no file, or a read-only
+    open of a file without an id.
+    """
+    path = root / CONFIG_NAME
+    if not path.exists():
+        return None
+    config = load_config(path)
+    store_id = config.store_id
+    if store_id is None:
+        if read_only:
+            return None
+        adopted = rewrite_store_file(
+            path,
+            store_id=new_store_id(),
+            root=str(root),
+            urls=relative_defaults(config.tiers, root),
+            only_without_id=True,
+        )
+        log.info("store %s has no id (written by an older tiercheck): it is now %s", root, adopted)
+        return adopted
+    recorded = config.recorded_root
+    if recorded is not None and _same_path(recorded, root):
+        return store_id
+    if recorded is not None and store_at(recorded) == store_id:
+        if not read_only:
+            raise StoreCopied(
+                f"{root} is a copy of the store at {recorded} (same store id {store_id}, "
+                f"and {recorded} is still there): writing here would write into that store's "
+                f"tiers. Open it with read_only=True, or run `tiercheck adopt {root}` to make "
+                "it a store of its own",
+                tier=str(path),
+                owner_root=recorded,
+                root=str(root),
+            )
+        return store_id
+    if not read_only:
+        if recorded is not None:
+            log.info("store %s was moved from %s", root, recorded)
+        rewrite_store_file(path, root=str(root))
+    return store_id
+
+
+def namespaced(spec: TierSpec, store_id: str) -> TierSpec:
+    """The spec of this store's own namespace in a tier shared by stores: ``shm://NAME``
+    becomes ``shm://NAME.ID16``, ``lmdb:///PATH`` ``lmdb:///PATH/stores/ID`` and an fsspec
+    URL gets ``/stores/ID`` after its path. ``ConfigError`` for other tiers."""
+    options = {k: v for k, v in spec.options.items() if k != SHARED_OPTION}
+    url = spec.url
+    if url.startswith("shm://"):
+        return TierSpec(spec.name, f"{url.rstrip('/')}.{store_id[:16]}", options)
+    if url.startswith(("peer://", "memory://", "collective://")) or "://" not in url:
+        raise ConfigError(
+            f"tier {spec.name} ({url}) cannot be shared by stores: shm, LMDB and fsspec tiers "
+            "keep a namespace per store (a peer daemon keeps one per token)"
+        )
+    parts = urlsplit(url)
+    path = f"{parts.path.rstrip('/')}/stores/{store_id}"
+    rebuilt = f"{parts.scheme}://{parts.netloc}{path}"  # urlunsplit drops an empty host's //
+    rebuilt += f"?{parts.query}" if parts.query else ""
+    rebuilt += f"#{parts.fragment}" if parts.fragment else ""
+    return TierSpec(spec.name, rebuilt, options)
+
+
+def resolve_spec(spec: TierSpec, root: Path | None, store_id: str | None) -> TierSpec:
+    """``spec`` as this store opens it: ``{root}`` filled in, and a tier shared by stores
+    narrowed to this store's namespace. ``ConfigError`` for a shared tier of a store
+    without an id (an older store opened read-only: open it for writing once)."""
+    if root is not None:
+        spec = expand_root(spec, root)
+    if not spec.options.get(SHARED_OPTION):
+        if SHARED_OPTION in spec.options:
+            return TierSpec(
+                spec.name, spec.url, {k: v for k, v in spec.options.items() if k != SHARED_OPTION}
+            )
+        return spec
+    if store_id is None:
+        raise ConfigError(
+            f"tier {spec.name} is shared by stores, and this store has no id yet (it was "
+            "written by an older tiercheck): open it for writing once to give it one"
+        )
+    return namespaced(spec, store_id)
+
+
+def local_path(url: str) -> str | None:
+    """The directory of a local tier (``lmdb://``, ``file://``), else None."""
+    if url.startswith(("lmdb://", "file://")):
+        path = unquote(urlsplit(url).path)
+        return path if path.startswith("/") else None
+    return None
+
+
+def _enclosing_store(path: str) -> Path | None:
+    """The nearest directory above ``path`` that holds a store file."""
+    here = Path(os.path.realpath(path))
+    for parent in here.parents:
+        if (parent / CONFIG_NAME).is_file():
+            return parent
+    return None
+
+
+def claim(tier: Tier, spec: TierSpec, store_id: str, root: Path, *, read_only: bool) -> None:
+    """Check the owner record of ``tier`` (opened from ``spec``) against this store and,
+    when writing, record this store in it. Raises ``ForeignTier`` / ``StoreCopied``
+    (module docstring)."""
+    owner = tier.read_owner()
+    verdict = relation(owner, store_id, root)
+    if verdict == "unowned":
+        local = local_path(spec.url)
+        other = _enclosing_store(local) if local is not None else None
+        if other is not None and not _same_path(other, root):
+            verdict = "copy" if store_at(other) == store_id else "foreign"
+            owner = StoreOwner(store_at(other), str(other), None)
+    if verdict == "copy" and not read_only:
+        assert owner is not None
+        raise StoreCopied(
+            f"tier {spec.name} ({spec.url}) belongs to the store at {owner.root}, of which "
+            f"{root} is a copy (same store id {store_id}): open {root} with read_only=True, "
+            f"or run `tiercheck adopt {root}` to make it a store of its own",
+            tier=spec.url,
+            owner_root=owner.root or "",
+            root=str(root),
+        )
+    if verdict == "foreign":
+        assert owner is not None
+        raise ForeignTier(
+            f"tier {spec.name} ({spec.url}) is owned by another store ({owner.store_id or 'no id'}"
+            f" at {owner.root}), not by the store at {root}: give this store a tier of its "
+            f"own, or declare the tier shared ({SHARED_OPTION} = true) so that each store "
+            "keeps its own namespace in it",
+            tier=spec.url,
+            owner_root=owner.root or "",
+            root=str(root),
+        )
+    if read_only or verdict == "copy":
+        return
+    if verdict == "own" and owner is not None and owner.store_id == store_id:
+        return
+    if verdict == "moved" and owner is not None:
+        log.info("tier %s: its store moved from %s to %s", spec.name, owner.root, root)
+    tier.write_owner(StoreOwner(store_id, str(root), socket.gethostname()))
