@@ -69,10 +69,12 @@ class _NotYet(Exception):
 
 @dataclass
 class Reservation:
-    """What rank 0 holds for a version's migrations to shared tiers from the save on:
-    every rank's ids protected, and a write lease in each shared target."""
+    """What rank 0 holds for a version's migrations to shared tiers from the save on: its
+    own ids protected, every blob of each shared target held from its own sweeps (the
+    other ranks' ids are theirs alone), and a write lease in each shared target."""
 
     protected: list[str] = field(default_factory=list)
+    held: list[tuple[str | None, str]] = field(default_factory=list)
     leased: list[TierSlot] = field(default_factory=list)
 
 
@@ -152,12 +154,15 @@ class MigrationService:
         self, info: VersionInfo, targets: Sequence[TierSlot], ids: Sequence[str]
     ) -> Reservation:
         """On rank 0 of a multi-rank job, before the other ranks can start migrating
-        ``info``: protect ``ids`` (every rank's) and hold a write lease in each shared
-        target until the migration settles. Elsewhere an empty reservation."""
+        ``info``: protect ``ids`` (this rank's), hold every blob of each shared target from
+        this process's sweeps, and a write lease in each, until the migration settles.
+        Elsewhere an empty reservation."""
         shared = [s for s in targets if s.tier is not None and s.tier.capabilities.shared]
         if self.rank != 0 or self.world_size == 1 or not shared:
             return Reservation()
-        out = Reservation(protected=self.fence.protect(ids))
+        out = Reservation(
+            protected=self.fence.protect(ids), held=self.fence.hold(s.name for s in shared)
+        )
         for slot in shared:
             assert slot.tier is not None
             try:
@@ -169,7 +174,8 @@ class MigrationService:
 
     def release(self, reservation: Reservation) -> None:
         self.fence.release(reservation.protected)
-        reservation.protected = []
+        self.fence.release_in(reservation.held)
+        reservation.protected, reservation.held = [], []
         for slot in reservation.leased:
             assert slot.tier is not None
             self.leases.release_write(slot.tier)
