@@ -27,6 +27,7 @@ class Collectives:
         self.rank = rank
         self.world_size = world_size
         self.received = 0  # bytes delivered to this rank so far
+        self.calls = 0  # torch.distributed calls made so far (rounds of messages)
 
     def max(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of ``values`` over every rank (one all-reduce)."""
@@ -44,6 +45,7 @@ class Collectives:
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         dist.all_reduce(t, op=reduce_op, group=self.group)
         self.received += t.numel() * t.element_size()
+        self.calls += 1
         return [int(v) for v in t.tolist()]
 
     def broadcast_text(self, text: str, src: int) -> str:
@@ -57,6 +59,7 @@ class Collectives:
             buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         dist.broadcast(buf, src=src, group=self.group)
         self.received += TEXT_LIMIT
+        self.calls += 1
         raw = bytes(buf.numpy()).split(b"\0", 1)[0]
         return raw.decode("utf-8", "replace")
 
@@ -72,6 +75,7 @@ class Collectives:
         out = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self.group)
         self.received += size * self.world_size
+        self.calls += 1
         return [bytes(t.numpy()[: len(payload)]) for t in out]
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
@@ -99,6 +103,7 @@ class Collectives:
         got = torch.empty(self.world_size, dtype=torch.int32)
         dist.all_to_all_single(got, sent, group=self.group)
         self.received += got.numel() * got.element_size()
+        self.calls += 1
         recv_counts = got.numpy().astype(np.int64)
         return self.all_to_all_known(data, counts, recv_counts), recv_counts
 
@@ -124,4 +129,5 @@ class Collectives:
             group=self.group,
         )
         self.received += out.numel()
+        self.calls += 1
         return out.numpy().view(data.dtype)

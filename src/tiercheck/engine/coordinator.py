@@ -245,6 +245,11 @@ class DistCoordinator:
         """Bytes the protocol's collectives delivered to this rank so far."""
         return self.net.received
 
+    @property
+    def calls(self) -> int:
+        """The protocol's collective calls on this rank so far."""
+        return self.net.calls
+
     # -- fenced rounds ------------------------------------------------------------------
 
     def _round(self, step: str, version: int, failure: str, check: int = 0) -> str:
