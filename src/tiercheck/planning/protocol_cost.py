@@ -32,14 +32,14 @@ class ProtocolModel:
     """The parameters (defaults: ``benchmarks/results/protocol.json``, sharded layout)."""
 
     calls: float = 9.0
-    alpha_s: float = 3.0e-4
-    beta_bytes_per_s: float = 5.0e8
-    cpu_s_per_chunk: float = 1.0e-5
-    fixed_bytes: float = 300.0
+    alpha_s: float = 5.38e-4
+    beta_bytes_per_s: float = 3.34e8
+    cpu_s_per_chunk: float = 5.6e-7
+    fixed_bytes: float = 264.0
     bytes_per_chunk: float = 41.0
     bytes_per_rank: float = 36.0
     chunk_bytes: float = 4 * 1024 * 1024
-    source: str = "built-in: benchmarks/results/protocol.json"
+    source: str = "built-in: benchmarks/results/protocol.json of 2026-11-24 (sharded, 300 chunks)"
 
     def __post_init__(self) -> None:
         for f in fields(self):
