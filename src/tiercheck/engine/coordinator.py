@@ -139,8 +139,8 @@ class Coordinator(Protocol):
         ...
 
     def confirm(self, version: int, shared: Mapping[str, bool]) -> Confirmation:
-        """Step 3: for each shared tier (the same names on every rank), whether this rank
-        prepared the version there."""
+        """Step 3: for each tier (the same names on every rank), whether this rank prepared
+        the version there as a shared tier."""
         ...
 
     def settle(self, version: int, problem: str) -> str:

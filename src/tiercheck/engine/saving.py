@@ -837,9 +837,11 @@ class SaveService:
         targets = self.migrations.targets(info)
         reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
         try:
+            # every tier by name (the same names on every rank, whichever opened): the
+            # version is committed in a shared tier where every rank prepared it
             ready = {s.name for s in shared_ready}
             confirmation = self.coordinator.confirm(
-                job.version, {s.name: s.name in ready for s in self.tierset.slots if _shared(s)}
+                job.version, {s.name: s.name in ready for s in self.tierset.slots}
             )
             for slot in shared_ready:
                 if slot.name not in confirmation.shared_tiers:
