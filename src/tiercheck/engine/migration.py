@@ -22,8 +22,9 @@ waits for the thread to end.
 In a multi-rank job each rank migrates its own shard; to a tier the ranks share, each
 writes only the chunks it owns, and rank 0 records the commit once every rank's
 ``prepare`` record is there (it polls the tier's log with backoff, up to
-``commit_timeout``). Rank 0 keeps every rank's ids of the version protected, and a write
-lease in the shared tier, from the save until then.
+``commit_timeout``). Rank 0 keeps its own ids of the version protected, sweeps nothing in
+the shared tier itself (it never sees the other ranks' ids), and holds a write lease
+there, from the save until then.
 """
 
 from __future__ import annotations

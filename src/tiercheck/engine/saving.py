@@ -323,7 +323,7 @@ class SaveService:
         """Plan a deferred job (pipeline thread, in order, the trainer held by the guard):
         a log version when the update log allows it and is the cheaper choice
         (:func:`tiercheck.logversions.planner.choose`), else a full version, which resets the
-        log. Every rank makes the same choice (one small all-gather)."""
+        log. Every rank makes the same choice (one all-reduce of a flag)."""
         logs = self.logs
         proposal: LogProposal | None = None
         ok = False
