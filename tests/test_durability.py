@@ -204,6 +204,25 @@ def test_ids_released_during_a_sweep_stay_protected_until_it_ends() -> None:
     fence.done("t")
 
 
+def test_a_held_tier_is_swept_of_nothing_until_released() -> None:
+    """Rank 0 holds the shared tiers while other ranks' blobs (ids it never sees) are named
+    by no record yet: a sweep of a held tier claims nothing; other tiers are swept."""
+    fence = GCFence()
+    blob = "d" * 64
+    held = fence.hold(["shared"])
+    fence.begin()
+    assert fence.claim("shared", [blob]) == []
+    fence.done("shared")
+    fence.begin()
+    assert fence.claim("local", [blob]) == [blob]
+    fence.done("local")
+    fence.release_in(held)
+    fence.begin()
+    assert fence.claim("shared", [blob]) == [blob]
+    fence.done("shared")
+    assert fence.protected("shared") == set()
+
+
 def shared_tier(tmp_path: Path) -> Any:
     return open_tier(f"file://{tmp_path / 'shared'}", shared=True)
 

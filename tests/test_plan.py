@@ -7,6 +7,7 @@ hand-computed single failures for what a failure of each domain leaves to restor
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from tiercheck.planning.failure_model import (
     save_failure_model,
 )
 from tiercheck.planning.intervals import DESIGNS, Job, plan, recommended_config
+from tiercheck.planning.protocol_cost import ProtocolModel
 from tiercheck.planning.simulate import (
     Failures,
     Schedule,
@@ -366,3 +368,51 @@ def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         assert main(["plan", *bad]) == 2, bad
         err = capsys.readouterr().err
         assert "error:" in err.strip().splitlines()[-1], (bad, err)
+
+
+def test_plan_counts_the_commit_protocol_at_the_jobs_rank_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/protocol.py's model: the cost per save follows log2 of the ranks (bytes:
+    a rank's chunks plus 36 per rank); one rank has no protocol; a sync tier's save time
+    includes it; ``--bench DIR`` reads the model from DIR/protocol.json."""
+    model = ProtocolModel()
+    chunks = model.chunks(4e9)
+    assert chunks == math.ceil(4e9 / (4 << 20))
+    assert model.seconds(1, chunks) == 0.0 and model.bytes(1, chunks) == 0.0
+    at = {n: model.seconds(n, chunks) for n in (2, 16, 16384)}
+    assert at[2] < at[16] < at[16384] < 0.100  # issue 24's goal, by the model
+    assert model.bytes(16384, chunks) - model.bytes(2, chunks) == 36.0 * 16382
+    slow = ProtocolModel(alpha_s=0.5)  # half a second per hop: it must show in the save
+    job = Job(gpus=1024, days=2)
+    fast_plan = plan(job, designs=DESIGNS[2:3], **SMALL)
+    slow_plan = plan(job, designs=DESIGNS[2:3], protocol=slow, **SMALL)
+    assert slow_plan.protocol_s == pytest.approx(slow.seconds(1024, chunks))
+    fast = {t.tier: t.save_s for t in fast_plan.designs[0].tiers}
+    slower = {t.tier: t.save_s for t in slow_plan.designs[0].tiers}
+    assert slower["shm"] - fast["shm"] == pytest.approx(slow_plan.protocol_s - fast_plan.protocol_s)
+    assert slower["remote"] == fast["remote"]  # migrated: no protocol in the way
+    assert fast_plan.to_json()["protocol"]["seconds_per_save"] == fast_plan.protocol_s
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "protocol.json").write_text(json.dumps({"chunks": 300, "layouts": {}}))
+    with pytest.raises(ConfigError, match="lack"):
+        ProtocolModel.from_benchmarks(bench)
+    fitted = {
+        "calls": 9,
+        "alpha_s": 1e-3,
+        "beta_bytes_per_s": 1e9,
+        "t_cpu_s": 3e-3,
+        "bytes_intercept": 12600.0,
+        "bytes_per_chunk": 41,
+        "bytes_per_rank": 36.0,
+    }
+    (bench / "protocol.json").write_text(
+        json.dumps({"chunks": 300, "layouts": {"sharded": {"model": fitted}}})
+    )
+    loaded = ProtocolModel.from_benchmarks(bench)
+    assert (loaded.alpha_s, loaded.cpu_s_per_chunk, loaded.fixed_bytes) == (1e-3, 1e-5, 300.0)
+    assert main(["plan", "--gpus", "64", "--days", "1", "--runs", "2", "--design", "remote",
+                 "--bench", str(bench), "--json"]) == 2  # fmt: skip
+    assert "latest.json" in capsys.readouterr().err  # the tier rates are still needed there

@@ -58,6 +58,18 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, list[Any
     return job, failures, hardware, measured, designs
 
 
+def _protocol_model(args: argparse.Namespace) -> Any:
+    """The commit protocol's model: from ``--bench DIR``'s protocol.json where it has one."""
+    from tiercheck.planning.protocol_cost import ProtocolModel
+
+    if args.bench and (Path(args.bench) / "protocol.json").exists():
+        try:
+            return ProtocolModel.from_benchmarks(args.bench)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+    return ProtocolModel()
+
+
 def _seconds(x: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "-"
@@ -103,6 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             hardware,
             measured,
             designs,
+            protocol=_protocol_model(args),
             log_bytes_per_step=args.log_bytes_per_step,
             runs=args.runs,
             seed=args.seed,
@@ -141,6 +154,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{w} / {rd}",
         )
     console.print(rt)
+    console.print(
+        f"commit protocol per save at {job.gpus} ranks: {_seconds(result.protocol_s)}, "
+        f"{result.protocol_bytes / 1e3:.3g} KB received per rank (benchmarks/protocol.py's "
+        "model; in each synchronous tier's save time)"
+    )
     dt = Table(
         title=f"designs at their best interval ({result.runs} runs, 95% CI)", title_justify="left"
     )

@@ -69,7 +69,7 @@ def migrate_shard(
     store's write threads), at most ``WRITE_WINDOW`` of this migration's at a time.
 
     ``only`` limits the chunks copied (on a shared tier the others are other ranks' to
-    write, see :func:`tiercheck.engine.coordinator.owned_chunks`); ``commit=False`` leaves the
+    write, see :mod:`tiercheck.engine.partition`); ``commit=False`` leaves the
     commit record to the coordinator rank. Once ``halt`` is set no further chunk is read or
     written and no record appended (:class:`~tiercheck.errors.Halted` is raised).
     """

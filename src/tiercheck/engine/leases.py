@@ -71,6 +71,9 @@ WRITE_TTL = 3600.0  # a writer holds its lease for one save or migration; refres
 SWEEP_TTL = 600.0  # a sweep refreshes its lease between batches of deletes
 
 
+_EVERY = "*"  # no blob's id: (tier, _EVERY) protects every blob of the tier (GCFence.hold)
+
+
 def is_lease_id(blob_id: str) -> bool:
     return blob_id.startswith(LEASE_PREFIX)
 
@@ -154,6 +157,20 @@ class GCFence:
         self._add(keys, names)
         return keys
 
+    def hold(self, tiers: Iterable[str]) -> list[tuple[str | None, str]]:
+        """Protect every blob of ``tiers``: a sweep of them deletes nothing until the result
+        is passed to :meth:`release_in`. Rank 0 holds the shared tiers while a version
+        other ranks write there is in flight: it does not know their chunk ids (the
+        commit protocol never sends them all to one rank). Returns once no sweep of
+        ``tiers`` is deleting."""
+        names = list(tiers)
+        keys: list[tuple[str | None, str]] = [(t, _EVERY) for t in names]
+        with self._cond:
+            self._protected.update(keys)
+            while any(self._deleting.get(t) for t in names):
+                self._cond.wait()
+        return keys
+
     def _add(self, keys: list[tuple[str | None, str]], tiers: list[str] | None) -> None:
         """Count ``keys`` as protected, then wait while a sweep of ``tiers`` (None: any)
         is deleting one of their ids."""
@@ -185,7 +202,7 @@ class GCFence:
     def protected(self, tier: str | None = None) -> set[str]:
         """The ids protected in every tier, plus those protected in ``tier`` alone."""
         with self._cond:
-            return {i for t, i in self._protected if t is None or t == tier}
+            return {i for t, i in self._protected if (t is None or t == tier) and i != _EVERY}
 
     def begin(self) -> None:
         """A sweep starts (before it reads the catalog it marks from)."""
@@ -196,11 +213,14 @@ class GCFence:
         """The ``candidates`` a sweep of ``tier`` may delete now (those unprotected); they
         count as being deleted until :meth:`done`."""
         with self._cond:
+            held = (tier, _EVERY) in self._protected
             out = [
                 c
                 for c in candidates
                 if (None, c) not in self._protected and (tier, c) not in self._protected
             ]
+            if held:  # a version in flight: its writers' blobs may be among them
+                out = []
             self._deleting[tier] = frozenset(out)
             return out
 

@@ -24,8 +24,9 @@ waits for the thread to end.
 In a multi-rank job each rank migrates its own shard; to a tier the ranks share, each
 writes only the chunks it owns, and rank 0 records the commit once every rank's
 ``prepare`` record is there (it polls the tier's log with backoff, up to
-``commit_timeout``). Rank 0 keeps every rank's ids of the version protected, and a write
-lease in the shared tier, from the save until then.
+``commit_timeout``). Rank 0 keeps its own ids of the version protected, sweeps nothing in
+the shared tier itself (it never sees the other ranks' ids), and holds a write lease
+there, from the save until then.
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ class _NotYet(Exception):
 
 @dataclass
 class Reservation:
-    """What rank 0 holds for a version's migrations to shared tiers from the save on:
-    every rank's ids protected, and a write lease in each shared target."""
+    """What rank 0 holds for a version's migrations to shared tiers from the save on: its
+    own ids protected, every blob of each shared target held from its own sweeps (the
+    other ranks' ids are theirs alone), and a write lease in each shared target."""
 
     protected: list[str] = field(default_factory=list)
+    held: list[tuple[str | None, str]] = field(default_factory=list)
     leased: list[TierSlot] = field(default_factory=list)
 
 
@@ -156,12 +159,15 @@ class MigrationService:
         self, info: VersionInfo, targets: Sequence[TierSlot], ids: Sequence[str]
     ) -> Reservation:
         """On rank 0 of a multi-rank job, before the other ranks can start migrating
-        ``info``: protect ``ids`` (every rank's) and hold a write lease in each shared
-        target until the migration settles. Elsewhere an empty reservation."""
+        ``info``: protect ``ids`` (this rank's), hold every blob of each shared target from
+        this process's sweeps, and a write lease in each, until the migration settles.
+        Elsewhere an empty reservation."""
         shared = [s for s in targets if s.tier is not None and s.tier.capabilities.shared]
         if self.rank != 0 or self.world_size == 1 or not shared:
             return Reservation()
-        out = Reservation(protected=self.fence.protect(ids))
+        out = Reservation(
+            protected=self.fence.protect(ids), held=self.fence.hold(s.name for s in shared)
+        )
         for slot in shared:
             assert slot.tier is not None
             try:
@@ -173,7 +179,8 @@ class MigrationService:
 
     def release(self, reservation: Reservation) -> None:
         self.fence.release(reservation.protected)
-        reservation.protected = []
+        self.fence.release_in(reservation.held)
+        reservation.protected, reservation.held = [], []
         for slot in reservation.leased:
             assert slot.tier is not None
             self.leases.release_write(slot.tier)

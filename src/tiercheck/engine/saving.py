@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import (
     FIRST_COMPLETED,
     Executor,
@@ -109,6 +109,7 @@ class _Job:
     t_call: float
     failure: BaseException | None = None  # failed on the caller's thread; still takes part
     protected: list[str] = field(default_factory=list)
+    held: list[tuple[str | None, str]] = field(default_factory=list)  # tiers kept from sweeps
     ready: dict[int, Any] = field(default_factory=dict)  # CUDA device -> torch.cuda.Event
     deferred: bool = False  # planned on the pipeline thread (an update log is attached)
     forced: Role | None = None  # the role save() was asked for
@@ -327,7 +328,7 @@ class SaveService:
         """Plan a deferred job (pipeline thread, in order, the trainer held by the guard):
         a log version when the update log allows it and is the cheaper choice
         (:func:`tiercheck.logversions.planner.choose`), else a full version, which resets the
-        log. Every rank makes the same choice (one small all-gather)."""
+        log. Every rank makes the same choice (one all-reduce of a flag)."""
         logs = self.logs
         proposal: LogProposal | None = None
         ok = False
@@ -471,7 +472,8 @@ class SaveService:
     def _finished(self, job: _Job) -> None:
         """``job`` ran, or was cancelled: release what it held."""
         self.fence.release(job.protected)
-        job.protected = []
+        self.fence.release_in(job.held)
+        job.protected, job.held = [], []
         with self._lock:
             if job in self._inflight:
                 self._inflight.remove(job)
@@ -513,9 +515,12 @@ class SaveService:
             ids = [shard.manifest_id, *sizes]
             if self._encodes_deltas(job.role):  # its delta blobs are read against these
                 ids += [c.id for c in shard.base_chunks or ()]
-            if self.world_size > 1 and self.rank == 0:
-                ids += exchange.ids  # rank 0 sweeps the shared tiers: every rank's ids
             job.protected += self.fence.protect(ids)  # before any tier is asked what it has
+            if self.world_size > 1 and self.rank == 0:
+                # rank 0 sweeps the shared tiers, and records the commit there after the
+                # others let go of their write leases: until then their blobs (ids it never
+                # sees) are named by no record, so it sweeps none of these tiers meanwhile
+                job.held += self.fence.hold(s.name for s in self.tierset.slots if _shared(s))
             sync = self._sync_slots(job)
             for slot in [s for s in sync if _shared(s)]:
                 assert slot.tier is not None
@@ -837,12 +842,11 @@ class SaveService:
         targets = self.migrations.targets(info)
         reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
         try:
-            skipped = [n for n, st in handle.result_now().tiers.items() if st == "skipped"]
+            # every tier by name (the same names on every rank, whichever opened): the
+            # version is committed in a shared tier where every rank prepared it
+            ready = {s.name for s in shared_ready}
             confirmation = self.coordinator.confirm(
-                job.version,
-                [s.name for s in committed],
-                [s.name for s in shared_ready],
-                skipped,
+                job.version, {s.name: s.name in ready for s in self.tierset.slots}
             )
             for slot in shared_ready:
                 if slot.name not in confirmation.shared_tiers:
@@ -855,19 +859,12 @@ class SaveService:
                     self.catalog.committed(slot.name, info)
                     handle._set_tier(slot.name, "committed")
                     committed.append(slot)
+            error = self._judge(job, info, confirmation.ok, confirmation.reason, bool(committed))
             if not committed:
                 raise CheckpointError(
                     f"version {job.version} could not be committed in any tier: "
                     f"{handle.result_now().errors}"
                 )
-            error = self._judge(
-                job,
-                info,
-                confirmation.ok,
-                confirmation.committed,
-                confirmation.reason,
-                confirmation.skipped,
-            )
         except BaseException:
             self.migrations.release(reservation)
             raise
@@ -887,19 +884,13 @@ class SaveService:
         self.maintenance.request(s.name for s in committed)
 
     def _judge(
-        self,
-        job: _Job,
-        info: VersionInfo,
-        confirmed: bool,
-        per_rank: Sequence[Sequence[str]],
-        reason: str,
-        skipped: Sequence[Sequence[str]] = (),
+        self, job: _Job, info: VersionInfo, confirmed: bool, reason: str, anywhere: bool
     ) -> DurabilityError | None:
-        """What ``wait()`` raises for this committed version: the guarantees, judged for
-        every rank alike (each rank has the same tiers by name)."""
+        """What ``wait()`` raises for this committed version: the guarantees, judged by each
+        rank for its own tiers and settled across ranks, so that every rank raises when any
+        rank falls short. ``anywhere``: this rank committed it in some tier."""
         states = job.handle.result_now()
         multi = self.world_size > 1
-        errors: list[DurabilityError] = []
         mine = guarantees.check(
             "wait",
             version=info.id,
@@ -911,57 +902,34 @@ class SaveService:
             errors=states.errors,
             rank=self.rank if multi else None,
         )
-        if mine is not None:
-            errors.append(mine)
-        if multi and not confirmed:
+        if not multi:
+            return mine
+        problem = str(mine) if mine is not None else ""
+        if not anywhere:
+            problem = (
+                f"version {info.id} (step {info.step}) is committed in no tier of rank "
+                f"{self.rank}: no rank can restore it"
+            )
+        errors = [problem] if problem else []
+        if not confirmed:  # the coordinator is broken: nothing more can be settled
             errors.append(
-                DurabilityError(
-                    f"version {info.id} (step {info.step}) is committed on rank {self.rank}, but "
-                    f"the ranks could not confirm it everywhere ({reason})",
-                    version=info.id,
-                    step=info.step,
-                    committed=states.committed_tiers,
-                )
+                f"version {info.id} (step {info.step}) is committed on rank {self.rank}, but "
+                f"the ranks could not confirm it everywhere ({reason})"
             )
-        for r, names in enumerate(per_rank if multi else ()):
-            if r == self.rank:
-                continue
-            theirs = guarantees.check(
-                "wait",
-                version=info.id,
-                step=info.step,
-                role=info.role,
-                slots=self.tierset.slots,
-                policy=self.policy,
-                states={
-                    **{n: "skipped" for n in (skipped[r] if r < len(skipped) else ())},
-                    **{n: "committed" for n in names},
-                },
-                errors={s.name: f"failed on rank {r}" for s in self.tierset.slots},
-                rank=r,
-            )
-            if theirs is not None:
-                errors.append(theirs)
-            elif not names:
-                errors.append(
-                    DurabilityError(
-                        f"version {info.id} (step {info.step}) is committed in no tier of "
-                        f"rank {r}: no rank can restore it",
-                        version=info.id,
-                        step=info.step,
-                    )
-                )
+        else:
+            settled = self.coordinator.settle(info.id, problem)
+            if settled and settled != f"rank {self.rank}: {problem}":
+                errors.append(settled)
+        if errors == [problem] and mine is not None:
+            return mine
         if not errors:
             return None
-        if len(errors) == 1:
-            return errors[0]
-        first = errors[0]
         return DurabilityError(
-            "; ".join(str(e) for e in errors),
-            version=first.version,
-            step=first.step,
-            committed=first.committed,
-            failed={k: v for e in errors for k, v in e.failed.items()},
+            "; ".join(errors),
+            version=info.id,
+            step=info.step,
+            committed=states.committed_tiers,
+            failed=dict(mine.failed) if mine is not None else {},
         )
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from tiercheck.errors import ConfigError
 from tiercheck.planning.failure_model import DEFAULT_FAILURE_MODEL, FailureModel
+from tiercheck.planning.protocol_cost import ProtocolModel
 from tiercheck.planning.simulate import (
     Schedule,
     TierTrack,
@@ -275,6 +276,22 @@ class Plan:
     configurations: int
     seconds: float
     designs: tuple[DesignResult, ...]
+    protocol: ProtocolModel = field(default_factory=ProtocolModel)
+
+    @property
+    def protocol_s(self) -> float:
+        """Seconds of commit protocol per save and rank at the job's rank count (each
+        synchronous tier's commit includes them)."""
+        return self.protocol.seconds(
+            self.job.gpus, self.protocol.chunks(self.job.state_bytes_per_rank)
+        )
+
+    @property
+    def protocol_bytes(self) -> float:
+        """Bytes the commit protocol delivers to a rank per save at the job's rank count."""
+        return self.protocol.bytes(
+            self.job.gpus, self.protocol.chunks(self.job.state_bytes_per_rank)
+        )
 
     @property
     def best(self) -> DesignResult:
@@ -295,6 +312,13 @@ class Plan:
             "measured": self.measured.to_json(),
             "tier_rates": {k: v.to_json() for k, v in self.rates.items()},
             "log_bytes_per_step": self.log_bytes_per_step,
+            "protocol": {
+                "seconds_per_save": self.protocol_s,
+                "bytes_per_rank_per_save": self.protocol_bytes,
+                "ranks": self.job.gpus,
+                "chunks_per_rank": self.protocol.chunks(self.job.state_bytes_per_rank),
+                "model": self.protocol.to_json(),
+            },
             "runs": self.runs,
             "seed": self.seed,
             "configurations": self.configurations,
@@ -313,6 +337,7 @@ class _Costs:
     hardware: Hardware
     rates: dict[str, TierRates]
     log_bytes_per_step: float
+    protocol_s: float = 0.0  # the commit protocol, once per version, before a sync commit
     domain_order: dict[str, int] = field(
         default_factory=lambda: {"process": 1, "node": 2, "cluster": 3}
     )
@@ -343,6 +368,8 @@ class _Costs:
         tracks = []
         for name in design.tiers:
             r = self.rates[name]
+            # a version is committed in a synchronous tier after the ranks agree on it
+            sync = self.protocol_s if design.placement(name) != "migrate" else 0.0
             full = r.read_seconds(big, mean) + self.stage_s()
             if logs:
                 # a log restores its base, then every log since it, then replays their steps
@@ -355,7 +382,10 @@ class _Costs:
                     name=name,
                     survives=self.domain_order[r.survives.value],
                     placement=design.placement(name),  # type: ignore[arg-type]
-                    write_s=(r.write_seconds(big, mean), r.write_seconds(f * big, f * mean)),
+                    write_s=(
+                        r.write_seconds(big, mean) + sync,
+                        r.write_seconds(f * big, f * mean) + sync,
+                    ),
                     restore_s=restore,
                 )
             )
@@ -388,6 +418,7 @@ def plan(
     measured: Measured | None = None,
     designs: Sequence[Design] = DESIGNS,
     *,
+    protocol: ProtocolModel | None = None,
     log_bytes_per_step: float = 0.35,
     runs: int = 16,
     seed: int = 0,
@@ -402,6 +433,7 @@ def plan(
     failures = failures or DEFAULT_FAILURE_MODEL
     hardware = hardware or Hardware()
     measured = measured or Measured()
+    protocol = protocol or ProtocolModel()
     if not designs:
         raise ConfigError("no designs to compare")
     if len({d.name for d in designs}) != len(designs):
@@ -413,7 +445,8 @@ def plan(
     if intervals < 2:
         raise ConfigError("intervals must be >= 2")
     rates = tier_rates(hardware, measured, gpus=job.gpus, gpus_per_node=job.gpus_per_node)
-    costs = _Costs(job, hardware, rates, log_bytes_per_step)
+    protocol_s = protocol.seconds(job.gpus, protocol.chunks(job.state_bytes_per_rank))
+    costs = _Costs(job, hardware, rates, log_bytes_per_step, protocol_s)
 
     lam = failures.rates_per_second(job.gpus)
     total = sum(lam)
@@ -545,6 +578,7 @@ def plan(
         configurations=len(points),
         seconds=time.perf_counter() - t0,
         designs=tuple(results),
+        protocol=protocol,
     )
 
 
