@@ -74,7 +74,7 @@ from tiercheck.backends.base import (
     invalid_url,
     scatter,
 )
-from tiercheck.errors import NotFound, TierError, TierFull
+from tiercheck.errors import NotFound, TierError, TierFull, TierLost
 from tiercheck.formats.framing import frame_record, unframe_record
 
 __all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
@@ -90,6 +90,11 @@ _BATCH_BYTES = 256 << 20
 _RESERVE_STEP = 64 << 20
 _RESERVE_SLACK = 16 << 20
 _SEQ = struct.Struct(">Q")
+# LMDB's meta pages (pages 0 and 1 of data.mdb, lmdb's MDB_meta after a 16-byte page
+# header): magic at 16, page size (mm_dbs[FREE_DBI].md_pad) at 40, the last page in use
+# and the transaction id at 136 and 144.
+_META_MAGIC = 0xBEEFC0DE
+_META_END = 152
 _T = TypeVar("_T")
 
 
@@ -210,6 +215,60 @@ def _open_read_only(path: str) -> lmdb.Environment:
     return lmdb.open(path, readonly=True, lock=False, max_dbs=2, subdir=True)
 
 
+def _meta(data: bytes, at: int) -> tuple[int, int, int] | None:
+    """``(page size, last page, txn id)`` of the meta page at ``at``, None if it is bad."""
+    if len(data) < at + _META_END or struct.unpack_from("<I", data, at + 16)[0] != _META_MAGIC:
+        return None
+    (psize,) = struct.unpack_from("<I", data, at + 40)
+    last, txnid = struct.unpack_from("<QQ", data, at + 136)
+    if psize < 512 or psize & (psize - 1) or psize > 1 << 16:
+        return None
+    return psize, last, txnid
+
+
+def check_data_file(url: str, path: str, *, must_exist: bool) -> None:
+    """Raise :class:`TierLost` unless ``path``/data.mdb is an LMDB file whose size covers
+    the last page its newest meta page names (``must_exist``: a missing file is lost too).
+
+    LMDB maps the file without checking its size, so a read of a page past the end of a
+    truncated file is SIGBUS (read-only), and a writable open extends the file with zeros
+    (pages that then read as MDB_CORRUPTED); an empty file is initialised as a new
+    environment. Checked before every first open in a process, so a damaged environment
+    is reported, never mapped nor re-initialised."""
+    data_path = os.path.join(path, "data.mdb")
+    try:
+        with open(data_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(_META_END)
+            first = _meta(head, 0)
+            f.seek(first[0] if first is not None else 0)
+            second = _meta(f.read(_META_END), 0) if first is not None else None
+    except FileNotFoundError:
+        if must_exist:
+            raise TierLost(f"no LMDB store at {path} (no data.mdb)", url=url) from None
+        return
+    except IsADirectoryError:
+        raise TierLost(f"{data_path} is not a file", url=url) from None
+    except OSError as exc:
+        raise TierLost(f"cannot read {data_path}: {exc}", url=url) from exc
+    fix = (
+        "the tier is unreachable for this open; the store reads from its other tiers. "
+        f"Move {path} aside (keep it for recovery) to start this tier afresh"
+    )
+    if first is None or second is None or first[0] != second[0]:
+        raise TierLost(
+            f"{data_path} is damaged: its meta pages are unreadable ({size} bytes); {fix}",
+            url=url,
+        )
+    psize, last, _ = max(first, second, key=lambda m: m[2])
+    need = (last + 1) * psize
+    if size < need:
+        raise TierLost(
+            f"{data_path} is truncated: {size} bytes, but its last page ends at {need}; {fix}",
+            url=url,
+        )
+
+
 def _acquire_env(
     url: str, path: str, *, read_only: bool, sync: bool, map_size: int, writemap: bool = True
 ) -> _Env:
@@ -225,6 +284,7 @@ def _acquire_env(
                 )
             cached.refs += 1
             return cached
+        check_data_file(url, key, must_exist=read_only)
         try:
             if read_only:
                 env = _open_read_only(key)
@@ -233,7 +293,7 @@ def _acquire_env(
                     log = env.open_db(b"log", create=False)
                 except lmdb.NotFoundError:
                     env.close()
-                    raise invalid_url(url, f"{key} is not a tiercheck LMDB store") from None
+                    raise TierLost(f"{key} holds no tiercheck LMDB store", url=url) from None
             else:
                 os.makedirs(key, exist_ok=True)
                 env = _open_writable(key, map_size=map_size, sync=sync, writemap=writemap)
@@ -246,6 +306,13 @@ def _acquire_env(
                 log = env.open_db(b"log")
         except lmdb.DiskError as exc:
             raise TierFull(f"no space left opening LMDB at {key}: {exc}", url=url) from exc
+        except (
+            lmdb.CorruptedError,
+            lmdb.PageNotFoundError,
+            lmdb.InvalidError,
+            lmdb.VersionMismatchError,
+        ) as exc:
+            raise TierLost(f"the LMDB environment at {key} is damaged: {exc}", url=url) from exc
         except (lmdb.Error, OSError) as exc:
             raise invalid_url(url, f"cannot open LMDB environment at {key}: {exc}") from exc
         entry = _Env(path=key, env=env, blobs=blobs, log=log, readonly=read_only)

@@ -80,7 +80,7 @@ from tiercheck.backends.base import (
     invalid_url,
     parse_budget,
 )
-from tiercheck.errors import NotFound, OverBudget, TierError, TierFull
+from tiercheck.errors import NotFound, OverBudget, TierError, TierFull, TierLost
 from tiercheck.formats.framing import frame_record, scan_frames
 
 __all__ = [
@@ -340,7 +340,8 @@ class ShmTier(Tier):
         self.segments_created = 0
         if read_only:
             if not os.path.isdir(self._blobs):
-                raise invalid_url(url, f"no shm store at {self.path} to open read-only")
+                # lost with the node's memory (a reboot) or never made on this node
+                raise TierLost(f"no shm store at {self.path} to open read-only", url=url)
             return
         try:
             for d in (self._blobs, self._pool_dir, self._tmp):
