@@ -101,6 +101,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    LogScan,
     PendingPut,
     Tier,
     check_blob_id,
@@ -1053,8 +1054,11 @@ class FsspecTier(Tier):
             url=self.url,
         )
 
-    def _read_view(self) -> builtins.list[tuple[int, bytes]]:
-        """``(seq, payload)`` of the newest checkpoint and every intact record after it."""
+    def _read_view(
+        self, damaged: builtins.list[str] | None = None
+    ) -> builtins.list[tuple[int, bytes]]:
+        """``(seq, payload)`` of the newest checkpoint and every intact record after it;
+        the names of damaged record objects are added to ``damaged``."""
         ckpt, seqs = self._log_view()
         paths = ([self._ckpt_path(ckpt)] if ckpt is not None else []) + [
             self._log_path(s) for s in seqs
@@ -1068,7 +1072,7 @@ class FsspecTier(Tier):
         )
         if ckpt is not None and raws[0] is None:
             # A newer compaction replaced this checkpoint between listing and reading.
-            return self._read_view()
+            return self._read_view(damaged)
         records: builtins.list[tuple[int, bytes]] = []
         for seq, name, raw in zip(order, names, raws):
             if raw is None:
@@ -1081,6 +1085,8 @@ class FsspecTier(Tier):
                     name,
                     len(raw),
                 )
+                if damaged is not None:
+                    damaged.append(f"log object {name} ({len(raw)} bytes)")
                 continue
             records.append((seq, payload))
         with self._lock:
@@ -1092,6 +1098,13 @@ class FsspecTier(Tier):
     def read_log(self) -> builtins.list[bytes]:
         """The newest checkpoint (if any) and the records after it: one GET each."""
         return [payload for _, payload in self._read_view()]
+
+    def scan_log(self) -> LogScan:
+        """As :meth:`read_log`, naming each record object that is damaged (objects are
+        written whole, so a damaged one is never a write in flight)."""
+        damaged: builtins.list[str] = []
+        records = [payload for _, payload in self._read_view(damaged)]
+        return LogScan(tuple(records), tuple(damaged))
 
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         """Write the checkpoint object, then delete what it replaces (see module doc)."""

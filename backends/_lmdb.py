@@ -69,6 +69,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    LogScan,
     Tier,
     check_blob_id,
     invalid_url,
@@ -249,8 +250,8 @@ def check_data_file(url: str, path: str, *, must_exist: bool) -> None:
         return
     except IsADirectoryError:
         raise TierLost(f"{data_path} is not a file", url=url) from None
-    except OSError as exc:
-        raise TierLost(f"cannot read {data_path}: {exc}", url=url) from exc
+    except OSError:
+        return  # not a directory, no permission: opening says what is wrong with the path
     fix = (
         "the tier is unreachable for this open; the store reads from its other tiers. "
         f"Move {path} aside (keep it for recovery) to start this tier afresh"
@@ -691,15 +692,24 @@ class LmdbTier(Tier):
     def read_log(self) -> builtins.list[bytes]:
         """Every record in sequence order. A record whose frame fails its checksum
         (damage, not a torn write: LMDB commits are atomic) is skipped."""
+        return builtins.list(self.scan_log().records)
 
-        def txn_read(txn: lmdb.Transaction, e: _Env) -> builtins.list[bytes]:
+    def scan_log(self) -> LogScan:
+        """As :meth:`read_log`, naming the key of each damaged record."""
+
+        def txn_read(txn: lmdb.Transaction, e: _Env) -> LogScan:
             cursor = txn.cursor(db=e.log)
             records = []
-            for value in cursor.iternext(keys=False, values=True):
+            damaged = []
+            for key, value in cursor.iternext(keys=True, values=True):
                 payload = unframe_record(value)
                 if payload is not None:
                     records.append(payload)
-            return records
+                elif len(key) == _SEQ.size:
+                    damaged.append(f"record {_SEQ.unpack(key)[0]} ({len(value)} bytes)")
+                else:
+                    damaged.append(f"record key {bytes(key).hex()} ({len(value)} bytes)")
+            return LogScan(tuple(records), tuple(damaged))
 
         return self._read(txn_read, "read_log", "")
 

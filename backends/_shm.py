@@ -36,10 +36,12 @@ Atomicity: a put writes ``tmp/<pid>.<n>`` and then links (create-if-absent) or r
 framed record written at the end of ``log`` under an exclusive ``flock``; a crash can
 leave a torn frame at the tail, which readers skip (a frame carries its length and
 checksum) and which a writable open truncates away before appending again. A damaged
-frame in the middle is stepped over, never truncated: the records after it are kept
-(``scan_frames``, SPEC section 6.1). Compaction (:meth:`ShmTier.replace_log_prefix`)
-writes the new log to ``log.compact`` and renames it over ``log`` under the same lock; an
-appender holding the old file notices the rename and reopens. Nothing is fsync'ed: tmpfs
+frame is stepped over, never truncated, and reported by :meth:`ShmTier.scan_log`: the
+records after it are kept (``scan_frames``, SPEC section 6.1); at the tail, only the start
+of a frame cut short is torn (``torn_tail``), a whole frame that fails its check is damage.
+Compaction (:meth:`ShmTier.replace_log_prefix`) writes the new log to ``log.compact`` and
+renames it over ``log`` under the same lock; an appender holding the old file notices the
+rename and reopens. Nothing is fsync'ed: tmpfs
 has no disk behind it, and a write that returned is visible to every later process.
 
 One writer per NAME at a time (``Capabilities.shared`` is False); any number of
@@ -74,6 +76,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    LogScan,
     Tier,
     check_blob_id,
     check_budget,
@@ -81,7 +84,7 @@ from tiercheck.backends.base import (
     parse_budget,
 )
 from tiercheck.errors import NotFound, OverBudget, TierError, TierFull, TierLost
-from tiercheck.formats.framing import frame_record, scan_frames
+from tiercheck.formats.framing import frame_record, scan_frames, torn_tail
 
 __all__ = [
     "DEFAULT_ROOT",
@@ -394,7 +397,7 @@ class ShmTier(Tier):
             try:
                 data = self._read_log_bytes()
                 good = scan_frames(data).intact_end
-                if good < len(data):
+                if good < len(data) and torn_tail(data, good):
                     _os.ftruncate(self._log_fd, good)
                 try:
                     _os.unlink(os.path.join(self.path, _COMPACT_NAME))
@@ -775,10 +778,25 @@ class ShmTier(Tier):
 
     def read_log(self) -> builtins.list[bytes]:
         """Every intact record; a damaged frame in the middle is skipped, not the rest."""
+        return builtins.list(self.scan_log().records)
+
+    def scan_log(self) -> LogScan:
+        """As :meth:`read_log`, naming the byte range of each damaged stretch of the log."""
         try:
-            return builtins.list(scan_frames(self._read_log_bytes()).payloads)
+            data = self._read_log_bytes()
         except OSError as exc:
             raise self._os_error(exc, "read_log") from exc
+        scan = scan_frames(data)
+        damaged = []
+        end = 0
+        for start, stop in scan.spans:
+            if start > end:
+                damaged.append(f"bytes {end}-{start} of {self._log_path}")
+            end = stop
+        if end < len(data) and not torn_tail(data, end):
+            # a whole frame that fails its check: damage, not an append cut short
+            damaged.append(f"bytes {end}-{len(data)} of {self._log_path}")
+        return LogScan(scan.payloads, tuple(damaged))
 
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         """Write ``record`` plus the log after its first ``count`` records to

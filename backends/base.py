@@ -74,6 +74,7 @@ __all__ = [
     "Buffer",
     "Capabilities",
     "FailureDomain",
+    "LogScan",
     "PendingPut",
     "Tier",
     "check_blob_id",
@@ -104,6 +105,17 @@ class PendingPut:
 
     def abort(self) -> None:
         """Nothing to undo: the blob was stored whole (content-addressed: harmless)."""
+
+
+@dataclass(frozen=True)
+class LogScan:
+    """A log as :meth:`Tier.scan_log` read it: the intact records in append order (what
+    :meth:`Tier.read_log` returns) and where each damaged record was (one line each, e.g.
+    ``"record key 12"`` or ``"bytes 140-310"``), stepped over. A torn tail (a write in flight
+    at a crash) is not damage."""
+
+    records: tuple[bytes, ...]
+    damaged: tuple[str, ...] = ()
 
 
 class FailureDomain(str, Enum):
@@ -280,6 +292,15 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def read_log(self) -> builtins.list[bytes]:
         """Every complete record, in append order. Torn or partial records are not returned."""
+
+    def scan_log(self) -> LogScan:
+        """The log's intact records (as :meth:`read_log`) and where its damaged ones were.
+
+        ``tiercheck verify`` reports every damaged record: the commit or drop it held is
+        lost from this tier. The default reports none (a tier whose records cannot be
+        damaged, or that cannot tell); a tier that steps over damaged records overrides it.
+        """
+        return LogScan(tuple(self.read_log()))
 
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         """Replace the first ``count`` records of the log with the single ``record``.

@@ -22,7 +22,7 @@ import builtins
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from tiercheck.backends.base import Buffer, Capabilities, PendingPut, Tier
+from tiercheck.backends.base import Buffer, Capabilities, LogScan, PendingPut, Tier
 
 __all__ = ["WrapperTier"]
 
@@ -123,6 +123,9 @@ class WrapperTier(Tier):
 
     def read_log(self) -> builtins.list[bytes]:
         return self.inner.read_log()
+
+    def scan_log(self) -> LogScan:
+        return self.inner.scan_log()
 
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         self.inner.replace_log_prefix(count, record)
