@@ -82,6 +82,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import builtins
+import datetime
 import errno
 import json
 import logging
@@ -89,7 +90,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, ClassVar, NoReturn
@@ -272,6 +273,11 @@ class _Store(abc.ABC):
         """Size of ``path``; ``FileNotFoundError`` if absent."""
 
     @abc.abstractmethod
+    def mtime(self, path: str) -> float | None:
+        """When ``path`` was last written (seconds since the epoch), None where the store
+        does not say; ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
         """Whether each path exists."""
 
@@ -286,6 +292,31 @@ class _Store(abc.ABC):
     @abc.abstractmethod
     def files_below(self, directory: str) -> Iterator[str]:
         """Paths, relative to ``directory``, of every file below it."""
+
+
+def _info_mtime(info: Mapping[str, Any]) -> float | None:
+    """The modification time in an fsspec ``info()`` entry: ``mtime`` (local, memory,
+    sftp), ``LastModified`` (s3fs), ``updated`` / ``last_modified`` (gcsfs, adlfs), as a
+    number, a datetime or an ISO 8601 string; None if it has none."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.timezone.utc)
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+            return parsed.timestamp()
+    return None
 
 
 class _LocalStore(_Store):
@@ -460,6 +491,9 @@ class _LocalStore(_Store):
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
+
+    def mtime(self, path: str) -> float | None:
+        return os.stat(path).st_mtime
 
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
         found = [os.path.isfile(p) for p in paths]
@@ -688,6 +722,9 @@ class _FsspecStore(_Store):
     def size(self, path: str) -> int:
         return int(self.fs.size(path))
 
+    def mtime(self, path: str) -> float | None:
+        return _info_mtime(self.fs.info(path))
+
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
         if not self.fs.async_impl or len(paths) < 2:
             return [bool(self.fs.exists(p)) for p in paths]
@@ -794,6 +831,7 @@ class FsspecTier(Tier):
                     if _parse_bool(compress, "compress", url) is None
                     else bool(compress)
                 ),
+                blob_times=True,
             )
         except ValueError as exc:
             raise invalid_url(url, f"bad capability option: {exc}") from None
@@ -988,6 +1026,19 @@ class FsspecTier(Tier):
         if present:
             self._call("delete", "", lambda: self._store.remove_many(present))
         return len(present)
+
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        """Each blob object's modification time (one stat or HEAD each)."""
+        out: dict[str, float] = {}
+        for blob_id in blob_ids:
+            path = self._blob_path(blob_id)
+            try:
+                t = self._call("written_at", blob_id, partial(self._store.mtime, path))
+            except NotFound:
+                continue
+            if t is not None:
+                out[blob_id] = t
+        return out
 
     def list(self) -> Iterator[str]:
         rels: builtins.list[str] = self._call(

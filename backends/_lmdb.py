@@ -3,10 +3,13 @@
 On-disk layout: ``PATH`` is an LMDB environment directory::
 
     PATH/
-      data.mdb   two named databases:
+      data.mdb   three named databases:
                    "blobs"  key: the blob id as 32 raw bytes, value: the blob bytes
                    "log"    key: sequence number as big-endian u64 (0, 1, 2, ...),
                             value: one framed record (tiercheck.formats.framing)
+                   "times"  key: a blob id as in "blobs", value: when the blob was
+                            written, an f64 LE of seconds since the epoch (written in
+                            the blob's transaction; GC's grace runs from it)
       lock.mdb   LMDB's reader table and writer lock
 
 URL: only the absolute form ``lmdb:///abs/path`` (empty host, percent-encoding allowed) is
@@ -57,6 +60,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -91,6 +95,7 @@ _BATCH_BYTES = 256 << 20
 _RESERVE_STEP = 64 << 20
 _RESERVE_SLACK = 16 << 20
 _SEQ = struct.Struct(">Q")
+_TIME = struct.Struct("<d")  # "times": when a blob was written, seconds since the epoch
 # LMDB's meta pages (pages 0 and 1 of data.mdb, lmdb's MDB_meta after a 16-byte page
 # header): magic at 16, page size (mm_dbs[FREE_DBI].md_pad) at 40, the last page in use
 # and the transaction id at 136 and 144.
@@ -147,6 +152,7 @@ class _Env:
     env: lmdb.Environment
     blobs: Any  # lmdb's database handle (untyped)
     log: Any
+    times: Any  # None in an environment made before it (opened read-only)
     readonly: bool
     refs: int = 1
     gate: _Gate = field(default_factory=_Gate)
@@ -199,7 +205,7 @@ def _open_read_only(path: str) -> lmdb.Environment:
     """Open ``path`` read-only with LMDB's reader locking (safe next to a live writer);
     without it only where ``lock.mdb`` cannot be opened for writing."""
     try:
-        return lmdb.open(path, readonly=True, lock=True, max_dbs=2, subdir=True)
+        return lmdb.open(path, readonly=True, lock=True, max_dbs=3, subdir=True)
     except lmdb.Error as exc:
         if not isinstance(exc, (lmdb.ReadonlyError, lmdb.PanicError)) and not (
             getattr(exc, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
@@ -213,7 +219,7 @@ def _open_read_only(path: str) -> lmdb.Environment:
         path,
         os.path.join(path, "lock.mdb"),
     )
-    return lmdb.open(path, readonly=True, lock=False, max_dbs=2, subdir=True)
+    return lmdb.open(path, readonly=True, lock=False, max_dbs=3, subdir=True)
 
 
 def _meta(data: bytes, at: int) -> tuple[int, int, int] | None:
@@ -295,6 +301,10 @@ def _acquire_env(
                 except lmdb.NotFoundError:
                     env.close()
                     raise TierLost(f"{key} holds no tiercheck LMDB store", url=url) from None
+                try:
+                    times = env.open_db(b"times", create=False)
+                except lmdb.NotFoundError:
+                    times = None
             else:
                 os.makedirs(key, exist_ok=True)
                 env = _open_writable(key, map_size=map_size, sync=sync, writemap=writemap)
@@ -305,6 +315,7 @@ def _acquire_env(
                     env = _open_writable(key, map_size=map_size, sync=sync, writemap=False)
                 blobs = env.open_db(b"blobs")
                 log = env.open_db(b"log")
+                times = env.open_db(b"times")
         except lmdb.DiskError as exc:
             raise TierFull(f"no space left opening LMDB at {key}: {exc}", url=url) from exc
         except (
@@ -316,7 +327,7 @@ def _acquire_env(
             raise TierLost(f"the LMDB environment at {key} is damaged: {exc}", url=url) from exc
         except (lmdb.Error, OSError) as exc:
             raise invalid_url(url, f"cannot open LMDB environment at {key}: {exc}") from exc
-        entry = _Env(path=key, env=env, blobs=blobs, log=log, readonly=read_only)
+        entry = _Env(path=key, env=env, blobs=blobs, log=log, times=times, readonly=read_only)
         if not read_only:
             entry.data_fd = data_fd
         _envs[key] = entry
@@ -327,7 +338,7 @@ def _open_writable(path: str, *, map_size: int, sync: bool, writemap: bool) -> l
     return lmdb.open(
         path,
         map_size=map_size,
-        max_dbs=2,
+        max_dbs=3,
         subdir=True,
         sync=sync,
         metasync=sync,
@@ -375,6 +386,11 @@ def _reserve(e: _Env, nbytes: int) -> None:
         e.reserved = need
 
 
+def _stamp(txn: lmdb.Transaction, e: _Env, key: bytes) -> None:
+    """Record in the writer's transaction when the blob ``key`` was written."""
+    txn.put(key, _TIME.pack(time.time()), db=e.times)
+
+
 def _release_env(entry: _Env) -> None:
     with _envs_lock:
         entry.refs -= 1
@@ -395,6 +411,7 @@ class LmdbTier(Tier):
         persistent=True,
         speed_rank=30,
         atomic_batch=True,
+        blob_times=True,
     )
 
     def __init__(
@@ -530,6 +547,8 @@ class LmdbTier(Tier):
 
         def txn_put(txn: lmdb.Transaction, e: _Env) -> bool:
             written: bool = txn.put(key, view, db=e.blobs, overwrite=overwrite)
+            if written:
+                _stamp(txn, e, key)
             return written
 
         return self._write(txn_put, "put", blob_id, len(view))
@@ -563,7 +582,9 @@ class LmdbTier(Tier):
             count = 0
             for key, views in batch:
                 value = views[0] if len(views) == 1 else _joined(e, views)
-                count += bool(txn.put(key, value, db=e.blobs, overwrite=False))
+                if txn.put(key, value, db=e.blobs, overwrite=False):
+                    _stamp(txn, e, key)
+                    count += 1
             return count
 
         nbytes = sum(len(v) for _, views in batch for v in views)
@@ -635,9 +656,32 @@ class LmdbTier(Tier):
         keys = [bytes.fromhex(b) for b in ids]
 
         def txn_delete(txn: lmdb.Transaction, e: _Env) -> int:
+            if e.times is not None:
+                for k in keys:
+                    txn.delete(k, db=e.times)
             return sum(1 for k in keys if txn.delete(k, db=e.blobs))
 
         return self._write(txn_delete, "delete", ids[0])
+
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        """When each blob was written, from the "times" database (a blob written before
+        tiercheck recorded it has no time: left out)."""
+        keys = []
+        for blob_id in blob_ids:
+            check_blob_id(blob_id, self.url)
+            keys.append(bytes.fromhex(blob_id))
+
+        def txn_times(txn: lmdb.Transaction, e: _Env) -> dict[str, float]:
+            out: dict[str, float] = {}
+            if e.times is None:
+                return out
+            for key in keys:
+                value = txn.get(key, db=e.times)
+                if value is not None and len(value) == _TIME.size:
+                    out[key.hex()] = _TIME.unpack(value)[0]
+            return out
+
+        return self._read(txn_times, "written_at", "")
 
     def list(self) -> Iterator[str]:
         # Collected inside the transaction: a generator paused mid-transaction would
@@ -673,7 +717,8 @@ class LmdbTier(Tier):
 
         def txn_append(txn: lmdb.Transaction, e: _Env) -> None:
             for key, view in items:
-                txn.put(key, view, db=e.blobs, overwrite=False)
+                if txn.put(key, view, db=e.blobs, overwrite=False):
+                    _stamp(txn, e, key)
             cursor = txn.cursor(db=e.log)
             seq = _SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
             txn.put(_SEQ.pack(seq), frame, db=e.log, append=True)

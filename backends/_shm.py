@@ -296,7 +296,11 @@ class ShmTier(Tier):
 
     scheme: ClassVar[str] = "shm"
     CAPABILITIES: ClassVar[Capabilities] = Capabilities(
-        survives=FailureDomain.PROCESS, shared=False, persistent=False, speed_rank=10
+        survives=FailureDomain.PROCESS,
+        shared=False,
+        persistent=False,
+        speed_rank=10,
+        blob_times=True,
     )
 
     def __init__(
@@ -687,6 +691,19 @@ class ShmTier(Tier):
             return os.stat(self._blob_path(blob_id)).st_size
         except FileNotFoundError:
             raise NotFound("blob not found", url=self.url, key=blob_id) from None
+
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        """Each blob file's mtime (a pooled segment reused for a blob is written anew)."""
+        out: dict[str, float] = {}
+        for blob_id in blob_ids:
+            check_blob_id(blob_id, self.url)
+            try:
+                out[blob_id] = os.stat(self._blob_path(blob_id)).st_mtime
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise self._os_error(exc, "written_at", blob_id) from exc
+        return out
 
     def trim_pool(self, keep_bytes: int = 0) -> int:
         """Free pooled segments until at most ``keep_bytes`` remain; returns bytes freed."""

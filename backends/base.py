@@ -148,6 +148,8 @@ class Capabilities:
     does not (the peer daemon: an empty object would cost it only overhead, so it refuses
     them) raises ``NotSupported`` for them. The engine never writes one: a blob carries a
     header, a record is a msgpack map.
+    ``blob_times`` says that :meth:`Tier.written_at` reports when each blob was written
+    (GC's grace period then runs from the blob's own age, across processes).
     """
 
     survives: FailureDomain
@@ -157,6 +159,7 @@ class Capabilities:
     atomic_batch: bool = False
     compress: bool = True
     empty_objects: bool = True
+    blob_times: bool = False
 
 
 def check_blob_id(blob_id: str, url: str = "") -> None:
@@ -278,6 +281,18 @@ class Tier(abc.ABC):
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         return bytes(self.get(blob_id)[:nbytes])
+
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        """When each of ``blob_ids`` was last written, in seconds since the epoch (the
+        clock of the tier's host: a file's mtime, an object's last-modified time), for the
+        blobs the tier holds and knows it of; absent ids are left out.
+
+        GC's grace period runs from this time, so that what a process that died left
+        behind is collected by the next process, not after a grace of its own. A tier
+        that reports it declares ``Capabilities.blob_times``; the default knows none
+        (the grace then runs from when this process first saw the blob unreferenced).
+        """
+        return {}
 
     # --- log -----------------------------------------------------------------------
 

@@ -124,6 +124,9 @@ class WrapperTier(Tier):
     def read_log(self) -> builtins.list[bytes]:
         return self.inner.read_log()
 
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        return self.inner.written_at(blob_ids)
+
     def scan_log(self) -> LogScan:
         return self.inner.scan_log()
 
