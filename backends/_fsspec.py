@@ -84,6 +84,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import builtins
+import datetime
 import errno
 import json
 import logging
@@ -91,7 +92,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, ClassVar, NoReturn
@@ -103,6 +104,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    LogScan,
     PendingPut,
     StoreOwner,
     Tier,
@@ -275,6 +277,11 @@ class _Store(abc.ABC):
         """Size of ``path``; ``FileNotFoundError`` if absent."""
 
     @abc.abstractmethod
+    def mtime(self, path: str) -> float | None:
+        """When ``path`` was last written (seconds since the epoch), None where the store
+        does not say; ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
         """Whether each path exists."""
 
@@ -289,6 +296,31 @@ class _Store(abc.ABC):
     @abc.abstractmethod
     def files_below(self, directory: str) -> Iterator[str]:
         """Paths, relative to ``directory``, of every file below it."""
+
+
+def _info_mtime(info: Mapping[str, Any]) -> float | None:
+    """The modification time in an fsspec ``info()`` entry: ``mtime`` (local, memory,
+    sftp), ``LastModified`` (s3fs), ``updated`` / ``last_modified`` (gcsfs, adlfs), as a
+    number, a datetime or an ISO 8601 string; None if it has none."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.timezone.utc)
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+            return parsed.timestamp()
+    return None
 
 
 class _LocalStore(_Store):
@@ -463,6 +495,9 @@ class _LocalStore(_Store):
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
+
+    def mtime(self, path: str) -> float | None:
+        return os.stat(path).st_mtime
 
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
         found = [os.path.isfile(p) for p in paths]
@@ -691,6 +726,9 @@ class _FsspecStore(_Store):
     def size(self, path: str) -> int:
         return int(self.fs.size(path))
 
+    def mtime(self, path: str) -> float | None:
+        return _info_mtime(self.fs.info(path))
+
     def exists_many(self, paths: Sequence[str]) -> list[bool]:
         if not self.fs.async_impl or len(paths) < 2:
             return [bool(self.fs.exists(p)) for p in paths]
@@ -797,6 +835,7 @@ class FsspecTier(Tier):
                     if _parse_bool(compress, "compress", url) is None
                     else bool(compress)
                 ),
+                blob_times=True,
             )
         except ValueError as exc:
             raise invalid_url(url, f"bad capability option: {exc}") from None
@@ -1016,6 +1055,19 @@ class FsspecTier(Tier):
             self._call("delete", "", lambda: self._store.remove_many(present))
         return len(present)
 
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        """Each blob object's modification time (one stat or HEAD each)."""
+        out: dict[str, float] = {}
+        for blob_id in blob_ids:
+            path = self._blob_path(blob_id)
+            try:
+                t = self._call("written_at", blob_id, partial(self._store.mtime, path))
+            except NotFound:
+                continue
+            if t is not None:
+                out[blob_id] = t
+        return out
+
     def list(self) -> Iterator[str]:
         rels: builtins.list[str] = self._call(
             "list", "", lambda: list(self._store.files_below(self._blob_dir))
@@ -1081,8 +1133,11 @@ class FsspecTier(Tier):
             url=self.url,
         )
 
-    def _read_view(self) -> builtins.list[tuple[int, bytes]]:
-        """``(seq, payload)`` of the newest checkpoint and every intact record after it."""
+    def _read_view(
+        self, damaged: builtins.list[str] | None = None
+    ) -> builtins.list[tuple[int, bytes]]:
+        """``(seq, payload)`` of the newest checkpoint and every intact record after it;
+        the names of damaged record objects are added to ``damaged``."""
         ckpt, seqs = self._log_view()
         paths = ([self._ckpt_path(ckpt)] if ckpt is not None else []) + [
             self._log_path(s) for s in seqs
@@ -1096,7 +1151,7 @@ class FsspecTier(Tier):
         )
         if ckpt is not None and raws[0] is None:
             # A newer compaction replaced this checkpoint between listing and reading.
-            return self._read_view()
+            return self._read_view(damaged)
         records: builtins.list[tuple[int, bytes]] = []
         for seq, name, raw in zip(order, names, raws):
             if raw is None:
@@ -1109,6 +1164,8 @@ class FsspecTier(Tier):
                     name,
                     len(raw),
                 )
+                if damaged is not None:
+                    damaged.append(f"log object {name} ({len(raw)} bytes)")
                 continue
             records.append((seq, payload))
         with self._lock:
@@ -1120,6 +1177,13 @@ class FsspecTier(Tier):
     def read_log(self) -> builtins.list[bytes]:
         """The newest checkpoint (if any) and the records after it: one GET each."""
         return [payload for _, payload in self._read_view()]
+
+    def scan_log(self) -> LogScan:
+        """As :meth:`read_log`, naming each record object that is damaged (objects are
+        written whole, so a damaged one is never a write in flight)."""
+        damaged: builtins.list[str] = []
+        records = [payload for _, payload in self._read_view(damaged)]
+        return LogScan(tuple(records), tuple(damaged))
 
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         """Write the checkpoint object, then delete what it replaces (see module doc)."""

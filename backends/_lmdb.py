@@ -3,12 +3,15 @@
 On-disk layout: ``PATH`` is an LMDB environment directory::
 
     PATH/
-      data.mdb   two named databases:
+      data.mdb   three named databases:
                    "blobs"  key: the blob id as 32 raw bytes, value: the blob bytes
                    "log"    key: sequence number as big-endian u64 (0, 1, 2, ...),
                             value: one framed record (tiercheck.formats.framing)
                  and, in the main database, the key "tiercheck.owner": the store owning
                  the environment (JSON, formats/SPEC.md "Store identity")
+                   "times"  key: a blob id as in "blobs", value: when the blob was
+                            written, an f64 LE of seconds since the epoch (written in
+                            the blob's transaction; GC's grace runs from it)
       lock.mdb   LMDB's reader table and writer lock
 
 URL: only the absolute form ``lmdb:///abs/path`` (empty host, percent-encoding allowed) is
@@ -60,6 +63,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,13 +76,14 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    LogScan,
     StoreOwner,
     Tier,
     check_blob_id,
     invalid_url,
     scatter,
 )
-from tiercheck.errors import NotFound, TierError, TierFull
+from tiercheck.errors import NotFound, TierError, TierFull, TierLost
 from tiercheck.formats.framing import frame_record, unframe_record
 
 __all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
@@ -95,6 +100,12 @@ _RESERVE_STEP = 64 << 20
 _RESERVE_SLACK = 16 << 20
 _SEQ = struct.Struct(">Q")
 _OWNER_KEY = b"tiercheck.owner"
+_TIME = struct.Struct("<d")  # "times": when a blob was written, seconds since the epoch
+# LMDB's meta pages (pages 0 and 1 of data.mdb, lmdb's MDB_meta after a 16-byte page
+# header): magic at 16, page size (mm_dbs[FREE_DBI].md_pad) at 40, the last page in use
+# and the transaction id at 136 and 144.
+_META_MAGIC = 0xBEEFC0DE
+_META_END = 152
 _T = TypeVar("_T")
 
 
@@ -146,6 +157,7 @@ class _Env:
     env: lmdb.Environment
     blobs: Any  # lmdb's database handle (untyped)
     log: Any
+    times: Any  # None in an environment made before it (opened read-only)
     readonly: bool
     refs: int = 1
     gate: _Gate = field(default_factory=_Gate)
@@ -198,7 +210,7 @@ def _open_read_only(path: str) -> lmdb.Environment:
     """Open ``path`` read-only with LMDB's reader locking (safe next to a live writer);
     without it only where ``lock.mdb`` cannot be opened for writing."""
     try:
-        return lmdb.open(path, readonly=True, lock=True, max_dbs=2, subdir=True)
+        return lmdb.open(path, readonly=True, lock=True, max_dbs=3, subdir=True)
     except lmdb.Error as exc:
         if not isinstance(exc, (lmdb.ReadonlyError, lmdb.PanicError)) and not (
             getattr(exc, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
@@ -212,7 +224,61 @@ def _open_read_only(path: str) -> lmdb.Environment:
         path,
         os.path.join(path, "lock.mdb"),
     )
-    return lmdb.open(path, readonly=True, lock=False, max_dbs=2, subdir=True)
+    return lmdb.open(path, readonly=True, lock=False, max_dbs=3, subdir=True)
+
+
+def _meta(data: bytes, at: int) -> tuple[int, int, int] | None:
+    """``(page size, last page, txn id)`` of the meta page at ``at``, None if it is bad."""
+    if len(data) < at + _META_END or struct.unpack_from("<I", data, at + 16)[0] != _META_MAGIC:
+        return None
+    (psize,) = struct.unpack_from("<I", data, at + 40)
+    last, txnid = struct.unpack_from("<QQ", data, at + 136)
+    if psize < 512 or psize & (psize - 1) or psize > 1 << 16:
+        return None
+    return psize, last, txnid
+
+
+def check_data_file(url: str, path: str, *, must_exist: bool) -> None:
+    """Raise :class:`TierLost` unless ``path``/data.mdb is an LMDB file whose size covers
+    the last page its newest meta page names (``must_exist``: a missing file is lost too).
+
+    LMDB maps the file without checking its size, so a read of a page past the end of a
+    truncated file is SIGBUS (read-only), and a writable open extends the file with zeros
+    (pages that then read as MDB_CORRUPTED); an empty file is initialised as a new
+    environment. Checked before every first open in a process, so a damaged environment
+    is reported, never mapped nor re-initialised."""
+    data_path = os.path.join(path, "data.mdb")
+    try:
+        with open(data_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(_META_END)
+            first = _meta(head, 0)
+            f.seek(first[0] if first is not None else 0)
+            second = _meta(f.read(_META_END), 0) if first is not None else None
+    except FileNotFoundError:
+        if must_exist:
+            raise TierLost(f"no LMDB store at {path} (no data.mdb)", url=url) from None
+        return
+    except IsADirectoryError:
+        raise TierLost(f"{data_path} is not a file", url=url) from None
+    except OSError:
+        return  # not a directory, no permission: opening says what is wrong with the path
+    fix = (
+        "the tier is unreachable for this open; the store reads from its other tiers. "
+        f"Move {path} aside (keep it for recovery) to start this tier afresh"
+    )
+    if first is None or second is None or first[0] != second[0]:
+        raise TierLost(
+            f"{data_path} is damaged: its meta pages are unreadable ({size} bytes); {fix}",
+            url=url,
+        )
+    psize, last, _ = max(first, second, key=lambda m: m[2])
+    need = (last + 1) * psize
+    if size < need:
+        raise TierLost(
+            f"{data_path} is truncated: {size} bytes, but its last page ends at {need}; {fix}",
+            url=url,
+        )
 
 
 def _acquire_env(
@@ -230,6 +296,7 @@ def _acquire_env(
                 )
             cached.refs += 1
             return cached
+        check_data_file(url, key, must_exist=read_only)
         try:
             if read_only:
                 env = _open_read_only(key)
@@ -238,7 +305,11 @@ def _acquire_env(
                     log = env.open_db(b"log", create=False)
                 except lmdb.NotFoundError:
                     env.close()
-                    raise invalid_url(url, f"{key} is not a tiercheck LMDB store") from None
+                    raise TierLost(f"{key} holds no tiercheck LMDB store", url=url) from None
+                try:
+                    times = env.open_db(b"times", create=False)
+                except lmdb.NotFoundError:
+                    times = None
             else:
                 os.makedirs(key, exist_ok=True)
                 env = _open_writable(key, map_size=map_size, sync=sync, writemap=writemap)
@@ -249,11 +320,19 @@ def _acquire_env(
                     env = _open_writable(key, map_size=map_size, sync=sync, writemap=False)
                 blobs = env.open_db(b"blobs")
                 log = env.open_db(b"log")
+                times = env.open_db(b"times")
         except lmdb.DiskError as exc:
             raise TierFull(f"no space left opening LMDB at {key}: {exc}", url=url) from exc
+        except (
+            lmdb.CorruptedError,
+            lmdb.PageNotFoundError,
+            lmdb.InvalidError,
+            lmdb.VersionMismatchError,
+        ) as exc:
+            raise TierLost(f"the LMDB environment at {key} is damaged: {exc}", url=url) from exc
         except (lmdb.Error, OSError) as exc:
             raise invalid_url(url, f"cannot open LMDB environment at {key}: {exc}") from exc
-        entry = _Env(path=key, env=env, blobs=blobs, log=log, readonly=read_only)
+        entry = _Env(path=key, env=env, blobs=blobs, log=log, times=times, readonly=read_only)
         if not read_only:
             entry.data_fd = data_fd
         _envs[key] = entry
@@ -264,7 +343,7 @@ def _open_writable(path: str, *, map_size: int, sync: bool, writemap: bool) -> l
     return lmdb.open(
         path,
         map_size=map_size,
-        max_dbs=2,
+        max_dbs=3,
         subdir=True,
         sync=sync,
         metasync=sync,
@@ -312,6 +391,11 @@ def _reserve(e: _Env, nbytes: int) -> None:
         e.reserved = need
 
 
+def _stamp(txn: lmdb.Transaction, e: _Env, key: bytes) -> None:
+    """Record in the writer's transaction when the blob ``key`` was written."""
+    txn.put(key, _TIME.pack(time.time()), db=e.times)
+
+
 def _release_env(entry: _Env) -> None:
     with _envs_lock:
         entry.refs -= 1
@@ -332,6 +416,7 @@ class LmdbTier(Tier):
         persistent=True,
         speed_rank=30,
         atomic_batch=True,
+        blob_times=True,
     )
 
     def __init__(
@@ -467,6 +552,8 @@ class LmdbTier(Tier):
 
         def txn_put(txn: lmdb.Transaction, e: _Env) -> bool:
             written: bool = txn.put(key, view, db=e.blobs, overwrite=overwrite)
+            if written:
+                _stamp(txn, e, key)
             return written
 
         return self._write(txn_put, "put", blob_id, len(view))
@@ -500,7 +587,9 @@ class LmdbTier(Tier):
             count = 0
             for key, views in batch:
                 value = views[0] if len(views) == 1 else _joined(e, views)
-                count += bool(txn.put(key, value, db=e.blobs, overwrite=False))
+                if txn.put(key, value, db=e.blobs, overwrite=False):
+                    _stamp(txn, e, key)
+                    count += 1
             return count
 
         nbytes = sum(len(v) for _, views in batch for v in views)
@@ -572,9 +661,32 @@ class LmdbTier(Tier):
         keys = [bytes.fromhex(b) for b in ids]
 
         def txn_delete(txn: lmdb.Transaction, e: _Env) -> int:
+            if e.times is not None:
+                for k in keys:
+                    txn.delete(k, db=e.times)
             return sum(1 for k in keys if txn.delete(k, db=e.blobs))
 
         return self._write(txn_delete, "delete", ids[0])
+
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        """When each blob was written, from the "times" database (a blob written before
+        tiercheck recorded it has no time: left out)."""
+        keys = []
+        for blob_id in blob_ids:
+            check_blob_id(blob_id, self.url)
+            keys.append(bytes.fromhex(blob_id))
+
+        def txn_times(txn: lmdb.Transaction, e: _Env) -> dict[str, float]:
+            out: dict[str, float] = {}
+            if e.times is None:
+                return out
+            for key in keys:
+                value = txn.get(key, db=e.times)
+                if value is not None and len(value) == _TIME.size:
+                    out[key.hex()] = _TIME.unpack(value)[0]
+            return out
+
+        return self._read(txn_times, "written_at", "")
 
     def list(self) -> Iterator[str]:
         # Collected inside the transaction: a generator paused mid-transaction would
@@ -610,7 +722,8 @@ class LmdbTier(Tier):
 
         def txn_append(txn: lmdb.Transaction, e: _Env) -> None:
             for key, view in items:
-                txn.put(key, view, db=e.blobs, overwrite=False)
+                if txn.put(key, view, db=e.blobs, overwrite=False):
+                    _stamp(txn, e, key)
             cursor = txn.cursor(db=e.log)
             seq = _SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
             txn.put(_SEQ.pack(seq), frame, db=e.log, append=True)
@@ -629,15 +742,24 @@ class LmdbTier(Tier):
     def read_log(self) -> builtins.list[bytes]:
         """Every record in sequence order. A record whose frame fails its checksum
         (damage, not a torn write: LMDB commits are atomic) is skipped."""
+        return builtins.list(self.scan_log().records)
 
-        def txn_read(txn: lmdb.Transaction, e: _Env) -> builtins.list[bytes]:
+    def scan_log(self) -> LogScan:
+        """As :meth:`read_log`, naming the key of each damaged record."""
+
+        def txn_read(txn: lmdb.Transaction, e: _Env) -> LogScan:
             cursor = txn.cursor(db=e.log)
             records = []
-            for value in cursor.iternext(keys=False, values=True):
+            damaged = []
+            for key, value in cursor.iternext(keys=True, values=True):
                 payload = unframe_record(value)
                 if payload is not None:
                     records.append(payload)
-            return records
+                elif len(key) == _SEQ.size:
+                    damaged.append(f"record {_SEQ.unpack(key)[0]} ({len(value)} bytes)")
+                else:
+                    damaged.append(f"record key {bytes(key).hex()} ({len(value)} bytes)")
+            return LogScan(tuple(records), tuple(damaged))
 
         return self._read(txn_read, "read_log", "")
 

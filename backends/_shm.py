@@ -43,10 +43,12 @@ Atomicity: a put writes ``tmp/<pid>.<n>`` and then links (create-if-absent) or r
 framed record written at the end of ``log`` under an exclusive ``flock``; a crash can
 leave a torn frame at the tail, which readers skip (a frame carries its length and
 checksum) and which a writable open truncates away before appending again. A damaged
-frame in the middle is stepped over, never truncated: the records after it are kept
-(``scan_frames``, SPEC section 6.1). Compaction (:meth:`ShmTier.replace_log_prefix`)
-writes the new log to ``log.compact`` and renames it over ``log`` under the same lock; an
-appender holding the old file notices the rename and reopens. Nothing is fsync'ed: tmpfs
+frame is stepped over, never truncated, and reported by :meth:`ShmTier.scan_log`: the
+records after it are kept (``scan_frames``, SPEC section 6.1); at the tail, only the start
+of a frame cut short is torn (``torn_tail``), a whole frame that fails its check is damage.
+Compaction (:meth:`ShmTier.replace_log_prefix`) writes the new log to ``log.compact`` and
+renames it over ``log`` under the same lock; an appender holding the old file notices the
+rename and reopens. Nothing is fsync'ed: tmpfs
 has no disk behind it, and a write that returned is visible to every later process.
 
 One writer per NAME at a time (``Capabilities.shared`` is False); any number of
@@ -81,6 +83,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    LogScan,
     StoreOwner,
     Tier,
     check_blob_id,
@@ -88,8 +91,8 @@ from tiercheck.backends.base import (
     invalid_url,
     parse_budget,
 )
-from tiercheck.errors import NotFound, OverBudget, TierError, TierFull
-from tiercheck.formats.framing import frame_record, scan_frames
+from tiercheck.errors import NotFound, OverBudget, TierError, TierFull, TierLost
+from tiercheck.formats.framing import frame_record, scan_frames, torn_tail
 
 __all__ = [
     "DEFAULT_ROOT",
@@ -321,7 +324,11 @@ class ShmTier(Tier):
 
     scheme: ClassVar[str] = "shm"
     CAPABILITIES: ClassVar[Capabilities] = Capabilities(
-        survives=FailureDomain.PROCESS, shared=False, persistent=False, speed_rank=10
+        survives=FailureDomain.PROCESS,
+        shared=False,
+        persistent=False,
+        speed_rank=10,
+        blob_times=True,
     )
 
     def __init__(
@@ -368,7 +375,8 @@ class ShmTier(Tier):
         self.segments_created = 0
         if read_only:
             if not os.path.isdir(self._blobs):
-                raise invalid_url(url, f"no shm store at {self.path} to open read-only")
+                # lost with the node's memory (a reboot) or never made on this node
+                raise TierLost(f"no shm store at {self.path} to open read-only", url=url)
             return
         try:
             _private_root(self.root)
@@ -442,7 +450,7 @@ class ShmTier(Tier):
             try:
                 data = self._read_log_bytes()
                 good = scan_frames(data).intact_end
-                if good < len(data):
+                if good < len(data) and torn_tail(data, good):
                     _os.ftruncate(self._log_fd, good)
                 try:
                     _os.unlink(os.path.join(self.path, _COMPACT_NAME))
@@ -733,6 +741,19 @@ class ShmTier(Tier):
         except FileNotFoundError:
             raise NotFound("blob not found", url=self.url, key=blob_id) from None
 
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        """Each blob file's mtime (a pooled segment reused for a blob is written anew)."""
+        out: dict[str, float] = {}
+        for blob_id in blob_ids:
+            check_blob_id(blob_id, self.url)
+            try:
+                out[blob_id] = os.stat(self._blob_path(blob_id)).st_mtime
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise self._os_error(exc, "written_at", blob_id) from exc
+        return out
+
     def trim_pool(self, keep_bytes: int = 0) -> int:
         """Free pooled segments until at most ``keep_bytes`` remain; returns bytes freed."""
         freed = 0
@@ -827,10 +848,25 @@ class ShmTier(Tier):
 
     def read_log(self) -> builtins.list[bytes]:
         """Every intact record; a damaged frame in the middle is skipped, not the rest."""
+        return builtins.list(self.scan_log().records)
+
+    def scan_log(self) -> LogScan:
+        """As :meth:`read_log`, naming the byte range of each damaged stretch of the log."""
         try:
-            return builtins.list(scan_frames(self._read_log_bytes()).payloads)
+            data = self._read_log_bytes()
         except OSError as exc:
             raise self._os_error(exc, "read_log") from exc
+        scan = scan_frames(data)
+        damaged = []
+        end = 0
+        for start, stop in scan.spans:
+            if start > end:
+                damaged.append(f"bytes {end}-{start} of {self._log_path}")
+            end = stop
+        if end < len(data) and not torn_tail(data, end):
+            # a whole frame that fails its check: damage, not an append cut short
+            damaged.append(f"bytes {end}-{len(data)} of {self._log_path}")
+        return LogScan(scan.payloads, tuple(damaged))
 
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         """Write ``record`` plus the log after its first ``count`` records to

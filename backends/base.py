@@ -74,6 +74,7 @@ __all__ = [
     "Buffer",
     "Capabilities",
     "FailureDomain",
+    "LogScan",
     "PendingPut",
     "StoreOwner",
     "Tier",
@@ -107,6 +108,17 @@ class PendingPut:
         """Nothing to undo: the blob was stored whole (content-addressed: harmless)."""
 
 
+@dataclass(frozen=True)
+class LogScan:
+    """A log as :meth:`Tier.scan_log` read it: the intact records in append order (what
+    :meth:`Tier.read_log` returns) and where each damaged record was (one line each, e.g.
+    ``"record key 12"`` or ``"bytes 140-310"``), stepped over. A torn tail (a write in flight
+    at a crash) is not damage."""
+
+    records: tuple[bytes, ...]
+    damaged: tuple[str, ...] = ()
+
+
 class FailureDomain(str, Enum):
     """The widest failure a tier's content survives."""
 
@@ -137,6 +149,8 @@ class Capabilities:
     does not (the peer daemon: an empty object would cost it only overhead, so it refuses
     them) raises ``NotSupported`` for them. The engine never writes one: a blob carries a
     header, a record is a msgpack map.
+    ``blob_times`` says that :meth:`Tier.written_at` reports when each blob was written
+    (GC's grace period then runs from the blob's own age, across processes).
     """
 
     survives: FailureDomain
@@ -146,6 +160,7 @@ class Capabilities:
     atomic_batch: bool = False
     compress: bool = True
     empty_objects: bool = True
+    blob_times: bool = False
 
 
 @dataclass(frozen=True)
@@ -295,6 +310,18 @@ class Tier(abc.ABC):
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         return bytes(self.get(blob_id)[:nbytes])
 
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        """When each of ``blob_ids`` was last written, in seconds since the epoch (the
+        clock of the tier's host: a file's mtime, an object's last-modified time), for the
+        blobs the tier holds and knows it of; absent ids are left out.
+
+        GC's grace period runs from this time, so that what a process that died left
+        behind is collected by the next process, not after a grace of its own. A tier
+        that reports it declares ``Capabilities.blob_times``; the default knows none
+        (the grace then runs from when this process first saw the blob unreferenced).
+        """
+        return {}
+
     # --- log -----------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -308,6 +335,15 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def read_log(self) -> builtins.list[bytes]:
         """Every complete record, in append order. Torn or partial records are not returned."""
+
+    def scan_log(self) -> LogScan:
+        """The log's intact records (as :meth:`read_log`) and where its damaged ones were.
+
+        ``tiercheck verify`` reports every damaged record: the commit or drop it held is
+        lost from this tier. The default reports none (a tier whose records cannot be
+        damaged, or that cannot tell); a tier that steps over damaged records overrides it.
+        """
+        return LogScan(tuple(self.read_log()))
 
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         """Replace the first ``count`` records of the log with the single ``record``.

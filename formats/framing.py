@@ -26,6 +26,7 @@ __all__ = [
     "frame_record",
     "iter_frames",
     "scan_frames",
+    "torn_tail",
     "unframe_record",
 ]
 
@@ -113,6 +114,22 @@ def _next_intact(view: memoryview, pos: int) -> int:
         if _intact_at(view, at) >= 0:
             return at
         at += 1
+
+
+def torn_tail(data: bytes | memoryview, start: int) -> bool:
+    """Whether the bytes of ``data`` from ``start`` (after the last intact frame) can be what
+    an append cut short leaves: empty, or the beginning of a frame (a prefix of the magic,
+    or the magic and a length that runs past the end). Anything else (a complete frame
+    that fails its check, bytes without the magic) is damage, never cut off."""
+    tail = bytes(memoryview(data)[start:])
+    if len(tail) < len(_MAGIC):
+        return _MAGIC.startswith(tail)
+    if tail[: len(_MAGIC)] != _MAGIC:
+        return False
+    if len(tail) < FRAME_HEADER:
+        return True
+    length: int = _HEADER.unpack_from(tail, 0)[1]
+    return FRAME_HEADER + length > len(tail)
 
 
 def scan_frames(data: bytes | memoryview) -> FrameScan:

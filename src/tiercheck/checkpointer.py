@@ -230,7 +230,8 @@ class Checkpointer:
 
     def gc(self, *, dry_run: bool = False, grace: float | None = None) -> list[GCReport]:
         """Sweep unreferenced blobs from every tier (past the grace period: the policy's,
-        or ``grace`` seconds on a fresh clock). Blobs of saves and migrations in flight are
+        or ``grace`` seconds, counted from when each blob was written where its tier says,
+        else from when first seen unreferenced). Blobs of saves and migrations in flight are
         never swept, in this process or in others sharing a tier; a shared tier another
         process is writing to is skipped (the report's ``fenced`` says so)."""
         return self._engine.collect(dry_run=dry_run, grace=grace)

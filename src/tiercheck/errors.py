@@ -33,6 +33,7 @@ __all__ = [
     "StoreLocked",
     "TierError",
     "TierFull",
+    "TierLost",
     "TierUnavailable",
     "TiercheckError",
     "UnfinishedWork",
@@ -80,6 +81,13 @@ class BlobCorrupt(TierError):
 
 class TierUnavailable(TierError):
     """The tier cannot be reached right now (dead peer, endpoint down). Retryable."""
+
+
+class TierLost(TierError):
+    """The tier's content is missing or damaged where it should be: an shm segment lost in a
+    reboot (opened read-only), an LMDB ``data.mdb`` shorter than its last page or with bad
+    meta pages. Not retryable. A store open goes on without the tier (it is listed
+    unreachable for this open); nothing re-initialises it silently."""
 
 
 class NotSupported(TierError):

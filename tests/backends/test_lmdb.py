@@ -15,7 +15,7 @@ from tiercheck.backends import _lmdb
 from tiercheck.backends._lmdb import LmdbTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.errors import InvalidURL, ReadOnlyTier, TierError, TierFull
+from tiercheck.errors import InvalidURL, ReadOnlyTier, TierError, TierFull, TierLost
 from tiercheck.testing.conformance import TierConformance, blob
 
 
@@ -234,7 +234,7 @@ def test_read_only_env_blocks_writable_open(tmp_path: Path) -> None:
 
 
 def test_read_only_missing_store(tmp_path: Path) -> None:
-    with pytest.raises(InvalidURL):
+    with pytest.raises(TierLost):
         _open(tmp_path / "absent", read_only=True)
     assert not (tmp_path / "absent").exists()
 

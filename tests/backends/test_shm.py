@@ -15,7 +15,7 @@ from tiercheck.backends import _shm
 from tiercheck.backends._shm import ShmTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.errors import InvalidURL, ReadOnlyTier, TierFull
+from tiercheck.errors import InvalidURL, ReadOnlyTier, TierFull, TierLost
 from tiercheck.formats.framing import frame_record
 from tiercheck.testing.conformance import TierConformance, blob
 
@@ -212,7 +212,7 @@ def test_bad_urls(url: str, root: Path) -> None:
 
 
 def test_read_only_needs_existing_store(root: Path) -> None:
-    with pytest.raises(InvalidURL):
+    with pytest.raises(TierLost):
         _open(root, "absent", read_only=True)
     assert not (root / "absent").exists()
 

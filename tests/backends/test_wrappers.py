@@ -130,6 +130,8 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "head": lambda t: t.head(ID, 8),
     "append": lambda t: t.append(b"rec"),
     "read_log": lambda t: t.read_log(),
+    "scan_log": lambda t: t.scan_log(),
+    "written_at": lambda t: t.written_at([ID]),
     "replace_log_prefix": lambda t: t.replace_log_prefix(1, b"checkpoint"),
     "usage": lambda t: t.usage(),
     "set_budget": lambda t: t.set_budget("1MiB"),

@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace",
         type=nonneg_float,
         metavar="SECONDS",
-        help="grace period for this run (default: the policy's, on this process's clock, "
-        "which starts now; 0 deletes at once)",
+        help="grace period for this run (default: the policy's); a blob's age counts from "
+        "when it was written where the tier says (file mtime, object time, LMDB), else "
+        "from now; 0 deletes at once",
     )
     p.set_defaults(func=cmd_gc)
 

@@ -178,8 +178,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 console.print(f"tier {r['tier']} was not swept: {r['fenced']}")
         if any(r["waiting"] for r in rows):
             console.print(
-                "blobs in their grace period are kept (the clock starts when this process "
-                "first sees them); pass --grace 0 to delete them now"
+                "blobs younger than the grace period are kept (their age counts from when "
+                "they were written, where the tier says; else from now); pass --grace 0 to "
+                "delete them now"
             )
     return 0
 

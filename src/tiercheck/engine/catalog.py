@@ -16,9 +16,10 @@ Each tier's log is an append-only sequence of records (``formats.manifest``):
 
 A version is **committed** iff some log holds its commit record. A tier **holds** a version
 iff its log has the commit and no drop. Reading merges every reachable tier's log into a
-:class:`Catalog`; unreachable tiers are listed, not fatal. Records that fail to decode are
-counted and skipped (a torn tail is already cut off by the framing); a record from a newer
-major format version raises :class:`~tiercheck.errors.FormatVersionError`.
+:class:`Catalog`; unreachable tiers are listed, not fatal. Damaged records (frames the tier
+stepped over, records that fail to decode) are skipped and listed in ``TierLog.damaged``,
+which ``tiercheck verify`` reports (a torn tail is already cut off by the framing); a record
+from a newer major format version raises :class:`~tiercheck.errors.FormatVersionError`.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class TierLog:
     deltas: dict[str, str] = field(default_factory=dict)
     records: int = 0
     corrupt: int = 0
+    #: Where each damaged record was: frames the tier stepped over (``Tier.scan_log``) and
+    #: records that failed to decode. What they said (a commit, a drop) is lost here.
+    damaged: tuple[str, ...] = ()
     #: From checkpoints: the greatest version id the replaced records named, whether
     #: they named delta blobs, and how many records the checkpoints stand for.
     max_checkpointed: int = -1
@@ -332,14 +336,20 @@ class LiveCatalog:
 def read_tier_log(name: str, tier: Tier) -> TierLog:
     """Read and decode one tier's log."""
     tl = TierLog(name)
-    for payload in tier.read_log():
+    scan = tier.scan_log()
+    damaged = list(scan.damaged)
+    for where in scan.damaged:
+        log.warning("tier %s (%s): a damaged log record was skipped: %s", name, tier.url, where)
+    for n, payload in enumerate(scan.records):
         try:
             rec = unpack_record(payload)
         except BlobCorrupt as exc:
             tl.corrupt += 1
+            damaged.append(f"intact record {n} does not decode: {exc}")
             log.warning("skipping a damaged log record in tier %s (%s): %s", name, tier.url, exc)
             continue
         tl.apply(rec)
+    tl.damaged = tuple(damaged)
     return tl
 
 
@@ -415,9 +425,14 @@ def compact_log(name: str, tier: Tier) -> CompactionReport:
     appended meanwhile stay after the checkpoint. Skipped (reported, nothing written) on a
     tier without compaction (``NotSupported``), and on a log holding a record this
     tiercheck cannot read in full (damaged, or of a newer schema): summarising it would
-    lose what it says.
+    lose what it says, and the damage would no longer be reported.
     """
-    payloads = tier.read_log()
+    scan = tier.scan_log()
+    payloads = scan.records
+    if scan.damaged:
+        # compaction would delete them, and with them the only sign of what was lost
+        log.warning("not compacting the log of tier %s: it holds damaged records", name)
+        return CompactionReport(name, len(payloads), len(payloads), "holds damaged records")
     if len(payloads) <= 1:
         return CompactionReport(name, len(payloads), len(payloads), "nothing to compact")
     tl = TierLog(name)

@@ -20,6 +20,11 @@ is recorded by :func:`~tiercheck.engine.background.reporting` for ``close()`` to
 
 :meth:`Maintenance.make_room` runs on the same thread, so retention, GC and eviction never
 race on a tier (see :mod:`tiercheck.engine.budgets`).
+
+:meth:`Maintenance.discard` sweeps, at once, what a save or a migration that was given up
+wrote to a tier: the ids it had protected, once released, that no version the tier holds
+references and no other save or migration in flight protects (the fence), under the write
+leases of a shared tier. A full disk is then not kept full by work that will never commit.
 """
 
 from __future__ import annotations
@@ -147,6 +152,39 @@ class Maintenance:
         """
         what = f"making room in tier {slot.name}"
         return self._wait(self._submit(what, self._make_room, slot, needed), what)
+
+    def discard(self, tiers: Iterable[str], ids: Iterable[str]) -> None:
+        """Delete, on the maintenance thread, those of ``ids`` in ``tiers`` that nothing
+        references or protects (what a save or migration given up wrote; see the module
+        docstring). Returns at once; nothing is done once the store is closing."""
+        names = sorted(set(tiers))
+        wanted = frozenset(ids)
+        if not names or not wanted:
+            return
+        with self._lock:
+            if self._stopped:
+                return
+            run = reporting(self.failures, "discard", self._discard)
+            self._executor.submit(self._as, "discarding what was given up", run, names, wanted)
+
+    def _discard(self, names: list[str], ids: frozenset[str]) -> None:
+        for name in names:
+            if self.halt.is_set():
+                return
+            slot = self.tierset.get(name)
+            if slot.tier is None or not self._manages(slot):
+                continue
+            try:
+                report = self._sweep(slot, self._gc_state, 0.0, False, only=ids)
+            except (TiercheckError, OSError) as exc:  # the next sweep tries again, by age
+                log.warning("tier %s: could not delete what was given up: %s", name, exc)
+                continue
+            if report.deleted:
+                log.info(
+                    "tier %s: deleted %d blobs a save or migration given up had written",
+                    name,
+                    report.deleted,
+                )
 
     def close(self) -> None:
         self.stop()
@@ -324,7 +362,15 @@ class Maintenance:
         # one rank manages a tier every rank shares
         return slot.tier is not None and (not slot.tier.capabilities.shared or self.rank == 0)
 
-    def _sweep(self, slot: TierSlot, state: GCState, grace: float, dry_run: bool) -> GCReport:
+    def _sweep(
+        self,
+        slot: TierSlot,
+        state: GCState,
+        grace: float,
+        dry_run: bool,
+        *,
+        only: frozenset[str] | None = None,
+    ) -> GCReport:
         assert slot.tier is not None
         fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
         shared = slot.tier.capabilities.shared
@@ -332,7 +378,9 @@ class Maintenance:
         tier = slot.tier
 
         def current_log() -> TierLog:
-            if shared:  # other processes commit here too: read what the tier says now
+            # other processes commit here too, or what was given up is judged: read what
+            # the tier says now (a record whose append failed may be there all the same)
+            if shared or only is not None:
                 fresh = read_tier_log(name, tier)
                 mine = self.catalog.snapshot().logs.get(name)
                 if mine is not None:
@@ -353,6 +401,7 @@ class Maintenance:
             rank=None if shared else self.rank,
             fence=self.fence,
             leases=self.leases if shared else None,
+            only=only,
         )
 
     def _collect_all(self, dry_run: bool, grace: float | None) -> list[GCReport]:

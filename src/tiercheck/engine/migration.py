@@ -93,6 +93,8 @@ class _Job:
     prepared: bool = False
     waiting_since: float | None = None
     poll: float = _POLL_FIRST
+    #: the ids an attempt protected and may have written to ``slot`` (discarded if it fails)
+    written: tuple[str, ...] = ()
 
 
 class MigrationService:
@@ -400,8 +402,11 @@ class MigrationService:
             self._abandon(job, job.error)
 
     def _fail(self, job: _Job, error: str) -> None:
+        """Give up on ``job``: what it wrote to its tier is deleted unless something else
+        references or protects it (a full disk is not kept full by a copy never committed)."""
         log.error("migration of version %d to %s failed: %s", job.info.id, job.slot.name, error)
         self._settle(job, "failed", error)
+        self.maintenance.discard([job.slot.name], job.written)
 
     def _settle(self, job: _Job, state: TierState, error: str | None) -> None:
         """The migration of ``job`` ended: tell its handle, release what it held, and ask
@@ -471,6 +476,7 @@ class MigrationService:
             ids = [mid, *(c.id for c in fetcher.manifest(mid, order=sources).chunks)]
             if base_mid is not None:
                 ids += [base_mid, *(c.id for c in fetcher.manifest(base_mid, order=sources).chunks)]
+            job.written = tuple(ids)
             # before the target is asked what it has
             protected = self.fence.protect_in(
                 [s.name for s in self.tierset.slots if s.name not in exempt], ids

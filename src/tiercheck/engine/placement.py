@@ -107,10 +107,12 @@ class Policy:
     - ``on_busy``: what ``save`` does when the previous save is still being written:
       ``"wait"`` for it, or ``"skip"`` this one (the handle reports it).
     - ``zstd_level``: compression level for zstd and delta codecs.
-    - ``gc_grace_seconds``: an unreferenced blob is deleted only after it was first seen
-      unreferenced this long ago. Blobs of saves and migrations in flight are protected
-      without it (in this process, and through leases in shared tiers); the grace only
-      delays deleting what a crashed writer left behind.
+    - ``gc_grace_seconds``: an unreferenced blob is deleted only once it is this old:
+      written this long ago where its tier says when (``Tier.written_at``: shm, LMDB,
+      fsspec), else first seen unreferenced this long ago by this process. Blobs of saves
+      and migrations in flight are protected without it (in this process, and through
+      leases in shared tiers); the grace only delays deleting what a crashed writer left
+      behind.
     - ``hash_threads``: threads for hashing and encoding (``0``: one per core).
     - ``durability``: the failure domain ``wait()`` promises: it raises
       :class:`~tiercheck.errors.DurabilityError` unless a tier that committed the version

@@ -12,7 +12,10 @@ a timer (:mod:`tiercheck.engine.leases`): in this process their ids are protecte
 asked what it has, and a sweep deletes only what was unprotected when it claimed it; in a
 tier shared by several processes a sweep runs only while no other process holds a write
 lease there. A blob outside the mark is deleted once it has been seen unreferenced for
-``grace`` seconds: the grace only delays deleting what a crashed writer left behind.
+``grace`` seconds: the grace only delays deleting what a crashed writer left behind. A blob's
+age runs from when it was written where the tier says (``Tier.written_at``: a file's mtime,
+an object's last-modified time, LMDB's ``times``), so what a process that died left behind is
+collected by the next one; elsewhere from when this process first saw it unreferenced.
 
 Delta bases come from two places. The log: a prepare record's ``deltas`` names the base of
 every delta blob that save wrote. And the blobs themselves: a save that crashed after
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tiercheck.backends.base import Capabilities, Tier
@@ -188,11 +191,13 @@ def drop_versions(slot: TierSlot, versions: Iterable[int]) -> list[int]:
 
 @dataclass
 class GCState:
-    """Per-tier memory of GC: when each unreferenced blob was first seen (the grace clock),
+    """Per-tier memory of GC: since when each unreferenced blob counts as unreferenced (the
+    grace clock: when it was written where the tier says, else when first seen),
     and what each blob header read so far said (``delta_bases``: blob id -> the base chunk
     id of a delta blob, None for any other blob)."""
 
     first_seen: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the grace clock starts at the earlier of first seen and written (Tier.written_at)
     delta_bases: dict[str, dict[str, str | None]] = field(default_factory=dict)
 
 
@@ -305,9 +310,11 @@ def collect_garbage(
     rank: int | None = None,
     fence: GCFence | None = None,
     leases: TierLeases | None = None,
+    only: Collection[str] | None = None,
 ) -> GCReport:
     """Sweep ``slot``'s unreferenced blobs that are past the grace period (``rank``: see
-    :func:`mark`).
+    :func:`mark`; ``only``: sweep only those of these ids, e.g. what a save that was given
+    up wrote).
 
     ``tl`` is the tier's log, or a function that reads it: with a ``fence`` (this
     process's protected ids, :class:`~tiercheck.engine.leases.GCFence`) it is called after the
@@ -349,6 +356,7 @@ def collect_garbage(
             now,
             rank,
             fence,
+            only,
         )
     finally:
         if fence is not None:
@@ -372,6 +380,7 @@ def _sweep(
     now: float | None,
     rank: int | None,
     fence: GCFence | None,
+    only: Collection[str] | None = None,
 ) -> None:
     assert slot.tier is not None
     now = time.time() if now is None else now
@@ -398,11 +407,21 @@ def _sweep(
         present = set(listed)
         for blob_id in [b for b in headers.cache if b not in present]:
             del headers.cache[blob_id]
-    ripe = []
-    for blob_id in unreferenced:
-        first = seen.setdefault(blob_id, now)
-        if now - first >= grace:
-            ripe.append(blob_id)
+    candidates = unreferenced if only is None else [b for b in unreferenced if b in only]
+    new = [b for b in candidates if b not in seen]
+    for blob_id in new:
+        seen[blob_id] = now
+    if new and grace > 0:
+        # the blob's own age: a blob a dead process wrote an hour ago is an hour old
+        try:
+            written = slot.tier.written_at(new)
+        except (TierError, OSError) as exc:  # the grace runs from now for these, as before
+            log.debug("gc %s: no blob times: %s", slot.name, exc)
+            written = {}
+        for blob_id, t in written.items():
+            if blob_id in seen:
+                seen[blob_id] = min(seen[blob_id], t)
+    ripe = [b for b in candidates if now - seen[b] >= grace]
     if ripe and headers is not None and headers.incomplete is not None:
         log.warning(
             "gc %s: not sweeping %d blobs this round: a blob header could not be read "
@@ -414,7 +433,7 @@ def _sweep(
         ripe = []
     if fence is not None and not dry_run:
         ripe = fence.claim(slot.name, ripe)  # what a save protected since the mark stays
-    report.waiting = len(unreferenced) - len(ripe)
+    report.waiting = len(candidates) - len(ripe)
     if ripe and not dry_run:
         report.deleted = slot.tier.delete(ripe)
         for blob_id in ripe:

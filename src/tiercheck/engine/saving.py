@@ -460,14 +460,24 @@ class SaveService:
     # --- the pipeline thread -------------------------------------------------------------
 
     def _run(self, job: _Job) -> None:
+        failed = False
         try:
             self._save(job)
         except BaseException as exc:
+            failed = True
             level = logging.WARNING if isinstance(exc, CommitAborted) else logging.ERROR
             log.log(level, "save of step %d (version %d) failed: %s", job.step, job.version, exc)
             job.handle._fail(exc)
         finally:
+            written = list(job.protected)
             self._finished(job)
+            # every tier that did not commit the version gives up what the save wrote there
+            given_up = [
+                name
+                for name, state in job.handle.result_now().tiers.items()
+                if state in ("failed", "skipped") or (failed and state != "committed")
+            ]
+            self.maintenance.discard(given_up, written)
 
     def _finished(self, job: _Job) -> None:
         """``job`` ran, or was cancelled: release what it held."""

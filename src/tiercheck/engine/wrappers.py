@@ -23,7 +23,7 @@ import builtins
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from tiercheck.backends.base import Buffer, Capabilities, PendingPut, StoreOwner, Tier
+from tiercheck.backends.base import Buffer, Capabilities, LogScan, PendingPut, StoreOwner, Tier
 
 __all__ = ["WrapperTier"]
 
@@ -125,6 +125,12 @@ class WrapperTier(Tier):
     def read_log(self) -> builtins.list[bytes]:
         return self.inner.read_log()
 
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        return self.inner.written_at(blob_ids)
+
+    def scan_log(self) -> LogScan:
+        return self.inner.scan_log()
+
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         self.inner.replace_log_prefix(count, record)
 
@@ -138,6 +144,7 @@ class WrapperTier(Tier):
 
     def free_memory(self) -> int | None:
         return self.inner.free_memory()
+
     def read_owner(self) -> StoreOwner | None:
         return self.inner.read_owner()
 

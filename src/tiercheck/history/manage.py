@@ -36,9 +36,10 @@ def collect(
     """Sweep each tier's unreferenced blobs (see :mod:`tiercheck.engine.retention`).
 
     With ``grace=None`` this is :meth:`Checkpointer.gc` (the policy's grace period, on this
-    process's grace clock). An explicit ``grace`` uses a fresh clock: a blob counts as first
-    seen now, so only ``grace=0`` deletes anything at once. Either way blobs of saves and
-    migrations in flight are safe (:mod:`tiercheck.engine.leases`).
+    process's grace clock). An explicit ``grace`` uses a fresh clock. Either way a blob's age
+    counts from when it was written where its tier says (``Tier.written_at``), else from
+    when the clock first saw it; blobs of saves and migrations in flight are safe
+    (:mod:`tiercheck.engine.leases`).
     """
     return store.gc(dry_run=dry_run, grace=grace)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiercheck.engine.catalog import TierLog
 from tiercheck.engine.fetch import ChunkFetcher, repair_codec
 from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import (
@@ -29,12 +30,15 @@ __all__ = ["BlobProblem", "TierVerify", "VerifyReport", "verify"]
 @dataclass
 class BlobProblem:
     """A blob a tier should hold that is ``corrupt``, ``missing``, could not be read
-    (``unreadable``; also used for a whole tier that cannot be reached, with ``id=""``), or
-    was written by a newer major format than this tiercheck reads (``newer-format``: not
-    known to be damaged, but not checkable here either; upgrade tiercheck to check it).
+        (``unreadable``; also used for a whole tier that cannot be reached, with ``id=""``), or
+        was written by a newer major format than this tiercheck reads (``newer-format``: not
+        known to be damaged, but not checkable here either; upgrade tiercheck to check it).
+    A damaged record of a tier's log is ``damaged-log`` (``id=""``, ``detail`` says where it
+    was, ``versions`` the versions prepared in that tier without a decision there: their
+    commit record may be the one lost).
 
-    ``--repair`` rewrites ``corrupt`` and ``missing`` copies only: it never replaces a newer
-    writer's copy with one in this reader's older format.
+        ``--repair`` rewrites ``corrupt`` and ``missing`` copies only: it never replaces a newer
+        writer's copy with one in this reader's older format.
     """
 
     tier: str
@@ -163,6 +167,7 @@ def verify(
             why = slot.error or catalog.unreachable.get(slot.name, "cannot be reached")
             report.problems.append(BlobProblem(slot.name, "", "unreadable", why))
             continue
+        report.problems.extend(_log_problems(slot.name, tl))
         ids: dict[str, None] = {}
         held = tl.held()
         tv.versions = len(held)
@@ -226,6 +231,24 @@ def verify(
             _repair(store, problem, base_lookup)
     report.problems.extend(found)
     return report
+
+
+def _log_problems(tier: str, tl: TierLog) -> list[BlobProblem]:
+    """One problem per damaged record of ``tl``."""
+    if not tl.damaged:
+        return []
+    undecided = tuple(
+        v for v in sorted(tl.prepared) if v not in tl.committed and v not in tl.aborted
+    )
+    why = "what it recorded (a commit, a drop) is lost from this tier"
+    if undecided:
+        why += (
+            f"; prepared here without a decision: version(s) {', '.join(map(str, undecided))}"
+            " (a commit record lost here leaves them out of the history)"
+        )
+    return [
+        BlobProblem(tier, "", "damaged-log", f"{where}: {why}", undecided) for where in tl.damaged
+    ]
 
 
 def _repair(

@@ -629,4 +629,4 @@ def _fields(v: Version) -> dict[str, Any]:
     return {name: getattr(v, name) for name in Version.__dataclass_fields__}
 
 
-ProblemKind = Literal["corrupt", "missing", "unreadable", "newer-format"]
+ProblemKind = Literal["corrupt", "missing", "unreadable", "newer-format", "damaged-log"]

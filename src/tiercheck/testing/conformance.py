@@ -28,6 +28,7 @@ runtime dependency of tiercheck.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -303,6 +304,28 @@ class TierConformance:
         assert tier.put(bid, data) is True
         assert bytes(tier.get(bid)) == data
 
+    def test_written_at(self, tier: Tier) -> None:
+        # GC's grace runs from these times: a tier that declares blob_times reports one for
+        # each blob it holds, taken from a clock that agrees with this host's (a slack for
+        # file-system timestamp granularity), and none for a blob it does not hold.
+        before = time.time()
+        ids = [_fake_id(i) for i in range(3)]
+        for bid in ids:
+            tier.put(bid, b"aged " + bid.encode())
+        after = time.time()
+        absent = _fake_id(99)
+        got = tier.written_at([*ids, absent])
+        assert absent not in got
+        if not tier.capabilities.blob_times:
+            assert set(got) <= set(ids)
+            return
+        assert set(got) == set(ids)
+        for t in got.values():
+            assert before - 2.0 <= t <= after + 2.0, (before, t, after)
+        tier.delete(ids[:1])
+        assert set(tier.written_at(ids)) == set(ids[1:])
+        assert tier.written_at([]) == {}
+
     def test_list(self, tier: Tier) -> None:
         assert list(tier.list()) == []
         ids = {_fake_id(i) for i in range(50)}
@@ -396,6 +419,14 @@ class TierConformance:
         for rec in records:
             tier.append(rec)
         assert tier.read_log() == records
+
+    def test_scan_log_is_read_log(self, tier: Tier) -> None:
+        records = [f"scanned {i}".encode() for i in range(20)]
+        for rec in records:
+            tier.append(rec)
+        scan = tier.scan_log()
+        assert list(scan.records) == records == tier.read_log()
+        assert scan.damaged == ()  # an intact log has no damaged records
 
     def test_log_varied_sizes(self, tier: Tier) -> None:
         records = [b"", b"x", _pattern(1 << 20, 7), b"", _pattern(4097, 8), b"\x00" * 14]

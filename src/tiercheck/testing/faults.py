@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from tiercheck import errors
-from tiercheck.backends.base import Buffer, PendingPut, Tier, scatter
+from tiercheck.backends.base import Buffer, LogScan, PendingPut, Tier, scatter
 from tiercheck.backends.registry import open_tier, register_tier
 from tiercheck.engine.wrappers import WrapperTier
 from tiercheck.errors import ConfigError, TierError, TierUnavailable
@@ -569,6 +569,12 @@ class FaultyTier(WrapperTier):
     def read_log(self) -> builtins.list[bytes]:
         call, faults = self._before("read_log")
         out = self.inner.read_log()
+        self._after("read_log", call, faults)
+        return out
+
+    def scan_log(self) -> LogScan:
+        call, faults = self._before("read_log")
+        out = self.inner.scan_log()
         self._after("read_log", call, faults)
         return out
 
