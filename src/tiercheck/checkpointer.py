@@ -96,7 +96,7 @@ __all__ = [
     "VersionSummary",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 class Checkpointer:

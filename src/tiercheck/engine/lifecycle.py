@@ -49,7 +49,7 @@ __all__ = [
     "warn_orphans",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 _PLACEHOLDER = re.compile(r"\\\{(rank|local_rank|node|src)\\\}")
 

@@ -15,7 +15,7 @@ from tiercheck.errors import ConfigError, InvalidURL, TierError
 
 __all__ = ["TierSet", "TierSlot"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 @dataclass
