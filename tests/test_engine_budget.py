@@ -128,7 +128,7 @@ def test_a_tier_too_small_for_one_version_is_skipped(
             diff = ckpt.save(2, states[1]).wait()
         assert (base.role, diff.role) == ("base", "diff")
         for res in (base, diff):
-            assert res.tiers["shm"] == "skipped"
+            assert res.tiers["shm"] == "missing"
             assert res.tiers["lmdb"] == "committed"
             assert "budget" in res.errors["shm"] and "256.0 KiB" in res.errors["shm"]
         warned = [r.getMessage() for r in caplog.records if "tier shm skipped" in r.getMessage()]
@@ -162,7 +162,7 @@ def test_over_budget_in_flight_is_skipped(tmp_path: Path) -> None:
         try:
             state = {"w": torch.randn(1 << 18)}
             res = ckpt.save(1, state).wait()
-            assert res.tiers == {"shm": "committed", "peer": "skipped"}
+            assert res.tiers == {"shm": "committed", "peer": "missing"}
             assert "OverBudget" in res.errors["peer"]
             out = {"w": torch.empty(1 << 18)}
             ckpt.restore(out)
@@ -188,7 +188,7 @@ def test_over_budget_in_a_migration_is_skipped_not_retried(tmp_path: Path) -> No
         ckpt = Checkpointer(tmp_path / "store", tiers=tiers, policy=policy)
         try:
             res = ckpt.save(1, {"w": torch.randn(1 << 18)}).wait_migrated(timeout=60)
-            assert res.tiers == {"shm": "committed", "peer": "skipped"}
+            assert res.tiers == {"shm": "committed", "peer": "missing"}
             assert "OverBudget" in res.errors["peer"]
             assert ckpt.pending_migrations() == []
         finally:

@@ -89,7 +89,7 @@ from tiercheck.logversions.planner import LogProposal, LogSource, build, with_fi
 
 __all__ = ["SaveService"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -653,7 +653,7 @@ class SaveService:
         sync = []
         for slot in self.tierset.slots:
             if slot.tier is None:
-                handle._set_tier(slot.name, "failed", f"tier could not be opened: {slot.error}")
+                handle._set_tier(slot.name, "unreachable", f"tier could not be opened: {slot.error}")
                 continue
             handle._set_tier(slot.name, "pending")
             tp = slot.policy
@@ -666,7 +666,7 @@ class SaveService:
 
         Sets the default budgets for this version's size, then makes room in each tier with
         a budget the version would overflow (:meth:`Maintenance.make_room`). A tier it still
-        does not fit is skipped for this version: its state is ``"skipped"`` with the
+        does not fit is skipped for this version: its state is ``"missing"`` with the
         reason, and a warning names the tier, the sizes and the fix. If that leaves the
         version no synchronous tier, the fastest other synchronous tier without a budget
         takes it, whatever versions it usually takes (a diff goes to LMDB, which keeps
@@ -700,7 +700,7 @@ class SaveService:
                 continue
             why = short.message(job.version, job.step)
             log.warning("%s", why)
-            handle._set_tier(slot.name, "skipped", why)
+            handle._set_tier(slot.name, "missing", why)
             job.skipped[slot.name] = why
         if kept or not job.skipped:
             return kept
@@ -832,7 +832,7 @@ class SaveService:
         targets = self.migrations.targets(info)
         reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
         try:
-            skipped = [n for n, st in handle.result_now().tiers.items() if st == "skipped"]
+            skipped = [n for n, st in handle.result_now().tiers.items() if st == "missing"]
             confirmation = self.coordinator.confirm(
                 job.version,
                 [s.name for s in committed],
@@ -929,7 +929,7 @@ class SaveService:
                 slots=self.tierset.slots,
                 policy=self.policy,
                 states={
-                    **{n: "skipped" for n in (skipped[r] if r < len(skipped) else ())},
+                    **{n: "missing" for n in (skipped[r] if r < len(skipped) else ())},
                     **{n: "committed" for n in names},
                 },
                 errors={s.name: f"failed on rank {r}" for s in self.tierset.slots},
@@ -969,5 +969,5 @@ def _note_placed(handle: SaveHandle, r: PlaceResult) -> None:
     handle._time(f"prepared:{r.tier}", r.seconds)
     if not r.ok:
         # past the tier's memory budget: the tier is skipped for this version, not failed
-        state: TierState = "skipped" if isinstance(r.exception, OverBudget) else "failed"
+        state: TierState = "missing" if isinstance(r.exception, OverBudget) else "failed"
         handle._set_tier(r.tier, state, r.error)
