@@ -121,8 +121,10 @@ def test_a_failing_block_is_named_with_its_line(
 def test_a_stated_output_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     page = tmp_path / "page.md"
     monkeypatch.chdir(tmp_path)
-    good = "```python\nd = {'a': 1}\nprint(d, 2)   # -> {'a': 1} 2\nprint('x: y z')  # -> x: ...\n```\n"
-    page.write_text(good)
+    page.write_text(
+        "```python\nd = {'a': 1}\nprint(d, 2)   # -> {'a': 1} 2\n"
+        "print('x: y z')  # -> x: ...\n```\n"
+    )
     assert run_blocks(page) == [2]
     page.write_text("```python\nprint({'a': 1})   # -> {'a': 2}\n```\n")
     with pytest.raises(AssertionError, match=r"page\.md:2 printed \"\{'a': 1\}\""):

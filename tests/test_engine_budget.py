@@ -149,9 +149,7 @@ def test_a_tier_too_small_for_one_version_is_skipped(
         ckpt.destroy()
 
 
-def test_over_budget_in_flight_is_skipped(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_over_budget_in_flight_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A peer daemon whose memory limit refuses the version mid-put (its namespace budget
     let it through): the peer tier is skipped, not failed, and the warning says so; the
     save commits in shm."""

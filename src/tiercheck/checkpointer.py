@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tiercheck.core.chunking import plan_layout
 from tiercheck.core.entries import flatten, is_stateful
@@ -82,6 +82,7 @@ from tiercheck.restore.service import (
     fetch_stream,
     load_stream,
     materialize,
+    nothing_restorable,
 )
 
 if TYPE_CHECKING:
@@ -480,6 +481,7 @@ class Checkpointer:
             self._saves.note_version_ids(catalog.max_version_id())
         return catalog
 
+    @overload
     def restore(
         self,
         state: dict[str, Any] | None = None,
@@ -489,7 +491,33 @@ class Checkpointer:
         strict: bool = True,
         repair: bool = True,
         tiers: Sequence[str] | None = None,
-    ) -> RestoreInfo:
+        missing_ok: Literal[False] = False,
+    ) -> RestoreInfo: ...
+
+    @overload
+    def restore(
+        self,
+        state: dict[str, Any] | None = None,
+        *,
+        version: int | None = None,
+        step: int | None = None,
+        strict: bool = True,
+        repair: bool = True,
+        tiers: Sequence[str] | None = None,
+        missing_ok: bool,
+    ) -> RestoreInfo | None: ...
+
+    def restore(
+        self,
+        state: dict[str, Any] | None = None,
+        *,
+        version: int | None = None,
+        step: int | None = None,
+        strict: bool = True,
+        repair: bool = True,
+        tiers: Sequence[str] | None = None,
+        missing_ok: bool = False,
+    ) -> RestoreInfo | None:
         """Restore the newest restorable version (or ``version``/``step``) into ``state``.
 
         All or nothing: every chunk is read and verified into a staging buffer first; only
@@ -504,7 +532,8 @@ class Checkpointer:
         saved, and a plain tensor target gets the whole tensor. Each chunk comes from the
         fastest tier that holds an intact copy; damaged copies are repaired when ``repair``.
         ``tiers`` restricts the tiers read. Raises :class:`NoRestorableVersion` or
-        :class:`StateError`.
+        :class:`StateError`; on a store that holds no version, :class:`EmptyStore`, or
+        with ``missing_ok`` returns None, ``state`` untouched (a first launch).
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
@@ -555,13 +584,14 @@ class Checkpointer:
             while True:
                 vid = self.coordinator.agree_restorable(candidates)
                 if vid is None:
-                    if isinstance(last_error, NoRestorableVersion) and self.world_size == 1:
-                        raise last_error
-                    raise NoRestorableVersion(
-                        "no version can be restored"
-                        + (" by every rank" if self.world_size > 1 else "")
-                        + (f" (last error: {last_error})" if last_error else "")
+                    nothing_restorable(
+                        empty=self.coordinator.all_true(not catalog.versions),
+                        missing_ok=missing_ok,
+                        last_error=last_error,
+                        world_size=self.world_size,
+                        tiers=tiers,
                     )
+                    return None
                 staged: _Staged | None = None
                 fatal: TiercheckError | None = None
                 # what loading would overwrite, copied while the version is fetched

@@ -19,10 +19,10 @@ the configuration says so explicitly (a ``TierPolicy`` with ``mode="sync"`` or
 
 A tier **skipped** for a version because the version does not fit its memory budget
 (:mod:`tiercheck.engine.budgets`; state ``"missing"``, the reason in ``errors``) is not a
-failed required tier: the budget is the bound the store was given, and keeping inside it is the promise that wins (a budget
-skip never fails a save). ``durability`` is still judged on the tiers that did commit the
-version: a store that asked for a failure domain is told when only a skipped tier would
-have given it.
+failed required tier: the budget is the bound the store was given, and keeping inside it
+is the promise that wins (a budget skip never fails a save). ``durability`` is still
+judged on the tiers that did commit the version: a store that asked for a failure domain
+is told when only a skipped tier would have given it.
 """
 
 from __future__ import annotations

@@ -653,7 +653,8 @@ class SaveService:
         sync = []
         for slot in self.tierset.slots:
             if slot.tier is None:
-                handle._set_tier(slot.name, "unreachable", f"tier could not be opened: {slot.error}")
+                why = f"tier could not be opened: {slot.error}"
+                handle._set_tier(slot.name, "unreachable", why)
                 continue
             handle._set_tier(slot.name, "pending")
             tp = slot.policy

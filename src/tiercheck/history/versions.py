@@ -67,8 +67,6 @@ __all__ = [
 ]
 
 
-
-
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` while a long operation runs."""
 
