@@ -168,7 +168,7 @@ def test_without_the_retry_the_same_faults_fail_the_save(
 
 def test_a_connection_limit_bounds_the_requests_in_flight(flaky: FlakyS3, s3_server: Any) -> None:
     url = bucket_url(s3_server)
-    tier = wrapping(url, {"max_connections": 2, "retry": False})(
+    tier = wrapping(url, {"max_in_flight": 2, "retry": False})(
         open_tier(url, **options_via(flaky, s3_server))
     )
     assert isinstance(tier, LimitTier)
@@ -197,8 +197,8 @@ def test_options_and_defaults(tmp_path: Path, s3_server: Any) -> None:
         {"retry": {"attempts": 0}},
         {"retry": {"tries": 3}},
         {"retry": "yes"},
-        {"max_connections": -1},
-        {"max_connections": 1.5},
+        {"max_in_flight": -1},
+        {"max_in_flight": 1.5},
     ):
         with pytest.raises(ConfigError):
             wrapping("s3://b/p", bad)
@@ -206,17 +206,17 @@ def test_options_and_defaults(tmp_path: Path, s3_server: Any) -> None:
     opts = {
         **{"storage_options": s3_server.storage_options},
         "retry": {"attempts": 3, "max_delay": 0.5},
-        "max_connections": 4,
+        "max_in_flight": 4,
     }
     with Checkpointer(tmp_path / "s", tiers=[TierSpec("s3", url, opts)]) as ckpt:
         tier = ckpt.tierset.get("s3").tier
         assert isinstance(tier, RetryTier) and tier.policy == RetryPolicy(3, 0.1, 0.5, 15.0)
-        assert isinstance(tier.inner, LimitTier) and tier.inner.max_connections == 4
+        assert isinstance(tier.inner, LimitTier) and tier.inner.max_in_flight == 4
         ckpt.save(1, state_of(1)).wait()
     text = (tmp_path / "s" / "tiercheck.toml").read_text()
-    assert "max_connections = 4" in text and "attempts = 3" in text
+    assert "max_in_flight = 4" in text and "attempts = 3" in text
     with Checkpointer(tmp_path / "s", read_only=True) as again:  # read back from the file
         tier = again.tierset.get("s3").tier
         assert isinstance(tier, RetryTier) and tier.policy.attempts == 3
-    with pytest.raises(ConfigError, match="max_connections"):
-        Checkpointer(tmp_path / "bad", tiers=[TierSpec("s3", url, {**opts, "max_connections": -2})])
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        Checkpointer(tmp_path / "bad", tiers=[TierSpec("s3", url, {**opts, "max_in_flight": -2})])

@@ -24,11 +24,11 @@ The first call that succeeds marks it up again. So during an outage each migrati
 costs one request per call, not ``attempts``, and the requests an outage costs are those of
 the scheduler's backoff plus, once, the tries of the call that found it.
 
-**Connection limits.** :class:`LimitTier` lets at most ``max_connections`` calls into the
+**Connection limits.** :class:`LimitTier` lets at most ``max_in_flight`` calls into the
 inner tier at once; the others wait for a slot (a bounded semaphore). It sits inside the
 retry, so a call waiting out its backoff holds no slot.
 
-:func:`wrapping` applies both from a tier's options (``retry``, ``max_connections``; see
+:func:`wrapping` applies both from a tier's options (``retry``, ``max_in_flight``; see
 docs/configuration.md), with defaults for object stores and remote file systems; the tier
 set calls it when it opens a tier.
 """
@@ -67,7 +67,7 @@ T = TypeVar("T")
 REMOTE_SCHEMES = frozenset(
     {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "http", "https", "sftp", "hdfs"}
 )
-OPTION_KEYS = ("retry", "max_connections")
+OPTION_KEYS = ("retry", "max_in_flight")
 
 
 @dataclass(frozen=True)
@@ -225,13 +225,13 @@ class RetryTier(WrapperTier):
 
 
 class LimitTier(WrapperTier):
-    """``inner`` with at most ``max_connections`` calls in it at once (module docstring).
+    """``inner`` with at most ``max_in_flight`` calls in it at once (module docstring).
     ``peak`` is the most that were ever in at once."""
 
-    def __init__(self, inner: Tier, max_connections: int) -> None:
+    def __init__(self, inner: Tier, max_in_flight: int) -> None:
         super().__init__(inner)
-        self.max_connections = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_in_flight = max_in_flight
+        self._slots = threading.BoundedSemaphore(max_in_flight)
         self._count_lock = threading.Lock()
         self._inside = 0
         self.peak = 0
@@ -294,7 +294,7 @@ class LimitTier(WrapperTier):
 
 
 def split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``options`` as (the tier class's, the wrappers': ``retry``, ``max_connections``)."""
+    """``options`` as (the tier class's, the wrappers': ``retry``, ``max_in_flight``)."""
     ours = {k: v for k, v in options.items() if k in OPTION_KEYS}
     return {k: v for k, v in options.items() if k not in OPTION_KEYS}, ours
 
@@ -327,7 +327,7 @@ def _limit(value: Any, url: str) -> int | None:
     if value is False or value == 0:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"tier {url}: max_connections must be an int >= 0, got {value!r}")
+        raise ConfigError(f"tier {url}: max_in_flight must be an int >= 0, got {value!r}")
     return value
 
 
@@ -340,7 +340,7 @@ def wrapping(url: str, options: Mapping[str, Any]) -> Callable[[Tier], Tier]:
     collective) neither. Bad options raise :class:`~tiercheck.errors.ConfigError` here,
     before the tier is opened."""
     policy = _retry_policy(options.get("retry"), url)
-    limit = _limit(options.get("max_connections"), url)
+    limit = _limit(options.get("max_in_flight"), url)
 
     def wrap(tier: Tier) -> Tier:
         if limit is not None:
