@@ -12,7 +12,8 @@ Convention:
   ends with ``# -> TEXT`` must print exactly ``TEXT`` (trailing blanks aside; ``...`` in
   ``TEXT`` stands for any text) each time it runs, and must run at least once. This is the
   only way a snippet states output: ``# -> `` after a ``print``, nowhere else; a comment
-  that merely describes (``# a pointer to a version``) is prose and is not checked.
+  that merely describes (``# a pointer to a version``) is prose and is not checked. Keep
+  such a ``print`` on one line that ``ruff format`` leaves whole (it formats docs/ too).
 
 Each page runs in a child forked from a *zygote* (``python tests/_snippets.py serve``) that
 imported torch and tiercheck once and does nothing else, so a page pays no interpreter start

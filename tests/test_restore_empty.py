@@ -4,11 +4,13 @@ versions none of which can be read is not empty: that still raises, missing_ok o
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from _dist import torchrun
 
 import tiercheck
 from tiercheck import TierSpec
@@ -57,3 +59,16 @@ def test_a_store_whose_versions_cannot_be_read_is_not_empty(tmp_path: Path) -> N
             with pytest.raises(NoRestorableVersion) as err:
                 ckpt.restore({"w": torch.zeros(1024)}, missing_ok=missing_ok)
             assert not isinstance(err.value, EmptyStore)
+
+
+def test_every_rank_agrees_the_store_is_empty(tmp_path: Path) -> None:
+    """Two gloo ranks under torchrun: missing_ok gives None on every rank, EmptyStore
+    without it on every rank; after a save both restore it."""
+    script = Path(__file__).parent / "dist_scripts" / "empty_worker.py"
+    proc = torchrun(script, str(tmp_path / "store"), nproc=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:
+        assert r["missing_ok"] is True and "the store is empty" in r["error"]
+        assert r["restored"] is True and r["same"] is True
