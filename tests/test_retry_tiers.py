@@ -17,8 +17,8 @@ from _flaky_s3 import FlakyS3
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.resilience import LimitTier, RetryPolicy, RetryTier, wrapping
-from tiercheck.errors import ConfigError, DurabilityError, TierUnavailable
+from tiercheck.engine.resilience import DEFAULT_RETRY, LimitTier, RetryPolicy, RetryTier, wrapping
+from tiercheck.errors import ConfigError, DurabilityError, NotFound, TierUnavailable
 from tiercheck.formats.ids import chunk_id
 
 
@@ -220,3 +220,27 @@ def test_options_and_defaults(tmp_path: Path, s3_server: Any) -> None:
         assert isinstance(tier, RetryTier) and tier.policy.attempts == 3
     with pytest.raises(ConfigError, match="max_in_flight"):
         Checkpointer(tmp_path / "bad", tiers=[TierSpec("s3", url, {**opts, "max_in_flight": -2})])
+
+
+def test_a_permanent_error_is_not_retried(flaky: FlakyS3, s3_server: Any) -> None:
+    """NotFound is an answer, not an outage: one try, no backoff, the tier is not down;
+    and while down, such an answer marks it up again."""
+    naps: list[float] = []
+    url = bucket_url(s3_server)
+    tier = RetryTier(open_tier(url, **options_via(flaky, s3_server)), sleep=naps.append)
+    try:
+        absent = chunk_id(b"never written")
+        with pytest.raises(NotFound):
+            tier.get(absent)
+        assert naps == [] and not tier.down and tier.retries == 0
+        flaky.down()
+        with pytest.raises(TierUnavailable):
+            tier.get(absent)
+        assert tier.down and len(naps) == DEFAULT_RETRY.attempts - 1
+        flaky.up()
+        with pytest.raises(NotFound):
+            tier.get(absent)
+        assert not tier.down
+    finally:
+        flaky.up()
+        tier.close()

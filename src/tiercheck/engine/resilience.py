@@ -8,8 +8,9 @@ interface calls transient (an endpoint that answered 503, a reset connection, a 
 A missing blob, a corrupt copy, a full tier, a refused write are permanent for the call and
 go up at once. Each retried call is safe to repeat: blob writes are create-if-absent under
 content-addressed names, deletes and reads change nothing twice, and a log record appended
-twice (a lost reply to a write that landed) is read as one, which the migration scheduler
-already relies on when it retries a whole migration.
+twice (a lost reply to a write that landed) is read as one (the catalog folds records into
+maps and sets), which the migration scheduler already relies on when it retries a whole
+migration.
 
 **Backoff.** ``attempts`` tries per call at most (the first included), waiting a random time
 up to ``initial * 2**n`` seconds (full jitter, capped at ``max_delay``) between them, and no
@@ -122,7 +123,13 @@ class RetryTier(WrapperTier):
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         if self.down:
-            result = fn()  # one try: the outage is the caller's to wait out
+            try:
+                result = fn()  # one try: the outage is the caller's to wait out
+            except TierUnavailable:
+                raise
+            except BaseException:
+                self._up()  # a permanent error is an answer: the tier is reachable
+                raise
             self._up()
             return result
         p = self.policy
