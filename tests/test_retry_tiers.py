@@ -162,6 +162,8 @@ def test_without_the_retry_the_same_faults_fail_the_save(
                 assert "s3sync" in exc.failed
                 failed += 1
         assert failed > 0 and flaky.injected > 0
+        # the migrations to the asynchronous S3 tier are the scheduler's to retry, whole
+        assert ckpt.wait_migrations(timeout=300) is True
     finally:
         ckpt.destroy()
 

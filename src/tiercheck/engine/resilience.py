@@ -122,7 +122,7 @@ class RetryTier(WrapperTier):
             return self._down
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        if self.down:
+        if self._down:
             try:
                 result = fn()  # one try: the outage is the caller's to wait out
             except TierUnavailable:
@@ -132,6 +132,18 @@ class RetryTier(WrapperTier):
                 raise
             self._up()
             return result
+        try:
+            return fn()  # the first try costs no more than the call (no retry state)
+        except TierUnavailable as exc:
+            first: TierUnavailable | None = exc
+
+        def attempt() -> T:
+            nonlocal first
+            if first is not None:  # tenacity's first try is the one that just failed
+                failed, first = first, None
+                raise failed
+            return fn()
+
         p = self.policy
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TierUnavailable),
@@ -142,7 +154,7 @@ class RetryTier(WrapperTier):
             reraise=True,
         )
         try:
-            result = retrying(fn)
+            result = retrying(attempt)
         except TierUnavailable as exc:
             with self._state_lock:
                 self._down = True
