@@ -181,7 +181,7 @@ def test_a_connection_limit_bounds_the_requests_in_flight(flaky: FlakyS3, s3_ser
             t.start()
         for t in threads:
             t.join()
-        assert 1 <= tier.peak <= 2 and flaky.peak <= 2  # a put is one request at a time
+        assert 1 <= flaky.peak <= 2  # at the endpoint: a put is one request at a time
         # a limit bounds calls, not requests: one has() of many ids asks them at once
         assert tier.has([chunk_id(b) for b in blobs]) == {chunk_id(b) for b in blobs}
     finally:

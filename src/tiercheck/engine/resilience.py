@@ -244,27 +244,16 @@ class RetryTier(WrapperTier):
 
 
 class LimitTier(WrapperTier):
-    """``inner`` with at most ``max_in_flight`` calls in it at once (module docstring).
-    ``peak`` is the most that were ever in at once."""
+    """``inner`` with at most ``max_in_flight`` calls in it at once (module docstring)."""
 
     def __init__(self, inner: Tier, max_in_flight: int) -> None:
         super().__init__(inner)
         self.max_in_flight = max_in_flight
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._count_lock = threading.Lock()
-        self._inside = 0
-        self.peak = 0
 
     def _call(self, fn: Callable[[], T]) -> T:
         with self._slots:
-            with self._count_lock:
-                self._inside += 1
-                self.peak = max(self.peak, self._inside)
-            try:
-                return fn()
-            finally:
-                with self._count_lock:
-                    self._inside -= 1
+            return fn()
 
     def put(self, blob_id: str, data: Buffer, *, overwrite: bool = False) -> bool:
         return self._call(lambda: self.inner.put(blob_id, data, overwrite=overwrite))
