@@ -339,6 +339,14 @@ class CollectivePeerTier(Tier):
         value = reply.get("bytes")
         return int(value) if isinstance(value, int) else None
 
+    def free_memory(self) -> int | None:
+        """Free memory behind the tier held on this node; None for the partner's memory,
+        which is not visible from this node."""
+        held: Tier | None = getattr(self, "_held", None)
+        if getattr(self, "_local", False) and held is not None:
+            return held.free_memory()
+        return None
+
     def set_budget(self, nbytes: int | str | None) -> None:
         """The budget of what the partner holds for this rank (set on the partner)."""
         self.budget = parse_budget(nbytes, self.url)

@@ -202,3 +202,9 @@ class MemoryTier(Tier):
 
     def set_budget(self, nbytes: int | str | None) -> None:
         self.budget = parse_budget(nbytes, self.url)
+
+    def free_memory(self) -> int:
+        """The host's available memory (this tier's blobs are in the process)."""
+        import psutil
+
+        return int(psutil.virtual_memory().available)

@@ -387,6 +387,14 @@ class PeerTier(Tier):
         reply, _, _ = self._request({"op": "usage"})
         return int(reply["bytes"])
 
+    def free_memory(self) -> int | None:
+        """What the daemon's memory limit leaves free (None if it reports no limit)."""
+        stats = self.stats()
+        limit, used = stats.get("memory_limit"), stats.get("memory_used")
+        if isinstance(limit, int) and isinstance(used, int):
+            return max(0, limit - used)
+        return None
+
     # --- extras ---
 
     def stats(self) -> dict[str, Any]:

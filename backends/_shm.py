@@ -708,6 +708,10 @@ class ShmTier(Tier):
             self._pool_limit if self.budget is None else min(self._pool_limit, self.budget)
         )
 
+    def free_memory(self) -> int:
+        """Bytes an unprivileged writer can still allocate in this tier's /dev/shm."""
+        return shm_free_bytes(self.path)
+
     def usage(self) -> int:
         """Bytes of blobs held (a read-only instance counts them now; a writer keeps count)."""
         if self.read_only:

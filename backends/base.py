@@ -311,6 +311,15 @@ class Tier(abc.ABC):
         """
         raise self._unsupported("a memory budget")
 
+    def free_memory(self) -> int | None:
+        """Bytes free now in the memory this tier's blobs live in, or None where that is
+        not known from this process (the default: a disk or remote tier, another node).
+
+        The engine's default memory budgets take at most half of it
+        (:mod:`tiercheck.engine.budgets`). May raise ``OSError`` or a ``TierError``.
+        """
+        return None
+
     def bind_store(self, root: str) -> None:  # noqa: B027 - optional hook
         """Record that the store at ``root`` owns this tier (called once, before saving).
 

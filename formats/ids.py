@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 
 import blake3
 
@@ -54,13 +54,15 @@ def _hash_serial(views: Sequence[memoryview]) -> list[str]:
     return [blake3.blake3(v).hexdigest() for v in views]
 
 
-def chunk_ids(chunks: Sequence[Buffer], threads: int | None = None) -> list[str]:
+def chunk_ids(
+    chunks: Sequence[Buffer], threads: int | None = None, *, pool: Executor | None = None
+) -> list[str]:
     """Return the chunk id of every buffer in ``chunks``, in order, using ``threads`` cores.
 
     ``threads=None`` uses every core; ``threads=1`` hashes on the calling thread only.
     Large chunks (>= 1 MiB) are each hashed with BLAKE3's tree parallelism; many small
-    ones are hashed in contiguous slices on a short-lived thread pool (blake3 releases the
-    GIL while hashing).
+    ones are hashed in ``threads`` slices on ``pool`` (blake3 releases the GIL while
+    hashing), or on the calling thread when no pool is given.
     """
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -79,15 +81,14 @@ def chunk_ids(chunks: Sequence[Buffer], threads: int | None = None) -> list[str]
             small.append(i)
 
     small_bytes = sum(len(views[i]) for i in small)
-    if small_bytes < _POOL_MIN_BYTES or len(small) < 2:
+    if pool is None or small_bytes < _POOL_MIN_BYTES or len(small) < 2:
         for i in small:
             ids[i] = blake3.blake3(views[i]).hexdigest()
     else:
         n_slices = min(workers, len(small))
         slices = [small[k::n_slices] for k in range(n_slices)]
-        with ThreadPoolExecutor(max_workers=n_slices, thread_name_prefix="tc-hash") as pool:
-            results = pool.map(lambda idx: _hash_serial([views[i] for i in idx]), slices)
-            for idx, hexes in zip(slices, results):
-                for i, h in zip(idx, hexes):
-                    ids[i] = h
+        results = pool.map(lambda idx: _hash_serial([views[i] for i in idx]), slices)
+        for idx, hexes in zip(slices, results):
+            for i, h in zip(idx, hexes):
+                ids[i] = h
     return ids

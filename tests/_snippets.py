@@ -170,7 +170,7 @@ def run_blocks(page: Path) -> list[int]:
     from tiercheck.checkpointer import Checkpointer
 
     left_open = sorted(
-        name for name, v in namespace.items() if isinstance(v, Checkpointer) and not v._closed
+        name for name, v in namespace.items() if isinstance(v, Checkpointer) and not v.closed
     )
     if left_open:
         raise AssertionError(f"{page.name}: the snippets left Checkpointers open: {left_open}")

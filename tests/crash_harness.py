@@ -79,11 +79,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import tiercheck.checkpointer as checkpointer_mod
 import tiercheck.engine.catalog as manifest_log_mod
 import tiercheck.engine.migration as migrating_mod
 import tiercheck.engine.retention as retention_mod
 import tiercheck.engine.saving as saving_mod
+import tiercheck.restore.restoring as restoring_mod
 import tiercheck.restore.service as restore_mod
 from tiercheck import Checkpointer
 from tiercheck.engine.fetch import ChunkFetcher
@@ -315,7 +315,7 @@ POINTS: dict[str, tuple[type, str] | Callable[..., Any]] = {
     "compact": manifest_log_mod.compact_log,
     "migrate": migrating_mod.migrate_shard,
     "migrate_commit": manifest_log_mod.append_record,
-    "restore": (checkpointer_mod.Checkpointer, "_read_shard"),
+    "restore": (restoring_mod.RestoreService, "_read_shard"),
     "restore_load": restore_mod.load_stream,
 }
 #: About how often a point is reached per saved step (measured on a dense life of four

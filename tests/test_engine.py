@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from tiercheck.backends._memory import MemoryTier
 from tiercheck.engine.catalog import read_tier_log
 from tiercheck.engine.config import default_config
 from tiercheck.errors import (
+    BlobCorrupt,
     CheckpointError,
     ConfigError,
     DurabilityError,
@@ -30,9 +32,13 @@ from tiercheck.errors import (
     UnfinishedWork,
     UnsupportedValue,
 )
-from tiercheck.formats.codecs import Codec, encode_blob
+from tiercheck.formats.codecs import decode_blob
+from tiercheck.formats.ids import chunk_id
+from tiercheck.history.verify import verify
+from tiercheck.testing.faults import FaultPlan, FaultyTier
 
 CHUNK = 4096
+EVERY_RAW = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None)
 
 
 def mem() -> str:
@@ -435,15 +441,55 @@ def test_skip_when_busy_reports_skipped(tmp_path: Path) -> None:
         assert first.wait().version == 0
 
 
-def test_guard_waits_for_staging(store: Checkpointer) -> None:
+def test_guard_waits_for_staging(tmp_path: Path) -> None:
+    """A guarded step waits until the last save has been staged. The save before it holds
+    the pipeline (its log append waits on ``gate``), so the save of ``model`` stays
+    unstaged; the step runs on a thread that is traced: once it is either inside the guard's
+    wait or done, the gate opens. Without the guard the step is done before that, and
+    changes the weights the save then copies."""
+    plan = FaultPlan()
+    gate = threading.Event()
+    plan.hook(lambda event: gate.wait(), "append")
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    remove = store.guard(opt)
-    h = store.save(0, {"model": model})
-    model(torch.ones(1, 4)).sum().backward()
-    opt.step()  # must not run before staging finished
-    assert h._staged.is_set()
-    remove()
+    with Checkpointer(tmp_path / "s", tiers=[("fast", mem())], policy=small_policy()) as ckpt:
+        slot = ckpt.tierset.get("fast")
+        assert slot.tier is not None
+        slot.tier = FaultyTier(slot.tier, plan)
+        remove = ckpt.guard(opt, log=False)
+        ckpt.save(0, state_of(0))  # its append waits on the gate: the pipeline is held
+        h = ckpt.save(1, {"model": model})
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        model(torch.ones(1, 4)).sum().backward()
+        staged_at_step: list[bool] = []
+        opt.register_step_post_hook(lambda *_: staged_at_step.append(h._staged.is_set()))
+        decided = threading.Event()  # the step is waiting in the guard, or done
+
+        def trace(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_name == "wait_staged":
+                decided.set()
+
+        def step() -> None:
+            try:
+                opt.step()
+            finally:
+                decided.set()
+
+        threading.settrace(trace)
+        try:
+            stepper = threading.Thread(target=step)
+            stepper.start()
+        finally:
+            threading.settrace(None)  # type: ignore[arg-type]
+        decided.wait()
+        gate.set()
+        stepper.join()
+        h.wait()
+        assert staged_at_step == [True]
+        restored = ckpt.restore({"model": torch.nn.Linear(4, 4)}, version=h.wait().version)
+        for key, value in restored.state["model"].state_dict().items():
+            assert torch.equal(value, saved[key]), key  # the weights before the step
+        remove()
 
 
 def test_second_writer_is_refused(tmp_path: Path) -> None:
@@ -485,10 +531,37 @@ def test_bad_config_is_a_config_error(tmp_path: Path) -> None:
         Checkpointer(tmp_path / "x", tiers=["nosuch://a"])
 
 
-def test_encode_blob_imported_for_repair_codec() -> None:
-    # a raw blob rewritten by repair must decode to the same chunk
-    data = b"abc" * 100
-    assert encode_blob(data, Codec.RAW) == encode_blob(data, Codec.RAW)
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_a_copy_rewritten_by_repair_decodes_to_its_chunk(tmp_path: Path, codec: str) -> None:
+    """A chunk damaged in the fast tier is read from LMDB and written back in the fast
+    tier's codec, by a restore and by ``verify(repair=True)``: the copy then decodes to the
+    chunk it names."""
+    fast_policy = TierPolicy(versions="all", mode="sync", codec=codec, keep_bases=None)
+    with Checkpointer(
+        tmp_path / "s",
+        tiers=[("fast", mem()), TierSpec("slow", f"lmdb://{tmp_path / 'lmdb'}")],
+        policy=small_policy(fast=fast_policy, slow=EVERY_RAW),
+    ) as ckpt:
+        ckpt.save(0, state_of(0)).wait()
+        fast = ckpt.tierset.get("fast").tier
+        assert fast is not None
+        cid = ckpt.version(0).manifest.chunks[0].id
+
+        def damage() -> None:
+            blob = bytearray(fast.get(cid))
+            blob[-1] ^= 0xFF
+            fast.put(cid, bytes(blob), overwrite=True)
+            with pytest.raises(BlobCorrupt):
+                decode_blob(fast.get(cid), cid)
+
+        damage()
+        info = ckpt.restore(state_of(1))
+        assert ("fast", cid) in info.repaired
+        assert chunk_id(decode_blob(fast.get(cid), cid)) == cid
+        damage()
+        report = verify(ckpt, repair=True)
+        assert report.repaired == 1 and report.ok
+        assert chunk_id(decode_blob(fast.get(cid), cid)) == cid
 
 
 def test_a_store_created_again_at_the_same_path_starts_empty(tmp_path: Path) -> None:

@@ -85,11 +85,11 @@ def test_blobs_reach_the_tier_before_the_stream_is_hashed(
     landed: list[bool] = []  # per window hashed: had a blob reached the tier before?
     real = pipeline.chunk_ids
 
-    def chunk_ids(chunks: Any, threads: int | None = None) -> list[str]:
+    def chunk_ids(chunks: Any, threads: int | None = None, *, pool: Any = None) -> list[str]:
         # each window after the first waits (10 s at most) for a blob to reach the tier:
         # a pipeline that places nothing before the whole stream is hashed waits in vain
         landed.append(put.wait(10) if landed else put.is_set())
-        return real(chunks, threads)
+        return real(chunks, threads, pool=pool)
 
     monkeypatch.setattr(pipeline, "chunk_ids", chunk_ids)
     ckpt.save(0, state_of(0)).wait()

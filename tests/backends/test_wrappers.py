@@ -133,6 +133,7 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "replace_log_prefix": lambda t: t.replace_log_prefix(1, b"checkpoint"),
     "usage": lambda t: t.usage(),
     "set_budget": lambda t: t.set_budget("1MiB"),
+    "free_memory": lambda t: t.free_memory(),
     "bind_store": lambda t: t.bind_store("/nonexistent/store"),
     "close": lambda t: t.close(),
 }

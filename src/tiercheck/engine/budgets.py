@@ -71,33 +71,10 @@ def is_memory_tier(tier: Tier) -> bool:
 
 
 def free_memory(tier: Tier) -> int | None:
-    """Bytes free in the memory behind ``tier`` now, or None where it is not known here."""
-    from tiercheck.backends._collective import CollectivePeerTier
-    from tiercheck.backends._memory import MemoryTier
-    from tiercheck.backends._peer import PeerTier
-    from tiercheck.backends._shm import ShmTier, shm_free_bytes
-    from tiercheck.engine.wrappers import WrapperTier
-
-    while isinstance(tier, WrapperTier):  # a fault-injection or retry wrapper: what it wraps
-        tier = tier.inner
+    """Bytes free in the memory behind ``tier`` now (``Tier.free_memory``; through any
+    wrapper), or None where it is not known here or cannot be read."""
     try:
-        if isinstance(tier, ShmTier):
-            return shm_free_bytes(tier.path)
-        if isinstance(tier, CollectivePeerTier):
-            held = getattr(tier, "_held", None)
-            if getattr(tier, "_local", False) and held is not None:
-                return free_memory(held)
-            return None  # the partner's memory: not visible from this node
-        if isinstance(tier, PeerTier):
-            stats = tier.stats()
-            limit, used = stats.get("memory_limit"), stats.get("memory_used")
-            if isinstance(limit, int) and isinstance(used, int):
-                return max(0, limit - used)
-            return None
-        if isinstance(tier, MemoryTier):
-            import psutil
-
-            return int(psutil.virtual_memory().available)
+        return tier.free_memory()
     except (OSError, TierError) as exc:
         log.debug("free memory behind %s unknown: %s", tier.url, exc)
     return None

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -343,26 +343,33 @@ def read_tier_log(name: str, tier: Tier) -> TierLog:
     return tl
 
 
-def read_catalog(tiers: Mapping[str, Tier], *, threads: int = 8) -> Catalog:
-    """Read every tier's log in parallel; a tier that cannot be read is listed unreachable."""
+def read_catalog(tiers: Mapping[str, Tier], *, pool: Executor | None = None) -> Catalog:
+    """Read every tier's log, in parallel on ``pool`` (the store's log readers), else one
+    after another; a tier that cannot be read is listed unreachable."""
     logs: dict[str, TierLog] = {}
     unreachable: dict[str, str] = {}
-    if not tiers:
-        return Catalog(logs, unreachable)
-    with ThreadPoolExecutor(max_workers=min(threads, len(tiers))) as pool:
-        futures = {name: pool.submit(read_tier_log, name, t) for name, t in tiers.items()}
-        for name, fut in futures.items():
+    futures: dict[str, Future[TierLog]] = {}
+    for name, t in tiers.items():
+        if pool is not None:
+            futures[name] = pool.submit(read_tier_log, name, t)
+        else:
+            futures[name] = Future()
             try:
-                logs[name] = fut.result()
-            except (TierUnavailable, OSError) as exc:
+                futures[name].set_result(read_tier_log(name, t))
+            except Exception as exc:
+                futures[name].set_exception(exc)
+    for name, fut in futures.items():
+        try:
+            logs[name] = fut.result()
+        except (TierUnavailable, OSError) as exc:
+            unreachable[name] = str(exc)
+            log.warning("tier %s is unreachable: %s", name, exc)
+        except TierError as exc:
+            if type(exc).__name__ in ("NotFound",):
+                logs[name] = TierLog(name)
+            else:
                 unreachable[name] = str(exc)
-                log.warning("tier %s is unreachable: %s", name, exc)
-            except TierError as exc:
-                if type(exc).__name__ in ("NotFound",):
-                    logs[name] = TierLog(name)
-                else:
-                    unreachable[name] = str(exc)
-                    log.warning("tier %s cannot be read: %s", name, exc)
+                log.warning("tier %s cannot be read: %s", name, exc)
     ordered = {name: logs[name] for name in tiers if name in logs}
     return Catalog(ordered, unreachable)
 

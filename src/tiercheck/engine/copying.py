@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
 from tiercheck.backends.base import PendingPut
@@ -29,7 +29,7 @@ from tiercheck.engine.catalog import append_record
 from tiercheck.engine.fetch import ChunkFetcher
 from tiercheck.engine.pipeline import elem_size, held_bases
 from tiercheck.engine.tierset import TierSlot
-from tiercheck.errors import NotFound, TierError
+from tiercheck.errors import CheckpointError, NotFound, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
 from tiercheck.formats.ids import Buffer
 from tiercheck.formats.manifest import CommitRecord, PrepareRecord, VersionInfo, unpack_manifest
@@ -56,6 +56,7 @@ def migrate_shard(
     fetcher: ChunkFetcher,
     pool: Executor,
     *,
+    writes: Executor,
     zstd_level: int,
     base_manifest_id: str | None = None,
     commit: bool = True,
@@ -63,6 +64,9 @@ def migrate_shard(
     halt: Halt | None = None,
 ) -> MigrationResult:
     """Copy rank ``rank``'s shard of ``info`` into ``target``; record prepare (and commit).
+
+    Chunks are read, verified and encoded on ``pool``; their writes run on ``writes`` (the
+    store's write threads), at most ``WRITE_WINDOW`` of this migration's at a time.
 
     ``only`` limits the chunks copied (on a shared tier the others are other ranks' to
     write, see :func:`tiercheck.engine.coordinator.owned_chunks`); ``commit=False`` leaves the
@@ -131,40 +135,49 @@ def migrate_shard(
         else:
             parts = encode_blob_parts(raw, Codec.ZSTD, level=zstd_level)
         window.acquire()
+        pending: PendingPut | None = None
         try:
-            pending: PendingPut | None = None
             check()  # close() began: this blob is not written
             if codec == "raw":  # the parts hold this thread's buffer, reused next: the
                 # tier copies them out now and makes them durable on a write thread
                 pending = tier.begin_put(cid, parts)
-                write = writes.submit(pending.finish)
-            else:  # a compressed blob owns its bytes: uploaded while the next is encoded
-                write = writes.submit(tier.put_parts, cid, parts)
+            with lock:
+                if ended:  # the migration failed while this chunk was read
+                    raise CheckpointError(f"{what} has ended")
+                if pending is not None:
+                    write = writes.submit(pending.finish)
+                else:  # a compressed blob owns its bytes: uploaded while the next is encoded
+                    write = writes.submit(tier.put_parts, cid, parts)
+                in_flight.append((write, pending))
         except BaseException:
             if pending is not None:
                 pending.abort()
             window.release()
             raise
         write.add_done_callback(lambda _: window.release())
-        with lock:
-            in_flight.append((write, pending))
         return sum(len(p) for p in parts)
 
-    # Writes run on their own threads, up to WRITE_WINDOW at a time, beside the CPU pool
-    # that reads, verifies and encodes: a local file's fsync (raw) and a store reached
-    # over the network (compressed) wait on the device, not the CPU. Memory stays bounded
-    # by the window (a raw blob is copied out into the page cache before it is queued).
-    writes = ThreadPoolExecutor(WRITE_WINDOW, thread_name_prefix="tiercheck-write")
+    # Writes run on the write threads, up to WRITE_WINDOW of this migration's at a time,
+    # beside the CPU pool that reads, verifies and encodes: a local file's fsync (raw) and
+    # a store reached over the network (compressed) wait on the device, not the CPU. Memory
+    # stays bounded by the window (a raw blob is copied out into the page cache before it
+    # is queued).
     window = threading.BoundedSemaphore(WRITE_WINDOW)
     lock = threading.Lock()
     in_flight: list[tuple[Future[bool], PendingPut | None]] = []
+    ended = False  # under lock: once set, no write of this migration is queued
     try:
         written = list(pool.map(copy, missing))
         for write, _ in in_flight:
             write.result()  # the first failed write fails the migration
     finally:
-        writes.shutdown(wait=True, cancel_futures=True)
-        for write, pending in in_flight:
+        with lock:
+            ended = True
+            queued = list(in_flight)
+        for write, _ in queued:
+            write.cancel()  # not started yet: never started
+        wait([write for write, _ in queued])
+        for write, pending in queued:
             if pending is not None and write.cancelled():
                 pending.abort()  # begun, never finished: its temporary file goes
     nbytes = sum(written)

@@ -116,10 +116,6 @@ class SaveHandle:
             if error:
                 self._errors[name] = error
 
-    def _tier_state(self, name: str) -> TierState | None:
-        with self._lock:
-            return self._tiers.get(name)
-
     def _time(self, what: str, seconds: float) -> None:
         with self._lock:
             self._timings[what] = seconds

@@ -12,13 +12,17 @@ Three mechanisms, from the widest to the narrowest, all in the spirit of restic'
   until a commit record (which the mark reads) names it. A sweep deletes only what was
   unprotected when it claimed its candidates; a writer that protects an id a sweep is
   deleting right now waits for that deletion to end, then finds the blob absent and
-  writes it again. No lock is held while a tier is called.
+  writes it again. The fence never calls a tier, and its lock is never held while a tier
+  is called.
 - :class:`TierLeases`, in tiers shared by several processes (several ranks, several jobs):
   a writer puts a *write lease* object into the tier before it asks what the tier has, and
   deletes it once its records are written; a sweep first puts the tier's *sweep lease*,
   then lists the tier, and does not sweep if it finds a live write lease of another
-  process. A writer that finds a live sweep lease waits until the sweep ends. Appearing in
-  one tier's listing in one order or the other, the two never overlap. A lease of a
+  process. A writer that finds a live sweep lease waits until the sweep ends, polling the
+  tier with a backoff (10 ms doubling to 1 s). Appearing in one tier's listing in one order
+  or the other, the two never overlap. The put and delete of this process's lease object
+  in a tier run under a lock of that tier's (so that the object follows the count of holds
+  in order); waiting for a sweep holds no lock. A lease of a
   process that died on this host is stale at once; any other lease after its time to live.
 
 Lease objects are blobs whose ids begin with :data:`LEASE_PREFIX` (sixteen zeros; a

@@ -94,7 +94,6 @@ class Maintenance:
         self.failures = failures
         self.rank = rank
         self.halt = halt or Halt()
-        self.last_errors: dict[str, str] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-maint")
         self._lock = threading.Lock()
         self._due: set[str] = set()
@@ -201,12 +200,9 @@ class Maintenance:
             self._active = f"maintenance of tier {slot.name}"
             try:
                 self.maintain_tier(slot)
-                self.last_errors.pop(slot.name, None)
             except (TiercheckError, OSError) as exc:  # retried at the next request
-                self.last_errors[slot.name] = f"{type(exc).__name__}: {exc}"
                 log.warning("maintenance of tier %s failed: %s", slot.name, exc)
             except Exception as exc:  # a bug: reported by close(); the other tiers go on
-                self.last_errors[slot.name] = f"{type(exc).__name__}: {exc}"
                 log.exception("maintenance of tier %s failed unexpectedly", slot.name)
                 self.failures.background(f"maintenance of tier {slot.name}: {exc!r}")
 

@@ -5,8 +5,10 @@ thread works through the queue in order of when each migration is due; copying i
 :func:`tiercheck.engine.copying.migrate_shard`. A migration that fails is retried with
 exponential backoff (1 s doubling to 60 s, with jitter): without end while the tier is
 unreachable (:class:`~tiercheck.errors.TierUnavailable`), at most
-:data:`MAX_ATTEMPTS` times for any other tier error. Nothing sleeps: the thread waits on
-its queue until the next migration is due or a new one arrives.
+:data:`MAX_ATTEMPTS` times for any other tier error. A retry's backoff is no sleep: the
+thread waits on its queue until the next migration is due or a new one arrives. (Writing to
+a shared tier that another process is sweeping, it does poll until the sweep ends, see
+:meth:`~tiercheck.engine.leases.TierLeases.acquire_write`.)
 
 The outcome of each migration is delivered on the handle of the save it belongs to (its
 tier's state, and what ``wait_migrated()`` raises), never elsewhere. A version is pinned
@@ -102,6 +104,7 @@ class MigrationService:
         fence: GCFence,
         leases: TierLeases,
         pool: Executor,
+        writes: Executor,
         maintenance: Maintenance,
         failures: Failures,
         rank: int = 0,
@@ -116,6 +119,7 @@ class MigrationService:
         self.fence = fence
         self.leases = leases
         self.pool = pool
+        self.writes = writes
         self.maintenance = maintenance
         self.failures = failures
         self.rank = rank
@@ -476,6 +480,7 @@ class MigrationService:
                         sources,
                         fetcher,
                         self.pool,
+                        writes=self.writes,
                         zstd_level=self.policy.zstd_level,
                         base_manifest_id=base_mid,
                         commit=False,

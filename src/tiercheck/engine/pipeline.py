@@ -155,16 +155,20 @@ class ShardStream:
             self._threads.append(t)
             t.start()
 
-    def hash(self, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
-        """Chunk ids of every window of the staged stream (as :func:`hash_stream`),
-        handing each ``BATCH_BYTES`` of windows to the writers as soon as it is hashed."""
+    def hash(
+        self, layout: Layout, threads: int | None, hashing: Executor | None = None
+    ) -> tuple[ChunkRef, ...]:
+        """Chunk ids of every window of the staged stream (as :func:`hash_stream`; small
+        chunks in parallel on ``hashing``), handing each ``BATCH_BYTES`` of windows to the
+        writers as soon as it is hashed."""
         windows = layout.windows
         step = max(1, BATCH_BYTES // max(1, layout.chunk_size))
         refs: list[ChunkRef] = []
         try:
             for lo in range(0, len(windows), step):
                 part = windows[lo : lo + step]
-                ids = chunk_ids([self._view[o : o + n] for o, n in part], threads=threads)
+                views = [self._view[o : o + n] for o, n in part]
+                ids = chunk_ids(views, threads=threads, pool=hashing)
                 batch = [ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, part)]
                 if self._queues:
                     self._protect(ids)

@@ -2,7 +2,7 @@
 
 The policy decides; tiers only move bytes. A :class:`Policy` holds store-wide settings and a
 :class:`TierPolicy` per tier name. A tier without an explicit entry gets a default derived
-from its declared capabilities (DESIGN.md section 3):
+from its declared capabilities (:func:`default_tier_policy`, docs/configuration.md):
 
 | tier kind                                   | versions | mode  | codec | keeps                   |
 |---------------------------------------------|----------|-------|-------|-------------------------|
@@ -27,7 +27,7 @@ domain (``Policy.durability`` for ``wait()``, ``Policy.migrated_durability`` for
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tiercheck.backends.base import Capabilities, FailureDomain
@@ -171,12 +171,9 @@ class Policy:
         explicit = self.tiers.get(name)
         return explicit if explicit is not None else default_tier_policy(caps, self.base_every)
 
-    def with_tier(self, name: str, tier_policy: TierPolicy) -> Policy:
-        return replace(self, tiers={**self.tiers, name: tier_policy})
-
 
 def default_tier_policy(caps: Capabilities, base_every: int = 10) -> TierPolicy:
-    """DESIGN.md's default placement for a tier with capabilities ``caps``."""
+    """The default placement for a tier with capabilities ``caps`` (the table above)."""
     if caps.shared or caps.survives == FailureDomain.CLUSTER:
         codec: CodecName = "zstd" if caps.compress else "raw"
         return TierPolicy(versions="base", mode="async", codec=codec, keep_bases=None)

@@ -20,8 +20,11 @@ thread then runs each save in order:
 
 The service owns the version planner (ids, roles, the base each diff follows), the
 in-flight saves and the base chunks diffs are encoded against; it borrows the staging
-buffer (``StagingBuffer`` acquire/release) and the I/O pool. No lock is held while a tier
-is called, and each save's outcome travels in return values to its handle, nowhere else.
+buffer and the I/O pool. The staging buffer is held (``StagingBuffer`` acquire/release) from
+staging until every tier write that reads it has ended, tier calls included: a restore or
+``prepare`` waits for it meanwhile. The service's own lock guards the planner and the
+in-flight list and is never held while a tier is called. Each save's outcome travels in
+return values to its handle, nowhere else.
 
 Once ``close()`` halts the store (:class:`~tiercheck.engine.background.Halt`), the saves queued
 are cancelled (their handles fail with :class:`~tiercheck.errors.Halted`), and the save
@@ -143,6 +146,7 @@ class SaveService:
         leases: TierLeases,
         staging: StagingBuffer,
         pool: Executor,
+        hashing: Executor,
         migrations: MigrationService,
         maintenance: Maintenance,
         failures: Failures,
@@ -162,6 +166,7 @@ class SaveService:
         self.leases = leases
         self.staging = staging
         self.pool = pool
+        self.hashing = hashing
         self.migrations = migrations
         self.maintenance = maintenance
         self.failures = failures
@@ -612,7 +617,7 @@ class SaveService:
             protect=lambda ids: job.protected.extend(self.fence.protect(ids)),
         )
         try:
-            chunks = stream.hash(layout, self._hash_threads)
+            chunks = stream.hash(layout, self._hash_threads, self.hashing)
             handle._time("hashed", time.perf_counter() - job.t_call)
             manifest, mbytes, mid = build_manifest(
                 version=job.version,

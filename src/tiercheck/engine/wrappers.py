@@ -135,6 +135,9 @@ class WrapperTier(Tier):
     def set_budget(self, nbytes: int | str | None) -> None:
         self.inner.set_budget(nbytes)
 
+    def free_memory(self) -> int | None:
+        return self.inner.free_memory()
+
     def bind_store(self, root: str) -> None:
         self.inner.bind_store(root)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tiercheck.backends.registry import open_tier
 from tiercheck.engine.catalog import append_record, read_tier_log
@@ -25,19 +25,14 @@ from tiercheck.formats.manifest import (
     CommitRecord,
     VersionInfo,
 )
-
-# torch (and tiercheck.core.entries, which imports it) is imported only where an entry's value
-# is made or compared, so that browsing a store (`tiercheck ls`, `show`) need not import it.
-if TYPE_CHECKING:
-    from tiercheck.checkpointer import Checkpointer
-
 from tiercheck.history.versions import Progress, Version
+from tiercheck.history.view import StoreView
 
 __all__ = ["MigrateReport", "collect", "migrate"]
 
 
 def collect(
-    store: Checkpointer, *, dry_run: bool = False, grace: float | None = None
+    store: StoreView[Version], *, dry_run: bool = False, grace: float | None = None
 ) -> list[GCReport]:
     """Sweep each tier's unreferenced blobs (see :mod:`tiercheck.engine.retention`).
 
@@ -76,7 +71,7 @@ class MigrateReport:
         }
 
 
-def _target_slot(store: Checkpointer, to: str) -> tuple[TierSlot, bool]:
+def _target_slot(store: StoreView[Version], to: str) -> tuple[TierSlot, bool]:
     """The slot ``to`` names (a configured tier's name or URL), or a new one for a URL."""
     for slot in store.tierset.slots:
         if to in (slot.name, slot.spec.url):
@@ -93,7 +88,7 @@ def _target_slot(store: Checkpointer, to: str) -> tuple[TierSlot, bool]:
 
 
 def migrate(
-    store: Checkpointer,
+    store: StoreView[Version],
     version: Version,
     to: str,
     *,
@@ -148,7 +143,8 @@ def migrate(
                     slot,
                     sources,
                     fetcher,
-                    store.executor,
+                    store.executors.io,
+                    writes=store.executors.writes,
                     zstd_level=store.policy.zstd_level,
                     base_manifest_id=base.shards[rank] if base is not None else None,
                     commit=False,

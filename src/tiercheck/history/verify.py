@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tiercheck.engine.fetch import ChunkFetcher, repair_codec
 from tiercheck.engine.tierset import TierSlot
@@ -20,13 +20,8 @@ from tiercheck.errors import (
     TierError,
 )
 from tiercheck.formats.codecs import decode_blob, encode_blob
-
-# torch (and tiercheck.core.entries, which imports it) is imported only where an entry's value
-# is made or compared, so that browsing a store (`tiercheck ls`, `show`) need not import it.
-if TYPE_CHECKING:
-    from tiercheck.checkpointer import Checkpointer
-
-from tiercheck.history.versions import ProblemKind, Progress
+from tiercheck.history.versions import ProblemKind, Progress, Version
+from tiercheck.history.view import StoreView
 
 __all__ = ["BlobProblem", "TierVerify", "VerifyReport", "verify"]
 
@@ -125,7 +120,7 @@ def _check_blob(
 
 
 def verify(
-    store: Checkpointer,
+    store: StoreView[Version],
     *,
     tiers: Sequence[str] | None = None,
     repair: bool = False,
@@ -212,7 +207,7 @@ def verify(
         return slot, blob_id, n, problem
 
     found: list[BlobProblem] = []
-    for done, (slot, blob_id, n, problem) in enumerate(store.executor.map(check, work), 1):
+    for done, (slot, blob_id, n, problem) in enumerate(store.executors.io.map(check, work), 1):
         tv = by_name[slot.name]
         tv.blobs += 1
         tv.bytes += n
@@ -233,7 +228,9 @@ def verify(
     return report
 
 
-def _repair(store: Checkpointer, problem: BlobProblem, base_lookup: Callable[[str], bytes]) -> None:
+def _repair(
+    store: StoreView[Version], problem: BlobProblem, base_lookup: Callable[[str], bytes]
+) -> None:
     slot = store.tierset.get(problem.tier)
     if problem.kind == "newer-format":
         problem.detail += "; not repaired: a newer writer's copy is left as it is"

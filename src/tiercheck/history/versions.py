@@ -47,13 +47,12 @@ from tiercheck.formats.manifest import (
     ShardManifest,
     VersionInfo,
 )
+from tiercheck.history.view import StoreView
 
 # torch (and tiercheck.core.entries, which imports it) is imported only where an entry's value
 # is made or compared, so that browsing a store (`tiercheck ls`, `show`) need not import it.
 if TYPE_CHECKING:
     import torch
-
-    from tiercheck.checkpointer import Checkpointer
 
 
 __all__ = [
@@ -168,7 +167,7 @@ class Version:
     info: VersionInfo = field(repr=False, compare=False)
     survives: str | None = None
     rank: int = field(default=0, repr=False, compare=False)
-    _store: Checkpointer | None = field(default=None, repr=False, compare=False)
+    _store: StoreView[Version] | None = field(default=None, repr=False, compare=False)
 
     # --- log facts ----------------------------------------------------------------------
 
@@ -191,7 +190,7 @@ class Version:
 
     # --- lazy content -------------------------------------------------------------------
 
-    def _require_store(self) -> Checkpointer:
+    def _require_store(self) -> StoreView[Version]:
         store = self._store
         if store is None:
             raise CheckpointError(f"version {self.id} is detached from its store")
@@ -375,7 +374,7 @@ def _own_copy(value: Any) -> Any:
 class _Reader:
     """Fetches entries of one version through its store's tiers, fastest holder first."""
 
-    def __init__(self, store: Checkpointer, v: Version) -> None:
+    def __init__(self, store: StoreView[Version], v: Version) -> None:
         if v.rank >= len(v.info.shards):
             raise NoRestorableVersion(
                 f"version {v.id} has {len(v.info.shards)} shard(s); there is no rank {v.rank}"
@@ -447,7 +446,7 @@ class _Reader:
         if len(indices) == 1:
             one(indices[0])
         elif indices:
-            list(self.store.executor.map(one, indices))
+            list(self.store.executors.io.map(one, indices))
         out: dict[str, Any] = {}
         for e, value in zip(entries, values):
             if e.kind in ("tensor", "ndarray"):
@@ -472,13 +471,13 @@ class _Reader:
             pieces.append(Piece(k, e.dtype, placement.global_shape, dest, (0,) * len(e.shape)))
             out[k] = dest
         gather(
-            pieces, self.info, self.fetcher, self.order, self.store.executor, expect=self.expect
+            pieces, self.info, self.fetcher, self.order, self.store.executors.io, expect=self.expect
         ).apply()
         return out
 
 
 def build_history(
-    store: Checkpointer,
+    store: StoreView[Version],
     catalog: Catalog,
     *,
     pending: Iterable[tuple[int, str]] = (),
@@ -603,7 +602,7 @@ def resolve_version(
 
 
 def open_version(
-    store: Checkpointer,
+    store: StoreView[Version],
     spec: int | str | Version | None = None,
     *,
     step: int | None = None,

@@ -610,7 +610,6 @@ class TierWriter(StorageWriter):
         self._step: int | None = None
         self._ranks: dict[int, str] = {}
         self._pending: dict[str, Any] | None = None
-        self._pending_results: list[WriteResult] = []
 
     # pickling (the process executor of dcp.async_save sends the writer to another process)
     def __getstate__(self) -> dict[str, Any]:
@@ -630,7 +629,6 @@ class TierWriter(StorageWriter):
         state["_ephemeral"] = True
         state["_lock"] = None
         state["_pending"] = None
-        state["_pending_results"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -673,7 +671,6 @@ class TierWriter(StorageWriter):
 
     def _end(self) -> None:
         self._pending = None
-        self._pending_results = []
         self._ref = CheckpointRef()
         self.checkpoint_id = None
         self._step = None
@@ -706,7 +703,6 @@ class TierWriter(StorageWriter):
         self._rank = int(rank) if isinstance(rank, int) else _dist_rank()
         self._is_coordinator = is_coordinator
         self._pending = None
-        self._pending_results = []
         self._open(self._rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:

@@ -24,9 +24,9 @@ replayed tensors).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tiercheck.core.chunking import Layout, plan_layout
 from tiercheck.core.entries import Leaf, torch_dtype
@@ -44,8 +44,6 @@ from tiercheck.logversions.update_log import (
 
 if TYPE_CHECKING:
     import torch
-
-    from tiercheck.history.versions import Version
 
 __all__ = [
     "DENSE_FRACTION",
@@ -357,7 +355,41 @@ def replayed_keys(tree: Any) -> dict[str, str]:
     return out
 
 
-def replay_offline(version: Version) -> dict[str, Any]:
+class StoredEntry(Protocol):
+    """What an offline replay needs of an entry of a stored version."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def replayed(self) -> str | None: ...
+
+
+class StoredVersion(Protocol):
+    """A committed version as an offline replay reads it: a
+    :class:`tiercheck.history.versions.Version` is one (history sits above this module)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def base(self) -> int | None: ...
+
+    @property
+    def manifest(self) -> ShardManifest: ...
+
+    @property
+    def entries(self) -> Mapping[str, StoredEntry]: ...
+
+    @property
+    def base_version(self) -> StoredVersion | None: ...
+
+    def read(self, keys: Iterable[str]) -> dict[str, Any]: ...
+
+    def read_stored(self, keys: Iterable[str]) -> dict[str, Any]: ...
+
+
+def replay_offline(version: StoredVersion) -> dict[str, Any]:
     """Every entry of log version ``version`` as its state held it, without the training
     script (see :func:`replay_offline_leaves`).
 
@@ -371,7 +403,7 @@ def replay_offline(version: Version) -> dict[str, Any]:
     return out
 
 
-def replay_offline_leaves(version: Version) -> dict[str, Any]:
+def replay_offline_leaves(version: StoredVersion) -> dict[str, Any]:
     """The leaves log version ``version``'s replay reproduces, by state key, as its state
     held them, without the training script: a ``torch.optim`` optimizer of the class the
     log names is built over copies of the base version's parameters and optimizer state

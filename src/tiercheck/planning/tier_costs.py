@@ -52,7 +52,7 @@ __all__ = [
 
 GB = 1e9
 
-#: the failure domain each modelled tier survives (DESIGN.md section 4)
+#: the failure domain each modelled tier survives (the tier table of docs/concepts.md)
 TIER_SURVIVES: Mapping[str, FailureDomain] = {
     "shm": FailureDomain.PROCESS,
     "peer": FailureDomain.NODE,

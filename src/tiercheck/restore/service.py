@@ -1,4 +1,8 @@
-"""Restore: choose a version, read and verify it into staging, then load it in place.
+"""Restore's steps: choose a version, read and verify it into staging, then load it in place.
+
+:class:`tiercheck.restore.restoring.RestoreService` runs them in order for a store (the
+candidates, the agreement between ranks, the staging buffer, the fallback to an older
+version); this module holds the steps themselves.
 
 All or nothing for the caller's state: nothing of it changes until every chunk of the
 version has been read and verified, and if loading it then fails (a ``load_state_dict``

@@ -297,10 +297,6 @@ class FaultPlan:
         with self._lock:
             self.events.append(event)
 
-    def _randrange(self, n: int) -> int:
-        with self._lock:
-            return self.rng.randrange(n) if n > 0 else 0
-
 
 def damage_bytes(data: Buffer, how: Literal["corrupt", "truncate"], rng: random.Random) -> bytes:
     """A damaged copy of ``data``: one byte flipped, or a strictly shorter prefix."""

@@ -1,0 +1,58 @@
+"""The thread pools of one open store, made when it opens and shut down when it closes.
+
+Every parallel step of the engine runs on one of these, never on a pool made for the call:
+
+- ``io`` (``tiercheck-io``): reads, verifies and encodes chunks (migration, restore, the
+  reads of history and verify) and places a save's shard in its tiers;
+- ``writes`` (``tiercheck-write``, :data:`~tiercheck.engine.copying.WRITE_WINDOW` threads):
+  a migration's writes to its target, overlapped with the encoding of the next chunks;
+- ``hashing`` (``tiercheck-hash``): slices of a save's small chunks hashed in parallel
+  (:func:`tiercheck.formats.ids.chunk_ids`; blake3 releases the GIL);
+- ``logs`` (``tiercheck-log``): every tier's log read at once (:func:`read_catalog
+  <tiercheck.engine.catalog.read_catalog>`), at open and at each refresh.
+
+The single-threaded services keep their own thread, since they order work: the save
+pipeline (:class:`~tiercheck.engine.saving.SaveService`), the migration thread and the
+maintenance thread.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tiercheck.engine.copying import WRITE_WINDOW
+
+__all__ = ["Executors"]
+
+LOG_READERS = 8  # tiers whose logs are read at once
+
+
+@dataclass(frozen=True)
+class Executors:
+    """The store's pools (module docstring)."""
+
+    io: ThreadPoolExecutor
+    writes: ThreadPoolExecutor
+    hashing: ThreadPoolExecutor
+    logs: ThreadPoolExecutor
+
+    @classmethod
+    def start(cls, threads: int | None = None) -> Executors:
+        """Pools sized for this machine: ``threads`` I/O threads (default ``2 x cores``,
+        at least 4) and one hashing thread per core."""
+        cores = os.cpu_count() or 2
+        return cls(
+            io=ThreadPoolExecutor(
+                max_workers=threads or max(4, 2 * cores), thread_name_prefix="tiercheck-io"
+            ),
+            writes=ThreadPoolExecutor(WRITE_WINDOW, thread_name_prefix="tiercheck-write"),
+            hashing=ThreadPoolExecutor(cores, thread_name_prefix="tiercheck-hash"),
+            logs=ThreadPoolExecutor(LOG_READERS, thread_name_prefix="tiercheck-log"),
+        )
+
+    def shutdown(self, *, wait: bool, cancel_futures: bool = False) -> None:
+        """Shut every pool down (work not started is cancelled with ``cancel_futures``)."""
+        for pool in (self.io, self.writes, self.hashing, self.logs):
+            pool.shutdown(wait=wait, cancel_futures=cancel_futures)

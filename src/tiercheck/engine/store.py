@@ -1,0 +1,526 @@
+"""The engine of one open store: its services, the state they share, its threads.
+
+:class:`Engine` opens what a :class:`~tiercheck.Checkpointer` runs on and closes it again:
+
+- the tiers (:class:`~tiercheck.engine.tierset.TierSet`) and the merged view of their logs
+  (:class:`~tiercheck.engine.catalog.LiveCatalog`);
+- the executors (:class:`~tiercheck.engine.executors.Executors`): the thread pools every
+  service reads, hashes and writes on, shut down when the store closes;
+- the staging buffer, reused by every save and restore;
+- the GC fence and the leases in shared tiers (:mod:`tiercheck.engine.leases`);
+- the services: :class:`~tiercheck.engine.saving.SaveService` (its pipeline thread),
+  :class:`~tiercheck.engine.migration.MigrationService` (its own thread, with retries) and
+  :class:`~tiercheck.engine.maintenance.Maintenance` (retention and GC, its own thread);
+- :class:`~tiercheck.engine.handles.Failures`: failures nobody has seen yet, for ``close()``.
+
+A save commits, then queues migrations and requests maintenance; a migration requests
+maintenance; maintenance asks the saves and migrations which versions they still need
+(:meth:`Engine.pinned`), so that retention never drops them. The store's configuration is
+resolved here too (:func:`resolve_config`), before the engine opens.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tiercheck.core.chunking import plan_layout
+from tiercheck.core.entries import flatten
+from tiercheck.engine.background import Halt
+from tiercheck.engine.catalog import Catalog, LiveCatalog, read_catalog
+from tiercheck.engine.config import (
+    CONFIG_NAME,
+    StoreConfig,
+    TierSpec,
+    coerce_tiers,
+    default_config,
+    load_config,
+    save_config,
+)
+from tiercheck.engine.coordinator import Coordinator, DistCoordinator, LocalCoordinator
+from tiercheck.engine.executors import Executors
+from tiercheck.engine.handles import Failures
+from tiercheck.engine.leases import GCFence, StoreLock, TierLeases
+from tiercheck.engine.maintenance import Maintenance
+from tiercheck.engine.migration import MigrationService
+from tiercheck.engine.placement import Policy
+from tiercheck.engine.retention import GCReport
+from tiercheck.engine.saving import SaveService
+from tiercheck.engine.staging import StagingBuffer, cuda_devices
+from tiercheck.engine.tierset import TierSet
+from tiercheck.errors import CheckpointError, ConfigError, UnfinishedWork
+from tiercheck.logversions.planner import LogSource
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Engine", "default_coordinator", "resolve_config", "write_config"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """The services of the store rooted at ``root``, opened with ``config``.
+
+    Opening takes the tiers, reads their logs and starts the threads; ``lock`` (the
+    store's writer lock, None when read-only) is the engine's from then on: it is released
+    once every thread has ended, by :meth:`close`, or at once if opening fails (then
+    everything opened so far is closed before the error propagates).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        config: StoreConfig,
+        coordinator: Coordinator,
+        *,
+        read_only: bool,
+        allow_pickle: bool,
+        threads: int | None,
+        lock: StoreLock | None,
+    ) -> None:
+        self.root = root
+        self.policy = config.policy
+        self.coordinator = coordinator
+        self.rank = coordinator.rank
+        self.world_size = coordinator.world_size
+        self.read_only = read_only
+        self.allow_pickle = allow_pickle
+        self.closed = False
+        self._lock = lock
+        self._halt = Halt()
+        self._closer: threading.Thread | None = None
+        self.migrations: MigrationService | None = None
+        self.saves: SaveService | None = None
+        try:
+            self._open(config, threads)
+        except BaseException:
+            self._abort_open()
+            raise
+
+    def _open(self, config: StoreConfig, threads: int | None) -> None:
+        """Open the tiers, read their logs, start the services (the lock is taken)."""
+        read_only = self.read_only
+        specs = [_for_rank(spec, self.coordinator) for spec in config.tiers]
+        self.tierset = TierSet(specs, self.policy, read_only=read_only, owner=self.root)
+        self.executors = Executors.start(threads)
+        self.pool = self.executors.io
+        self.staging = StagingBuffer()
+        self.failures = Failures()
+        self.catalog = LiveCatalog(read_catalog(self.tierset.tiers(), pool=self.executors.logs))
+        fence = GCFence()
+        leases = TierLeases()
+        next_id = self.coordinator.agree_max(self.catalog.snapshot().max_version_id()) + 1
+        takes_diffs = self.coordinator.all_true(
+            any(
+                s.policy is not None and s.policy.mode == "sync" and s.policy.versions == "all"
+                for s in self.tierset.open()
+            )
+        )
+        self.maintenance = Maintenance(
+            tierset=self.tierset,
+            policy=self.policy,
+            catalog=self.catalog,
+            fence=fence,
+            leases=leases,
+            pinned=self.pinned,
+            failures=self.failures,
+            rank=self.rank,
+            halt=self._halt,
+        )
+        if read_only:
+            return
+        self.migrations = MigrationService(
+            tierset=self.tierset,
+            policy=self.policy,
+            catalog=self.catalog,
+            fence=fence,
+            leases=leases,
+            pool=self.pool,
+            writes=self.executors.writes,
+            maintenance=self.maintenance,
+            failures=self.failures,
+            rank=self.rank,
+            world_size=self.world_size,
+            broken=lambda: getattr(self.coordinator, "broken", None),
+            halt=self._halt,
+        )
+        self.saves = SaveService(
+            tierset=self.tierset,
+            policy=self.policy,
+            coordinator=self.coordinator,
+            catalog=self.catalog,
+            fence=fence,
+            leases=leases,
+            staging=self.staging,
+            pool=self.pool,
+            hashing=self.executors.hashing,
+            migrations=self.migrations,
+            maintenance=self.maintenance,
+            failures=self.failures,
+            allow_pickle=self.allow_pickle,
+            next_id=next_id,
+            takes_diffs=takes_diffs,
+            halt=self._halt,
+            confirmed=self.coordinator.agree_restorable(
+                self.catalog.snapshot().restorable_versions()
+            ),
+        )
+        # sweep once after opening: what a crashed writer left behind
+        self.maintenance.request(s.name for s in self.tierset.slots)
+
+    def _abort_open(self) -> None:
+        """Opening failed: stop every thread it started, close every tier it opened and
+        release the store lock, so that the caller may open the store again."""
+        self.closed = True
+        self._halt.set("opening the store failed")
+        steps: list[Callable[[], object]] = []
+        if self.saves is not None:
+            steps.append(self.saves.close)
+        if self.migrations is not None:
+            steps += [functools.partial(self.migrations.stop, abandon=True), self.migrations.join]
+        maintenance: Maintenance | None = getattr(self, "maintenance", None)
+        if maintenance is not None:
+            steps.append(maintenance.close)
+        executors: Executors | None = getattr(self, "executors", None)
+        if executors is not None:
+            steps.append(functools.partial(executors.shutdown, wait=True, cancel_futures=True))
+        tierset: TierSet | None = getattr(self, "tierset", None)
+        if tierset is not None:
+            steps.append(tierset.close)
+        for step in steps:
+            try:
+                step()
+            except Exception:  # the caller hears of what made the open fail, not of this
+                log.exception("releasing what a failed open of %s took", self.root)
+        self.release_lock()
+
+    def release_lock(self) -> None:
+        """Release the store's writer lock (once; a read-only engine holds none)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # --- what the services ask each other -------------------------------------------------
+
+    def pinned(self) -> set[int]:
+        """The versions saves and migrations in flight still need (retention keeps them)."""
+        out: set[int] = set()
+        if self.saves is not None:
+            out |= self.saves.pinned()
+        if self.migrations is not None:
+            out |= self.migrations.pinned()
+        return out
+
+    def writer(self) -> SaveService:
+        """The save service; raises CheckpointError if closed or opened read-only."""
+        if self.closed:
+            raise CheckpointError("this Checkpointer is closed")
+        if self.saves is None:
+            raise CheckpointError(f"{self.root} was opened read-only")
+        return self.saves
+
+    def refresh(self) -> Catalog:
+        """Re-read every tier's log and install it as the catalog."""
+        mark = self.catalog.begin_read()
+        try:
+            fresh = read_catalog(self.tierset.tiers(), pool=self.executors.logs)
+        except BaseException:
+            self.catalog.end_read(mark)
+            raise
+        catalog = self.catalog.install(fresh, mark)
+        if self.saves is not None:
+            self.saves.note_version_ids(catalog.max_version_id())
+        return catalog
+
+    def flush(self) -> None:
+        """Block until the saves submitted so far and the maintenance they asked for ran."""
+        if self.closed:
+            return
+        if self.saves is not None:
+            self.saves.flush()
+        self.maintenance.flush()
+
+    # --- saving ---------------------------------------------------------------------------
+
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """Allocate the staging buffer for ``state``; note its size for the budgets."""
+        tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+        if self.saves is not None:
+            self.saves.note_state(tree, leaves)
+        layout = plan_layout(leaves, self.policy.chunk_size)
+        devices = cuda_devices(leaves)  # pinned under the state's own device
+        self.staging.acquire()  # not while a save is using it
+        try:
+            self.staging.ensure(
+                layout.stream_bytes + (1 << 20),
+                pinned=bool(devices),
+                device=devices[0] if devices else None,
+            )
+        finally:
+            self.staging.release()
+
+    def guard(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+        *,
+        log: bool,
+        mirrors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> Callable[[], None]:
+        """Hook ``optimizer.step()`` to wait for staging and attach the update log; see
+        :meth:`tiercheck.Checkpointer.guard`. Returns what removes both."""
+        saves = self.saves
+
+        def hook(*_: Any) -> None:
+            if saves is not None:
+                saves.wait_staged()
+
+        # registered before the log's own hook: the log captures a step only once the
+        # save before it has been staged (and the version planned)
+        handle = optimizer.register_step_pre_hook(hook)
+        source: LogSource | None = None
+        if log and saves is not None:
+            previous = saves.logs
+            if previous is not None:
+                saves.flush()  # the saves planned with the previous log first
+                saves.logs = None
+                previous.detach()
+            source = LogSource(optimizer, scaler, mirrors)
+            saves.logs = source
+
+        def remove() -> None:
+            handle.remove()
+            if source is not None and saves is not None and saves.logs is source:
+                if not self.closed:
+                    saves.flush()
+                saves.logs = None
+                source.detach()
+
+        return remove
+
+    def logs(self) -> LogSource | None:
+        """The guarded optimizer's update log, if one is attached."""
+        return self.saves.logs if self.saves is not None else None
+
+    # --- migrations and GC ----------------------------------------------------------------
+
+    def wait_migrations(self, timeout: float | None) -> bool:
+        """Block until the migrations queued so far settled, or ``timeout`` passed."""
+        if self.migrations is None or self.closed:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.flush()
+        return self.migrations.wait(_left(deadline))
+
+    def collect(self, *, dry_run: bool, grace: float | None) -> list[GCReport]:
+        """Sweep unreferenced blobs from every tier; see :meth:`tiercheck.Checkpointer.gc`."""
+        if not dry_run:
+            self.writer()
+        elif self.closed:
+            raise CheckpointError("this Checkpointer is closed")
+        if grace is not None and grace < 0:
+            raise ConfigError(f"grace must be >= 0 seconds, got {grace}")
+        self.flush()
+        self.refresh()
+        return self.maintenance.collect(dry_run=dry_run, grace=grace)
+
+    # --- closing --------------------------------------------------------------------------
+
+    def close(self, *, timeout: float | None, abandon: bool) -> None:
+        """Finish, halt and release everything; see :meth:`tiercheck.Checkpointer.close`."""
+        if self.closed:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        unfinished: list[tuple[int, str, str]] = []
+        try:
+            if self.saves is not None:
+                self.saves.drain(_left(deadline))  # one still running is named below
+            if self.migrations is not None:
+                unfinished = self.migrations.stop(timeout=_left(deadline), abandon=abandon)
+        finally:
+            self.closed = True
+            running = self._shut_down(deadline)
+        migration = self.migrations.running() if running and self.migrations else None
+        if migration is not None:
+            unfinished.append((*migration, "still running at close"))
+        saves, background = self.failures.unseen()
+        if not (unfinished or saves or background or running):
+            return
+        parts = []
+        if unfinished:
+            parts.append(
+                "migrations left unfinished: "
+                + "; ".join(f"version {v} to {t} ({why})" for v, t, why in unfinished)
+            )
+        if saves:
+            parts.append(
+                "saves that failed unseen: "
+                + "; ".join(f"step {s} (version {v}): {e}" for s, v, e in saves)
+            )
+        if background:
+            parts.append("background failures: " + "; ".join(background))
+        if running:
+            parts.append(
+                f"still running at close, in a tier call: {'; '.join(running)} (halted: it "
+                "starts no further tier call; the tiers are closed and the store lock "
+                "released when it ends, see wait_closed())"
+            )
+        message = f"{self.root} closed with " + "; ".join(parts)
+        if abandon:
+            log.warning("%s (abandoned)", message)
+            return
+        raise UnfinishedWork(
+            message,
+            migrations=tuple(unfinished),
+            saves=tuple(saves),
+            background=tuple(background),
+            running=tuple(running),
+        )
+
+    def _shut_down(self, deadline: float | None) -> list[str]:
+        """Halt every background thread (no new tier call from now on; the work queued is
+        cancelled), then wait for them until ``deadline``. The tiers are closed and the
+        lock released after the last one ends: here, or by a closing thread left to it
+        when one is still in a tier call at the deadline. Returns what still runs then."""
+        self._halt.set("the store is closing")
+        if self.saves is not None:
+            self.saves.stop()
+        self.maintenance.stop()
+        self.executors.shutdown(wait=False, cancel_futures=True)
+        closer = threading.Thread(target=self._release_all, name="tiercheck-close", daemon=True)
+        self._closer = closer
+        closer.start()
+        closer.join(_left(deadline))
+        if not closer.is_alive():
+            return []
+        running: list[str] = []
+        migration = self.migrations.running() if self.migrations is not None else None
+        if migration is not None:
+            running.append(f"the migration of version {migration[0]} to {migration[1]}")
+        if self.saves is not None:
+            running += self.saves.running()
+        active = self.maintenance.active()
+        if active is not None:
+            running.append(active)
+        return running or ["the store's I/O threads"]
+
+    def _release_all(self) -> None:
+        """Once every background thread has ended: close the tiers, release the lock."""
+        try:
+            if self.migrations is not None:
+                self.migrations.join()
+            if self.saves is not None:
+                self.saves.join()
+            self.maintenance.join()
+            self.executors.shutdown(wait=True)
+        finally:
+            self.tierset.close()
+            self.release_lock()
+
+    def wait_closed(self, timeout: float | None) -> bool:
+        """Block until the tiers are closed and the lock released, or ``timeout`` passed."""
+        closer = self._closer
+        if closer is None:
+            return self.closed
+        closer.join(timeout)
+        return not closer.is_alive()
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0; None for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+# --- opening: the configuration and the coordinator -------------------------------------
+
+
+def resolve_config(
+    root: Path,
+    tiers: Sequence[str | TierSpec | tuple[str, str]] | None,
+    policy: Policy | None,
+    config: str | os.PathLike[str] | None,
+    *,
+    read_only: bool,
+    multi_rank: bool,
+) -> tuple[StoreConfig, bool]:
+    """The configuration of the store at ``root``, and whether it is to be written to its
+    file (once the lock is taken: :func:`write_config`)."""
+    path = root / CONFIG_NAME
+    if config is not None:
+        cfg = load_config(Path(config))
+    elif tiers is None and path.exists():
+        cfg = load_config(path)
+    elif tiers is None:
+        if read_only:
+            raise ConfigError(f"{root} is not a tiercheck store (no {CONFIG_NAME})")
+        cfg = default_config(root, multi_rank=multi_rank)
+        if policy is None:
+            # ranks opening one new root race to create it: the first config written wins
+            root.mkdir(parents=True, exist_ok=True)
+            if not save_config(path, cfg, exclusive=True):
+                cfg = load_config(path)
+            return cfg, False
+    else:
+        cfg = StoreConfig(coerce_tiers(tiers), Policy())
+    if policy is not None:
+        cfg = StoreConfig(cfg.tiers, policy)
+    return cfg, not read_only
+
+
+def write_config(root: Path, config: StoreConfig, *, rewrite: bool) -> None:
+    """Write ``config`` to the store's file; unless ``rewrite``, refuse other tiers than
+    the file names (:func:`_check_same_tiers`)."""
+    path = root / CONFIG_NAME
+    if not rewrite and path.exists():
+        _check_same_tiers(path, load_config(path), config)
+    save_config(path, config)
+
+
+def _check_same_tiers(path: Path, stored: StoreConfig, wanted: StoreConfig) -> None:
+    """Raise ConfigError if ``wanted`` names other tiers than the store's file at ``path``:
+    rewriting it would leave the store's versions behind in tiers it no longer opens.
+    Tiers are compared by name and URL: options (a budget, credentials the file never
+    holds) may change from one open to the next."""
+    if [(t.name, t.url) for t in stored.tiers] == [(t.name, t.url) for t in wanted.tiers]:
+        return
+
+    def names(cfg: StoreConfig) -> str:
+        return ", ".join(f"{t.name} = {t.url}" for t in cfg.tiers)
+
+    raise ConfigError(
+        f"{path} configures the tiers [{names(stored)}], not [{names(wanted)}]: the store's "
+        "versions are in the configured tiers. Open it without tiers= to use them, with "
+        "read_only=True to read other tiers without changing the file, or pass "
+        "rewrite_config=True to replace its tiers"
+    )
+
+
+def default_coordinator() -> Coordinator:
+    """A :class:`DistCoordinator` under an initialized multi-rank torch.distributed job."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return LocalCoordinator()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return DistCoordinator()
+    return LocalCoordinator()
+
+
+def _for_rank(spec: TierSpec, coord: Coordinator) -> TierSpec:
+    """Fill ``{rank}``, ``{local_rank}`` and ``{node}`` in a tier's URL and string options."""
+    values = {"{rank}": coord.rank, "{local_rank}": coord.local_rank, "{node}": coord.node}
+
+    def fill(text: str) -> str:
+        for key, value in values.items():
+            text = text.replace(key, str(value))
+        return text
+
+    options = {k: fill(v) if isinstance(v, str) else v for k, v in spec.options.items()}
+    return TierSpec(spec.name, fill(spec.url), options)

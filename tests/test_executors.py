@@ -1,0 +1,116 @@
+"""The engine's thread pools (``tiercheck.engine.executors``): every parallel step runs on a
+pool the store made when it opened, none on a pool made for the call, and closing the store
+ends every thread it started."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.testing.faults import FaultEvent, FaultPlan, FaultyTier
+
+CHUNK = 4096
+
+
+def state_of(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64 * 1024, generator=g), "step": step}
+
+
+def open_store(root: Path) -> Checkpointer:
+    """LMDB takes every version in the commit; a file:// remote gets each by migration."""
+    return Checkpointer(
+        root / "s",
+        tiers=[
+            TierSpec("lmdb", f"lmdb://{root / 'lmdb'}"),
+            TierSpec("remote", f"file://{root / 'remote'}"),
+        ],
+        policy=Policy(
+            base_every=1,
+            chunk_size=CHUNK,
+            tiers={
+                "lmdb": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None),
+                "remote": TierPolicy(versions="all", mode="async", codec="zstd", keep_bases=None),
+            },
+        ),
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[tuple[Checkpointer, FaultPlan]]:
+    """The store, its remote behind a fault plan that only observes."""
+    plan = FaultPlan()
+    ckpt = open_store(tmp_path)
+    slot = ckpt.tierset.get("remote")
+    assert slot.tier is not None
+    slot.tier = FaultyTier(slot.tier, plan)
+    yield ckpt, plan
+    ckpt.close(abandon=True)
+
+
+def test_migration_writes_and_log_reads_run_on_the_stores_pools(
+    store: tuple[Checkpointer, FaultPlan],
+) -> None:
+    ckpt, plan = store
+    threads: dict[str, set[threading.Thread]] = {"put": set(), "read_log": set()}
+
+    def seen(event: FaultEvent) -> None:
+        threads[event.op].add(threading.current_thread())
+
+    plan.hook(seen, ["put", "read_log"])
+    for step in range(3):
+        ckpt.save(step, state_of(step)).wait()
+    assert ckpt.wait_migrations(60)
+    ckpt.refresh()
+    executors = ckpt.executors
+    # ThreadPoolExecutor keeps its workers in _threads: the one way to name a pool's threads
+    assert threads["put"] and threads["put"] <= set(executors.writes._threads)
+    assert threads["read_log"] and threads["read_log"] <= set(executors.logs._threads)
+    assert [v.step for v in ckpt.history() if v.tiers["remote"] == "committed"] == [0, 1, 2]
+
+
+def test_close_ends_every_thread_the_store_started(tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    ckpt = open_store(tmp_path)
+    for step in range(2):
+        ckpt.save(step, state_of(step)).wait()
+    assert ckpt.wait_migrations(60)
+    info = ckpt.restore({"w": torch.zeros(64 * 1024), "step": -1})
+    assert info.step == 1
+    assert torch.equal(ckpt.version(0)["w"], state_of(0)["w"])
+    started = {t.name for t in set(threading.enumerate()) - before}
+    assert any(name.startswith("tiercheck-io") for name in started)
+    ckpt.close()
+    left = sorted(t.name for t in set(threading.enumerate()) - before if t.is_alive())
+    assert left == []
+
+
+def test_a_saves_small_chunks_are_hashed_on_the_stores_hashing_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiercheck.formats.ids as ids
+
+    hashed_on: set[threading.Thread] = set()
+    real = ids._hash_serial
+
+    def recording(views: Any) -> list[str]:
+        hashed_on.add(threading.current_thread())
+        return real(views)
+
+    monkeypatch.setattr(ids, "_hash_serial", recording)
+    monkeypatch.setattr(ids.os, "cpu_count", lambda: 2)  # the pool path, on any machine
+    with Checkpointer(
+        tmp_path / "s",
+        tiers=[TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}")],
+        policy=Policy(base_every=1, chunk_size=64 * 1024),
+    ) as ckpt:
+        state = {"w": torch.randn(4 * 1024 * 1024)}  # 16 MiB in 256 chunks of 64 KiB
+        ckpt.save(0, state).wait()
+        assert hashed_on and hashed_on <= set(ckpt.executors.hashing._threads)
+        assert torch.equal(ckpt.version(0)["w"], state["w"])
