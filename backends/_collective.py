@@ -52,7 +52,7 @@ from tiercheck.errors import NotFound, OverBudget, TierError, TierFull, TierUnav
 
 __all__ = ["CollectivePeerTier"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 _REQUEST = 11
 _REPLY = 12

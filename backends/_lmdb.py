@@ -88,7 +88,7 @@ from tiercheck.formats.framing import frame_record, unframe_record
 
 __all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 DEFAULT_MAP_SIZE = 1 << 30
 # Bytes of blob data per write transaction in put_many: LMDB (without writemap) holds a

@@ -252,7 +252,7 @@ def load_token_file(path: str | os.PathLike[str]) -> bytes:
     """
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            logging.getLogger("tiercheck").warning(
+            logging.getLogger(__name__).warning(
                 "token file %r is readable by other users; chmod 600 it", os.fspath(path)
             )
         token = f.read().strip()

@@ -7,7 +7,13 @@ Convention:
 - a block whose fence is immediately preceded by the line
   ``<!-- snippet: skip (REASON) -->`` is not run (only for what a test process cannot have:
   several torchrun processes, a GPU, a cluster; a real test elsewhere covers the same code);
-- nothing else is skipped, and there is no hidden setup: a snippet stands alone.
+- nothing else is skipped, and there is no hidden setup: a snippet stands alone;
+- a comment that states what a line prints is checked: a ``print(...)`` call whose line
+  ends with ``# -> TEXT`` must print exactly ``TEXT`` (trailing blanks aside; ``...`` in
+  ``TEXT`` stands for any text) each time it runs, and must run at least once. This is the
+  only way a snippet states output: ``# -> `` after a ``print``, nowhere else; a comment
+  that merely describes (``# a pointer to a version``) is prose and is not checked. Keep
+  such a ``print`` on one line that ``ruff format`` leaves whole (it formats docs/ too).
 
 Each page runs in a child forked from a *zygote* (``python tests/_snippets.py serve``) that
 imported torch and tiercheck once and does nothing else, so a page pays no interpreter start
@@ -37,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 _SKIP = re.compile(r"^<!--\s*snippet:\s*skip\s*\((?P<reason>.*\S.*)\)\s*-->$")
 _MARKER = re.compile(r"^<!--\s*snippet\b")
 _OPEN = re.compile(r"^(?P<fence>```+|~~~+)\s*(?P<info>[^`\s]*)")
+_STATES = re.compile(r"\bprint\(.*#\s*->\s?(?P<text>.*?)\s*$")
 
 
 @dataclass(frozen=True)
@@ -88,15 +95,58 @@ def blocks_of(page: Path) -> list[Block]:
     return out
 
 
+def stated_outputs(block: Block) -> dict[int, str]:
+    """The lines of ``block`` (page line numbers) whose comment states what they print
+    (``print(...)  # -> TEXT``), each with its ``TEXT``."""
+    out = {}
+    for i, line in enumerate(block.code.splitlines()):
+        m = _STATES.search(line)
+        if m is not None:
+            out[block.line + i] = m.group("text")
+    return out
+
+
+def output_matches(stated: str, printed: str) -> bool:
+    """Whether ``printed`` is what a ``# -> stated`` comment says (``...``: any text)."""
+    pattern = ".*".join(re.escape(part) for part in stated.split("..."))
+    return re.fullmatch(pattern, printed.rstrip(), flags=re.DOTALL) is not None
+
+
+class _Printed:
+    """A ``print`` for the snippets' namespace: prints as the builtin does, and keeps what
+    each call made on a line of ``page`` that states its output."""
+
+    def __init__(self, page: Path, lines: set[int]) -> None:
+        self.page, self.lines = str(page), lines
+        self.seen: dict[int, list[str]] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        import builtins
+
+        caller = sys._getframe(1)
+        line = caller.f_lineno
+        if caller.f_code.co_filename == self.page and line in self.lines and "file" not in kwargs:
+            sep, end = kwargs.get("sep", " "), kwargs.get("end", "\n")
+            text = (" " if sep is None else sep).join(map(str, args))
+            self.seen.setdefault(line, []).append(text)
+            sys.stdout.write(text + ("\n" if end is None else end))
+            return
+        builtins.print(*args, **kwargs)
+
+
 def run_blocks(page: Path) -> list[int]:
     """Run the page's blocks here (this process, its working directory), in one namespace.
 
     Returns the lines of the blocks run; raises AssertionError naming the block that failed,
-    with the traceback from the snippet's own frame on.
+    with the traceback from the snippet's own frame on, or the line whose printed output is
+    not what its ``# -> `` comment states.
     """
-    namespace: dict[str, Any] = {"__name__": "__main__"}
+    blocks = blocks_of(page)
+    stated = {n: text for b in blocks if b.skip is None for n, text in stated_outputs(b).items()}
+    printed = _Printed(page, set(stated))
+    namespace: dict[str, Any] = {"__name__": "__main__", "print": printed}
     ran = []
-    for block in blocks_of(page):
+    for block in blocks:
         if block.skip is not None:
             continue
         # blank lines before the code put its line numbers where they are in the page
@@ -109,6 +159,14 @@ def run_blocks(page: Path) -> list[int]:
             text = "".join(traceback.format_exception(shown))
             raise AssertionError(f"the snippet at {block.where} failed:\n{text}") from None
         ran.append(block.line)
+        for line, text in stated_outputs(block).items():
+            seen = printed.seen.get(line)
+            where = f"{block.page.name}:{line}"
+            if not seen:
+                raise AssertionError(f"{where} states its output ({text!r}) but never printed")
+            wrong = [s for s in seen if not output_matches(text, s)]
+            if wrong:
+                raise AssertionError(f"{where} printed {wrong[0]!r}, its comment says {text!r}")
     from tiercheck.checkpointer import Checkpointer
 
     left_open = sorted(

@@ -201,7 +201,7 @@ def test_dead_peer_daemon_lowers_commit_level_and_restore_falls_back(
     assert len(acks) == 8
     assert all("required tier peer failed" in e["error"] for e in acks)
     assert all(e["tiers"]["shm"] == "committed" for e in acks)
-    assert all(e["tiers"].get("peer") in (None, "failed") for e in acks)
+    assert all(e["tiers"].get("peer") in (None, "failed", "unreachable") for e in acks)
     rc, events = torchrun(2, "restore", *common(root, shm), "--peer-ports", ports, env=env)
     assert rc == 0, events
     assert all(

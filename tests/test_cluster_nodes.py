@@ -108,7 +108,7 @@ def test_node_lost_restores_from_partner_on_other_node_and_remote(
     }
     for e in acks:  # node-local LMDB takes base versions only (its default placement)
         assert e["tiers"]["shm"] == e["tiers"]["peer"] == "committed", e
-        assert e["tiers"]["lmdb"] == ("committed" if e["role"] == "base" else "skipped"), e
+        assert e["tiers"]["lmdb"] == ("committed" if e["role"] == "base" else "missing"), e
     gc = [e for e in events if e["event"] == "gc"]  # a GC pass ran on every rank
     assert len(gc) == world and all(set(e["kept"]) == {"shm", "peer", "lmdb", "remote"} for e in gc)
     # node 1 is replaced: its shared memory and local disk are gone

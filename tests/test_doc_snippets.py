@@ -116,3 +116,24 @@ def test_a_failing_block_is_named_with_its_line(
     status, verdict, _ = zygote.run(page, work)
     assert status == 0 and verdict is not None
     assert "page.md:6 failed" in str(verdict["error"])
+
+
+def test_a_stated_output_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    page = tmp_path / "page.md"
+    monkeypatch.chdir(tmp_path)
+    page.write_text(
+        "```python\nd = {'a': 1}\nprint(d, 2)   # -> {'a': 1} 2\n"
+        "print('x: y z')  # -> x: ...\n```\n"
+    )
+    assert run_blocks(page) == [2]
+    page.write_text("```python\nprint({'a': 1})   # -> {'a': 2}\n```\n")
+    with pytest.raises(AssertionError, match=r"page\.md:2 printed \"\{'a': 1\}\""):
+        run_blocks(page)
+    page.write_text("```python\nfor i in range(2):\n    print(i)   # -> 0\n```\n")
+    with pytest.raises(AssertionError, match=r"page\.md:3 printed '1'"):
+        run_blocks(page)
+    page.write_text("```python\nif False:\n    print(1)   # -> 1\n```\n")
+    with pytest.raises(AssertionError, match="never printed"):
+        run_blocks(page)
+    page.write_text("```python\nprint(1)   # one, a remark: not checked\n```\n")
+    assert run_blocks(page) == [2]

@@ -299,7 +299,7 @@ def fill_until_full(ckpt: Checkpointer, victim: str, first_step: int) -> tuple[i
             r = h.result_now()
             assert r.tiers.get(victim) == "failed" and exc.failed.keys() == {victim}
             return step, r.errors[victim]
-        if r.tiers.get(victim) == "skipped":
+        if r.tiers.get(victim) == "missing":
             return step, r.errors[victim]
     raise AssertionError(f"tier {victim} never filled up")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tiercheck.engine.catalog import Catalog
 from tiercheck.engine.config import StoreConfig, TierSpec
@@ -242,6 +242,7 @@ class Checkpointer:
         """Re-read every tier's log (e.g. after another process wrote or a tier was lost)."""
         return self._engine.refresh()
 
+    @overload
     def restore(
         self,
         state: dict[str, Any] | None = None,
@@ -251,7 +252,33 @@ class Checkpointer:
         strict: bool = True,
         repair: bool = True,
         tiers: Sequence[str] | None = None,
-    ) -> RestoreInfo:
+        missing_ok: Literal[False] = False,
+    ) -> RestoreInfo: ...
+
+    @overload
+    def restore(
+        self,
+        state: dict[str, Any] | None = None,
+        *,
+        version: int | None = None,
+        step: int | None = None,
+        strict: bool = True,
+        repair: bool = True,
+        tiers: Sequence[str] | None = None,
+        missing_ok: bool,
+    ) -> RestoreInfo | None: ...
+
+    def restore(
+        self,
+        state: dict[str, Any] | None = None,
+        *,
+        version: int | None = None,
+        step: int | None = None,
+        strict: bool = True,
+        repair: bool = True,
+        tiers: Sequence[str] | None = None,
+        missing_ok: bool = False,
+    ) -> RestoreInfo | None:
         """Restore the newest restorable version (or ``version``/``step``) into ``state``.
 
         All or nothing: every chunk is read and verified into a staging buffer first; only
@@ -266,12 +293,19 @@ class Checkpointer:
         saved, and a plain tensor target gets the whole tensor. Each chunk comes from the
         fastest tier that holds an intact copy; damaged copies are repaired when ``repair``.
         ``tiers`` restricts the tiers read. Raises :class:`NoRestorableVersion` or
-        :class:`StateError`.
+        :class:`StateError`; on a store that holds no version, :class:`EmptyStore`, or
+        with ``missing_ok`` returns None, ``state`` untouched (a first launch).
         """
         if self.closed:
             raise CheckpointError("this Checkpointer is closed")
         return self._restores.restore(
-            state, version=version, step=step, strict=strict, repair=repair, tiers=tiers
+            state,
+            version=version,
+            step=step,
+            strict=strict,
+            repair=repair,
+            tiers=tiers,
+            missing_ok=missing_ok,
         )
 
     def history(self) -> list[Version]:

@@ -15,6 +15,7 @@ __all__ = [
     "CommitAborted",
     "ConfigError",
     "DurabilityError",
+    "EmptyStore",
     "ForeignTier",
     "FormatVersionError",
     "Halted",
@@ -265,6 +266,11 @@ class WaitTimeout(CheckpointError, TimeoutError):
 
 class NoRestorableVersion(TiercheckError, LookupError):
     """No version (or not the one asked for) can be restored from the surviving tiers."""
+
+
+class EmptyStore(NoRestorableVersion):
+    """The store holds no version at all (none committed in any tier read): a first
+    launch. ``restore(state, missing_ok=True)`` returns None instead of raising it."""
 
 
 # --- update-log replay ---------------------------------------------------------------

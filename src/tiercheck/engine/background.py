@@ -27,7 +27,7 @@ from tiercheck.errors import Halted
 
 __all__ = ["Halt", "reporting"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 

@@ -61,7 +61,7 @@ __all__ = [
 #: What the default budget allows beyond two versions (log records, manifest growth).
 SLACK = 1 << 20
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 def is_memory_tier(tier: Tier) -> bool:

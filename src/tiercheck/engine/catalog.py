@@ -67,7 +67,7 @@ __all__ = [
     "should_compact",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 @dataclass

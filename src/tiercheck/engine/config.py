@@ -100,7 +100,7 @@ __all__ = [
     "without_userinfo",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 CONFIG_NAME = "tiercheck.toml"
 CONFIG_FORMAT = 1

@@ -36,7 +36,7 @@ from tiercheck.formats.manifest import ShardManifest, unpack_manifest
 
 __all__ = ["ChunkFetcher", "FetchStats", "repair_codec"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 _SCRATCH = 4 * 1024 * 1024 + 4096  # a default-size chunk and its blob header
 

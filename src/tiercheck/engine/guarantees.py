@@ -18,11 +18,11 @@ the configuration says so explicitly (a ``TierPolicy`` with ``mode="sync"`` or
 ``guarantee="required"``), since without opening it its default placement is unknown.
 
 A tier **skipped** for a version because the version does not fit its memory budget
-(:mod:`tiercheck.engine.budgets`; state ``"skipped"``) is not a failed required tier: the budget is
-the bound the store was given, and keeping inside it is the promise that wins (a budget
-skip never fails a save). ``durability`` is still judged on the tiers that did commit the
-version: a store that asked for a failure domain is told when only a skipped tier would
-have given it.
+(:mod:`tiercheck.engine.budgets`; state ``"missing"``, the reason in ``errors``) is not a
+failed required tier: the budget is the bound the store was given, and keeping inside it
+is the promise that wins (a budget skip never fails a save). ``durability`` is still
+judged on the tiers that did commit the version: a store that asked for a failure domain
+is told when only a skipped tier would have given it.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def check(
     failed: dict[str, str] = {}
     for slot in slots:
         applies, required = _counts(slot, policy, phase, role)
-        if applies and required and states.get(slot.name) not in ("committed", "skipped"):
+        if applies and required and states.get(slot.name) not in ("committed", "missing"):
             cause = errors.get(slot.name) or slot.error or states.get(slot.name, "not written")
             failed[slot.name] = cause
     wanted = policy.durability if phase == "wait" else policy.migrated_durability

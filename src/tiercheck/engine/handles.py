@@ -23,7 +23,21 @@ from tiercheck.formats.manifest import Role
 
 __all__ = ["Failures", "SaveHandle", "SaveResult", "TierState"]
 
-TierState = Literal["committed", "pending", "migrating", "failed", "skipped"]
+TierState = Literal[
+    "pending", "committed", "migrating", "missing", "failed", "dropped", "unreachable"
+]
+"""A tier's state of one version, one vocabulary for the save handle, history and the CLI
+(docs/concepts.md, "A tier's state of a version"):
+
+- ``pending``: being written (a handle's state while its save runs);
+- ``committed``: the tier holds the version, committed;
+- ``migrating``: the version is queued for, or being migrated to, the tier;
+- ``missing``: the tier does not hold it and is not going to: its placement does not take
+  the version's role, or its memory budget had no room (the handle's ``errors`` say so);
+- ``failed``: writing it there failed (the handle's ``errors`` say why);
+- ``dropped``: the tier held it and retention dropped it;
+- ``unreachable``: the tier could not be opened or read.
+"""
 
 
 @dataclass(frozen=True)
@@ -124,8 +138,8 @@ class SaveHandle:
             for name in targets:
                 self._tiers[name] = "migrating"
             for name, state in self._tiers.items():
-                if state == "pending":
-                    self._tiers[name] = "skipped"
+                if state == "pending":  # its placement did not take the version
+                    self._tiers[name] = "missing"
         if error is not None and self._failures is not None:
             self._failures.add(self)
         self._staged.set()

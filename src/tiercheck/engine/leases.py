@@ -62,7 +62,7 @@ __all__ = [
     "is_lease_id",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 LEASE_PREFIX = "0" * 16
 LEASE_MAGIC = b"TCLEASE1"

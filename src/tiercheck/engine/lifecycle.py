@@ -68,7 +68,7 @@ __all__ = [
     "warn_orphans",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 # what each placeholder of a segment name stands for: ranks are numbers, a node a name
 _PLACEHOLDERS = {

@@ -64,7 +64,7 @@ from tiercheck.errors import Halted, TiercheckError
 
 __all__ = ["Maintenance"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 

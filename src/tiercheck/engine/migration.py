@@ -57,7 +57,7 @@ from tiercheck.formats.manifest import CommitRecord, VersionInfo
 
 __all__ = ["MAX_ATTEMPTS", "MigrationService", "Reservation"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 RETRY_FIRST = 1.0
 RETRY_MAX = 60.0
@@ -347,7 +347,7 @@ class MigrationService:
         except OverBudget as exc:  # a memory tier without room: skipped, not failed
             msg = f"{type(exc).__name__}: {exc}"
             log.warning("migration of version %d to %s skipped: %s", vid, name, msg)
-            self._settle(job, "skipped", msg)
+            self._settle(job, "missing", msg)
         except TierUnavailable as exc:
             job.attempts += 1
             job.error = f"{type(exc).__name__}: {exc}"

@@ -29,7 +29,7 @@ from tiercheck.core.chunking import Layout
 from tiercheck.core.entries import torch_dtype
 from tiercheck.engine.catalog import append_record
 from tiercheck.engine.tierset import TierSlot
-from tiercheck.errors import NotFound, TierError
+from tiercheck.errors import NotFound, OverBudget, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
 from tiercheck.formats.ids import Buffer, chunk_id, chunk_ids
 from tiercheck.formats.manifest import (
@@ -57,7 +57,7 @@ __all__ = [
     "streamable",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 BaseLookup = Callable[[str], bytes]
 
@@ -459,7 +459,15 @@ def place_shard(
     except Exception as exc:  # a failing tier lowers the commit level; reported, not raised
         result.error = f"{type(exc).__name__}: {exc}"
         result.exception = exc
-        log.warning("tier %s failed to take version %s: %s", slot.name, manifest.version, exc)
+        if isinstance(exc, OverBudget):  # a skip, not a failure (engine/budgets.py)
+            log.warning(
+                "tier %s skipped version %s: it does not fit the memory budget: %s",
+                slot.name,
+                manifest.version,
+                exc,
+            )
+        else:
+            log.warning("tier %s failed to take version %s: %s", slot.name, manifest.version, exc)
     result.seconds = time.perf_counter() - t0
     return result
 

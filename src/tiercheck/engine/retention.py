@@ -61,7 +61,7 @@ __all__ = [
     "protection",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ from tiercheck.logversions.planner import LogProposal, LogSource, build, with_fi
 
 __all__ = ["SaveService"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -475,7 +475,7 @@ class SaveService:
             given_up = [
                 name
                 for name, state in job.handle.result_now().tiers.items()
-                if state in ("failed", "skipped") or (failed and state != "committed")
+                if state in ("failed", "missing") or (failed and state != "committed")
             ]
             self.maintenance.discard(given_up, written)
 
@@ -673,7 +673,8 @@ class SaveService:
         sync = []
         for slot in self.tierset.slots:
             if slot.tier is None:
-                handle._set_tier(slot.name, "failed", f"tier could not be opened: {slot.error}")
+                why = f"tier could not be opened: {slot.error}"
+                handle._set_tier(slot.name, "unreachable", why)
                 continue
             handle._set_tier(slot.name, "pending")
             tp = slot.policy
@@ -686,7 +687,7 @@ class SaveService:
 
         Sets the default budgets for this version's size, then makes room in each tier with
         a budget the version would overflow (:meth:`Maintenance.make_room`). A tier it still
-        does not fit is skipped for this version: its state is ``"skipped"`` with the
+        does not fit is skipped for this version: its state is ``"missing"`` with the
         reason, and a warning names the tier, the sizes and the fix. If that leaves the
         version no synchronous tier, the fastest other synchronous tier without a budget
         takes it, whatever versions it usually takes (a diff goes to LMDB, which keeps
@@ -720,7 +721,7 @@ class SaveService:
                 continue
             why = short.message(job.version, job.step)
             log.warning("%s", why)
-            handle._set_tier(slot.name, "skipped", why)
+            handle._set_tier(slot.name, "missing", why)
             job.skipped[slot.name] = why
         if kept or not job.skipped:
             return kept
@@ -952,5 +953,5 @@ def _note_placed(handle: SaveHandle, r: PlaceResult) -> None:
     handle._time(f"prepared:{r.tier}", r.seconds)
     if not r.ok:
         # past the tier's memory budget: the tier is skipped for this version, not failed
-        state: TierState = "skipped" if isinstance(r.exception, OverBudget) else "failed"
+        state: TierState = "missing" if isinstance(r.exception, OverBudget) else "failed"
         handle._set_tier(r.tier, state, r.error)

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "default_coordinator", "resolve_config", "write_config"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 class Engine:

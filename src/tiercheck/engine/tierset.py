@@ -1,7 +1,12 @@
-"""The opened tiers of a store, with their names, specs and placement, in restore order."""
+"""The opened tiers of a store, with their names, specs and placement, in restore order.
+
+Each tier is opened inside the wrappers its options ask for (retry with backoff, a
+connection limit: :mod:`tiercheck.engine.resilience`), so every caller (save, migration,
+restore, GC, the CLI) goes through them."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -13,11 +18,12 @@ from tiercheck.backends.registry import open_tier
 from tiercheck.engine import identity
 from tiercheck.engine.config import StoreConfig, TierSpec, resolve_references
 from tiercheck.engine.placement import Policy, TierPolicy
+from tiercheck.engine.resilience import open_wrapped, split_options, wrapping
 from tiercheck.errors import ConfigError, ForeignTier, InvalidURL, TierError
 
 __all__ = ["TierSet", "TierSlot"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,10 +90,13 @@ class TierSet:
                 log.warning("tier %s (%s) is unavailable: %s", spec.name, spec.url, exc)
                 self.slots.append(TierSlot(spec, None, None, str(exc)))
                 continue
+            options, wrappers = split_options(options)
+            wrapping(spec.url, wrappers)  # bad options: a ConfigError before anything opens
             if read_only:
                 options["read_only"] = True
             try:
-                tier = open_tier(spec.url, **options)
+                opening = functools.partial(open_tier, spec.url, **options)
+                tier = open_wrapped(spec.url, wrappers, opening)
             except InvalidURL:
                 raise
             except (TierError, OSError) as exc:

@@ -13,6 +13,7 @@ from tiercheck.engine.catalog import append_record, read_tier_log
 from tiercheck.engine.config import TierSpec
 from tiercheck.engine.copying import migrate_shard
 from tiercheck.engine.fetch import ChunkFetcher
+from tiercheck.engine.resilience import wrapping
 from tiercheck.engine.retention import GCReport
 from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import (
@@ -82,7 +83,7 @@ def _target_slot(store: StoreView[Version], to: str) -> tuple[TierSlot, bool]:
                     f"tier {slot.name} is open read-only; open the store for writing"
                 )
             return slot, True
-    tier = open_tier(to)
+    tier = wrapping(to, {})(open_tier(to))  # the default retry and limit of its URL
     policy = store.policy.for_tier("target", tier.capabilities)
     return TierSlot(TierSpec("target", to), tier, policy), False
 

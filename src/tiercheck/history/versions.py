@@ -34,6 +34,7 @@ import numpy as np
 from tiercheck.core.chunking import chunks_of
 from tiercheck.engine.catalog import Catalog, TierLog
 from tiercheck.engine.fetch import ChunkFetcher, FetchStats
+from tiercheck.engine.handles import TierState
 from tiercheck.errors import (
     CheckpointError,
     NoRestorableVersion,
@@ -63,9 +64,6 @@ __all__ = [
     "parse_version_spec",
     "resolve_version",
 ]
-
-
-TierState = Literal["committed", "migrating", "missing", "dropped", "unreachable"]
 
 
 Progress = Callable[[int, int], None]
@@ -164,7 +162,7 @@ class Version:
     metadata: Mapping[str, Any]
     logical_bytes: int
     stored_bytes: int
-    tiers: Mapping[str, str]
+    tiers: Mapping[str, TierState]
     restorable: bool
     info: VersionInfo = field(repr=False, compare=False)
     survives: str | None = None
@@ -506,7 +504,7 @@ def build_history(
     slots = store.tierset.slots
     out: list[Version] = []
     for vid, info in versions.items():
-        tiers: dict[str, str] = {}
+        tiers: dict[str, TierState] = {}
         stored = 0
         for slot in slots:
             slot_log: TierLog | None = catalog.logs.get(slot.name)

@@ -56,7 +56,7 @@ __all__ = ["POINTER_NAME", "TiercheckCallback"]
 POINTER_NAME = "tiercheck.json"
 """The file in ``checkpoint-N/`` that names the tiercheck version of step ``N``."""
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 class TiercheckCallback(TrainerCallback):

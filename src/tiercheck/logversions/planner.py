@@ -60,7 +60,7 @@ __all__ = [
     "with_fingerprints",
 ]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 # A full version taken while the optimizer is logged is a base, not a diff, when at least
 # this fraction of the replayed bytes changed since the last full version: a diff of a

@@ -94,7 +94,7 @@ __all__ = [
     "serve",
 ]
 
-log = logging.getLogger("tiercheck.peer.server")
+log = logging.getLogger(__name__)
 
 _MAX_NAMESPACE = 255
 _MAX_LIST_PAGE = 100_000

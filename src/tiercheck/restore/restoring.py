@@ -50,11 +50,12 @@ from tiercheck.restore.service import (
     fetch_stream,
     load_stream,
     materialize,
+    nothing_restorable,
 )
 
 __all__ = ["RestoreService"]
 
-log = logging.getLogger("tiercheck")
+log = logging.getLogger(__name__)
 
 
 class RestoreService:
@@ -104,9 +105,11 @@ class RestoreService:
         strict: bool = True,
         repair: bool = True,
         tiers: Sequence[str] | None = None,
-    ) -> RestoreInfo:
+        missing_ok: bool = False,
+    ) -> RestoreInfo | None:
         """Restore the newest restorable version (or ``version``/``step``) into ``state``;
-        see :meth:`tiercheck.Checkpointer.restore`."""
+        see :meth:`tiercheck.Checkpointer.restore` (None: an empty store and
+        ``missing_ok``, :func:`~tiercheck.restore.service.nothing_restorable`)."""
         t0 = time.perf_counter()
         self._flush()
         catalog = self._refresh()
@@ -154,13 +157,14 @@ class RestoreService:
             while True:
                 vid = self.coordinator.agree_restorable(candidates)
                 if vid is None:
-                    if isinstance(last_error, NoRestorableVersion) and self.world_size == 1:
-                        raise last_error
-                    raise NoRestorableVersion(
-                        "no version can be restored"
-                        + (" by every rank" if self.world_size > 1 else "")
-                        + (f" (last error: {last_error})" if last_error else "")
+                    nothing_restorable(
+                        empty=self.coordinator.all_true(not catalog.versions),
+                        missing_ok=missing_ok,
+                        last_error=last_error,
+                        world_size=self.world_size,
+                        tiers=tiers,
                     )
+                    return None
                 staged: _Staged | None = None
                 fatal: TiercheckError | None = None
                 # what loading would overwrite, copied while the version is fetched

@@ -50,7 +50,13 @@ from tiercheck.core.sharded import Piece, is_dtensor, piece_for
 from tiercheck.engine.catalog import Catalog
 from tiercheck.engine.fetch import ChunkFetcher
 from tiercheck.engine.tierset import TierSlot
-from tiercheck.errors import BlobCorrupt, NoRestorableVersion, StateError, TiercheckError
+from tiercheck.errors import (
+    BlobCorrupt,
+    EmptyStore,
+    NoRestorableVersion,
+    StateError,
+    TiercheckError,
+)
 from tiercheck.formats.manifest import Entry, Role, ShardManifest, VersionInfo
 
 if TYPE_CHECKING:
@@ -66,6 +72,7 @@ __all__ = [
     "fetch_stream",
     "load_stream",
     "materialize",
+    "nothing_restorable",
 ]
 
 
@@ -89,6 +96,37 @@ class RestoreInfo:
     fallback: str | None = None
     """Why a newer version was not restored (a log version that could not be replayed or
     verified, or log versions skipped for want of a guarded optimizer); None if none was."""
+
+
+def nothing_restorable(
+    *,
+    empty: bool,
+    missing_ok: bool,
+    last_error: Exception | None,
+    world_size: int,
+    tiers: Sequence[str] | None = None,
+) -> None:
+    """What a restore that found no version to load does: return None (nothing restored)
+    when the store is ``empty`` (no rank sees any committed version) and the caller said
+    ``missing_ok``; raise otherwise. An empty store raises :class:`EmptyStore`, which says
+    so and how to start from scratch; a store with versions none of which can be restored
+    raises :class:`NoRestorableVersion` with the last error."""
+    if empty:
+        if missing_ok:
+            return
+        where = f" in tiers {', '.join(tiers)}" if tiers is not None else ""
+        raise EmptyStore(
+            f"the store is empty: no version was ever committed{where}, so there is nothing "
+            "to restore; on a first launch call restore(state, missing_ok=True), which "
+            "returns None when there is nothing to resume from"
+        )
+    if isinstance(last_error, NoRestorableVersion) and world_size == 1:
+        raise last_error
+    raise NoRestorableVersion(
+        "no version can be restored"
+        + (" by every rank" if world_size > 1 else "")
+        + (f" (last error: {last_error})" if last_error else "")
+    )
 
 
 def choose_version(

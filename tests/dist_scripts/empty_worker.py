@@ -1,0 +1,47 @@
+"""Run under torchrun by tests/test_restore_empty.py: every rank restores from an empty
+store with missing_ok (None everywhere), without it (EmptyStore everywhere), then saves and
+restores the version every rank committed. Prints one JSON line per rank."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import tiercheck
+from tiercheck import TierSpec
+from tiercheck.errors import EmptyStore
+
+
+def main() -> None:
+    root = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tiers = [
+        TierSpec("mem", "memory://empty-{rank}"),
+        TierSpec("lmdb", f"lmdb://{root}/lmdb-{{rank}}"),
+    ]
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(8, 8)
+    out: dict[str, object] = {"rank": rank}
+    with tiercheck.Checkpointer(root, tiers=tiers) as ckpt:
+        out["missing_ok"] = ckpt.restore({"model": model}, missing_ok=True) is None
+        try:
+            ckpt.restore({"model": model})
+        except EmptyStore as exc:
+            out["error"] = str(exc)
+        ckpt.save(1, {"model": model}).wait()
+        before = model.weight.clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        info = ckpt.restore({"model": model}, missing_ok=True)
+        out["restored"] = info is not None and info.step == 1
+        out["same"] = bool(torch.equal(model.weight, before))
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
