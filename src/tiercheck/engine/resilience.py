@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import tenacity
 
-from tiercheck.backends.base import Buffer, PendingPut, Tier
+from tiercheck.backends.base import Buffer, LogScan, PendingPut, StoreOwner, Tier
 from tiercheck.engine.wrappers import WrapperTier
 from tiercheck.errors import ConfigError, TierUnavailable
 
@@ -242,6 +242,21 @@ class RetryTier(WrapperTier):
     def read_log(self) -> builtins.list[bytes]:
         return self._call("read_log", self.inner.read_log)
 
+    def scan_log(self) -> LogScan:
+        return self._call("scan_log", self.inner.scan_log)
+
+    # --- metadata: reading it twice, or writing the same record twice, is harmless -----------
+
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        ids = builtins.list(blob_ids)
+        return self._call("written_at", lambda: self.inner.written_at(ids))
+
+    def read_owner(self) -> StoreOwner | None:
+        return self._call("read_owner", self.inner.read_owner)
+
+    def write_owner(self, owner: StoreOwner) -> None:
+        self._call("write_owner", lambda: self.inner.write_owner(owner))
+
 
 class LimitTier(WrapperTier):
     """``inner`` with at most ``max_in_flight`` calls in it at once (module docstring)."""
@@ -299,6 +314,18 @@ class LimitTier(WrapperTier):
 
     def replace_log_prefix(self, count: int, record: bytes) -> None:
         self._call(lambda: self.inner.replace_log_prefix(count, record))
+
+    def scan_log(self) -> LogScan:
+        return self._call(self.inner.scan_log)
+
+    def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
+        return self._call(lambda: self.inner.written_at(blob_ids))
+
+    def read_owner(self) -> StoreOwner | None:
+        return self._call(self.inner.read_owner)
+
+    def write_owner(self, owner: StoreOwner) -> None:
+        self._call(lambda: self.inner.write_owner(owner))
 
 
 def split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
