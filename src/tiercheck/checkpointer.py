@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from tiercheck.core.chunking import plan_layout
 from tiercheck.core.entries import flatten, is_stateful
-from tiercheck.core.sharded import Gathered, gather
 from tiercheck.engine.background import Halt
 from tiercheck.engine.catalog import Catalog, LiveCatalog, read_catalog
 from tiercheck.engine.config import (
@@ -73,6 +72,7 @@ from tiercheck.history.diff import Diff
 from tiercheck.history.diff import diff as diff_versions
 from tiercheck.history.versions import Version, VersionSummary, build_history, open_version
 from tiercheck.logversions.planner import LogSource, replay_version
+from tiercheck.restore.reshard import Gathered, gather
 from tiercheck.restore.service import (
     Binding,
     RestoreInfo,
@@ -611,7 +611,7 @@ class Checkpointer:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
         of ``state`` is written (what loading it will overwrite is noted in ``undo`` and
         copied meanwhile). Pieces of distributed tensors this rank's new layout needs
-        from other ranks' shards are read and verified too (:mod:`tiercheck.core.sharded`). A log
+        from other ranks' shards are read and verified too (:mod:`tiercheck.restore.reshard`). A log
         version: its base into the staging buffer, its own shard into a buffer of its own."""
         if info.role == "log":
             assert info.base is not None

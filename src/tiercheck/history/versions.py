@@ -463,7 +463,7 @@ class _Reader:
         import torch
 
         from tiercheck.core.entries import torch_dtype
-        from tiercheck.core.sharded import Piece, gather
+        from tiercheck.restore.reshard import Piece, gather
 
         m = self.manifest
         out: dict[str, Any] = {}
