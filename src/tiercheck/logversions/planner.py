@@ -277,17 +277,17 @@ def build(
         *(replace(e, offset=e.offset + shift) for e in own_layout.entries),
     )
     windows = (*grads.windows, *((o + shift, n) for o, n in own_layout.windows))
-    layout = Layout(entries, shift + own_layout.stream_bytes, chunk, windows)
+    first = len(grads.entries)
+    sharded = {first + i: p for i, p in own_layout.sharded.items()}
+    layout = Layout(entries, shift + own_layout.stream_bytes, chunk, windows, sharded)
     index = {id(leaf): len(grads.entries) + i for i, leaf in enumerate(own)}
     names = {i: replayed[leaf.key] for i, leaf in enumerate(leaves) if leaf.key in replayed}
 
     def walk(node: Any) -> Any:
         ((tag, sub),) = node.items()
-        if tag == "e":
+        if tag in ("e", "s"):  # "s": a DTensor's local piece (FSDP2), replayed on it too
             name = names.get(sub)
-            return {"r": name} if name is not None else {"e": index[id(leaves[sub])]}
-        if tag == "s":  # never replayed (saves of distributed tensors are full versions)
-            return {"s": index[id(leaves[sub])]}
+            return {"r": name} if name is not None else {tag: index[id(leaves[sub])]}
         if tag == "o":
             return {"o": walk(sub)}
         if tag == "d":
