@@ -611,6 +611,8 @@ class TierWriter(StorageWriter):
         self._ranks: dict[int, str] = {}
         self._pending: dict[str, Any] | None = None
         self._pending_results: list[WriteResult] = []
+        # the version id of the last checkpoint this writer committed as DCP's coordinator
+        self.last_version: int | None = None
 
     # pickling (the process executor of dcp.async_save sends the writer to another process)
     def __getstate__(self) -> dict[str, Any]:
@@ -821,6 +823,7 @@ class TierWriter(StorageWriter):
                 state[ITEMS] = self._pending
             handle = ckpt.save(self._step, state, metadata={"dcp": self._mark(True)})
             handle.wait()
+            self.last_version = handle.version
         finally:
             self._end()
 
