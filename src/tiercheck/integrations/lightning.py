@@ -34,9 +34,8 @@ What happens where:
 
 Lightning saves on global rank 0 only; other ranks open the store read-only to load.
 
-**Sharded strategies.** ``ModelParallelStrategy`` (FSDP2, tensor parallel) and
-``FSDPStrategy`` with ``state_dict_type="sharded"`` save through
-``torch.distributed.checkpoint`` and never call the checkpoint IO. As a callback,
+**Sharded strategies.** ``ModelParallelStrategy`` (FSDP2, tensor parallel) saves through
+``torch.distributed.checkpoint`` and never calls the checkpoint IO. As a callback,
 ``TiercheckIO`` routes such a strategy's ``save_checkpoint`` and ``load_checkpoint``
 through tiercheck (no other line changes): every rank's shard of the weights and
 optimizer states is saved with DCP through :class:`~tiercheck.integrations.dcp.TierWriter`
@@ -74,7 +73,7 @@ from tiercheck.engine.background import reporting
 from tiercheck.engine.config import TierSpec
 from tiercheck.engine.coordinator import LocalCoordinator
 from tiercheck.engine.placement import Policy
-from tiercheck.errors import CheckpointError, NoRestorableVersion
+from tiercheck.errors import CheckpointError, ConfigError, NoRestorableVersion
 from tiercheck.integrations._pointer import Pointer, read_pointer, write_pointer
 
 __all__ = ["DCP_KEY", "RNG_KEY", "TiercheckIO", "escape_keys", "load", "unescape_keys"]
@@ -356,10 +355,18 @@ class TiercheckIO(CheckpointIO, Callback):
 
 
 def _saves_through_dcp(strategy: Any) -> bool:
-    """Whether Lightning's ``strategy`` writes its checkpoints with DCP itself."""
+    """Whether Lightning's ``strategy`` writes its checkpoints with DCP itself (raises
+    :class:`ConfigError` for one tiercheck does not route)."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)) and bool(
+    if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "sharded":
+        raise ConfigError(
+            "TiercheckIO does not store the sharded checkpoints of FSDPStrategy (FSDP1), "
+            "which Lightning writes with DCP itself: use FSDPStrategy(state_dict_type='full') "
+            "(saved through TiercheckIO on rank 0) or ModelParallelStrategy (FSDP2, routed "
+            "through tiercheck)"
+        )
+    return isinstance(strategy, ModelParallelStrategy) and bool(
         getattr(strategy, "_save_distributed_checkpoint", False)
     )
 
