@@ -2,8 +2,8 @@
 are log versions, and a run whose ranks are SIGKILLed resumes bit-identically.
 
 Real torchrun processes (2 ranks, CPU, gloo), a real shm tier per rank, and the worker
-tests/dist_scripts/fsdp_log_worker.py. For fp32 AdamW and for FSDP2 mixed precision
-(bf16 parameters in compute, bf16 gradient reduction, fp32 optimizer state):
+tests/dist_scripts/fsdp_log_worker.py. For fp32 AdamW and for mixed precision (bf16
+parameters sharded by FSDP2, fp32 master weights and AdamW state):
 
 - an uninterrupted run of 6 steps, a save after each: some saves are log versions, each
   storing at most 0.40x (fp32) or 0.20x (mixed precision) of what a base stores;
@@ -11,21 +11,51 @@ tests/dist_scripts/fsdp_log_worker.py. For fp32 AdamW and for FSDP2 mixed precis
   then resumed: the restore replays the log on each rank's shards, what it restored is bit
   for bit what was saved, and the resumed run ends bit for bit where the uninterrupted
   one did.
+
+A log version restored onto another number of ranks (2 -> 1, 1 -> 2) is not replayed on a
+layout that did not log it: its base version is restored instead, resharded, and
+``info.fallback`` says so (the one-process side runs here, in a one-rank gloo group).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-from _dist import torchrun
+import torch.distributed as dist
+from _dist import free_port, torchrun
 from _snippets import destroy_stores
 
+from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+
 WORKER = Path(__file__).parent / "dist_scripts" / "fsdp_log_worker.py"
+
+
+def load_worker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fsdp_log_worker", WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A one-rank gloo group in this process."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _report(root: Path, tag: str, rank: int) -> dict[str, Any]:
@@ -80,5 +110,60 @@ def test_fsdp2_log_versions_resume_bit_identically_after_sigkill(
             want = torch.load(tmp_path / f"ref-{rank}.pt")
             got = torch.load(tmp_path / f"run-{rank}.pt")
             assert not _differing(want, got), (rank, _differing(want, got))
+    finally:
+        destroy_stores(tmp_path)
+
+
+def _global(value: Any) -> torch.Tensor:
+    full = value.full_tensor() if hasattr(value, "full_tensor") else value
+    assert isinstance(full, torch.Tensor)
+    return full
+
+
+@pytest.mark.timeout(600)
+def test_a_log_version_restored_on_another_world_size_falls_back_to_its_base(
+    tmp_path: Path, one_rank: None
+) -> None:
+    w = load_worker()
+    try:
+        # 2 -> 1: two ranks save base, log, log; this process restores on one
+        two = torchrun(WORKER, str(tmp_path), "two", "--steps", "3", "--files", "--out", "two")
+        assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-6000:]
+        saves = _report(tmp_path, "two", 0)["saves"]
+        assert [s["role"] for s in saves] == ["base", "log", "log"]
+        with Checkpointer(tmp_path / "two") as ckpt:
+            run = w.Run(False)
+            ckpt.guard(run.opt)
+            info = ckpt.restore(run.state())
+            assert (info.role, info.step, info.replayed_steps) == ("base", 1, 0)
+            assert info.fallback is not None and "could not be replayed" in info.fallback
+            base = ckpt.version(info.version)
+            for key, value in run.model.state_dict().items():
+                assert torch.equal(_global(value), base[f"model/{key}"]), key
+        # 1 -> 2: this process saves base, log, log; two ranks restore
+        tier = TierSpec("files", f"file://{tmp_path}/one-files", {"shared": True})
+        policy = Policy(tiers={"files": TierPolicy(versions="all", keep_bases=2)})
+        with Checkpointer(tmp_path / "one", tiers=[tier], policy=policy) as ckpt:
+            run = w.Run(False)
+            ckpt.guard(run.opt)
+            roles = []
+            for step in (1, 2, 3):
+                run.step()
+                handle = ckpt.save(step, run.state())
+                handle.wait()
+                roles.append(handle.role)
+            assert roles == ["base", "log", "log"]
+            base = ckpt.version(0)
+            want = {key: base[f"model/{key}"] for key in run.model.state_dict()}
+        # (--steps 1: nothing is trained after a restore of step 1)
+        one = torchrun(WORKER, str(tmp_path), "one", "--steps", "1", "--files", "--out", "one")
+        assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-6000:]
+        for rank in (0, 1):
+            restore = _report(tmp_path, "one", rank)["restore"]
+            assert (restore["role"], restore["step"], restore["replayed"]) == ("base", 1, 0)
+            assert restore["fallback"] is not None, restore
+            got = torch.load(tmp_path / f"one-{rank}.pt")
+            for key, value in want.items():
+                assert torch.equal(got[f"p/{key}"], value), (rank, key)
     finally:
         destroy_stores(tmp_path)

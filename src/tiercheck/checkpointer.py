@@ -646,7 +646,8 @@ class Checkpointer:
         # tree and plain leaves, and assembles its distributed tensors from every rank
         shard_rank = self.rank if self.rank < len(info.shards) else 0
         manifest = fetcher.manifest(info.shards[shard_rank], order=order)
-        if shard_rank != self.rank and not manifest.sharded:
+        # (a log version's distributed tensors are replayed: its base's shard says)
+        if shard_rank != self.rank and not manifest.sharded and manifest.log is None:
             raise NoRestorableVersion(
                 f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
             )

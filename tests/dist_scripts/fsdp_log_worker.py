@@ -12,7 +12,7 @@ step into the store at ``ROOT/NAME``
 (into the fresh model and optimizer: base, replay, verify) and training resumes after it.
 
 Per rank it writes ``ROOT/TAG-RANK.json`` (the role and shm bytes of every save, the
-restore's outcome) and ``ROOT/TAG-RANK.pt`` (every local tensor at the end); with
+restore's outcome) and ``ROOT/TAG-RANK.pt`` (every tensor, global, at the end); with
 ``--kill-after K`` it writes the local tensors as saved at step K to
 ``ROOT/TAG-saved-RANK.pt`` and every rank SIGKILLs itself once that save is committed; a
 restore writes what it restored to ``ROOT/TAG-restored-RANK.pt``.
@@ -89,10 +89,10 @@ class Run:
                 p.copy_(master)
 
     def tensors(self) -> dict[str, Any]:
-        """Every local tensor (a DTensor's piece) and the small state, by name."""
+        """Every tensor (a DTensor's global value) and the small state, by name."""
 
-        def local(v: Any) -> Any:
-            return (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+        def local(v: Any) -> Any:  # the global tensor (a collective for a DTensor)
+            return (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
 
         out: dict[str, Any] = {f"p/{k}": local(v) for k, v in self.model.state_dict().items()}
         out.update({f"m/{i}": local(m) for i, m in enumerate(self.masters)})
@@ -114,12 +114,15 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int)
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--out", default="run")
+    ap.add_argument("--files", action="store_true", help="one file:// tier all ranks share")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     root = Path(args.root)
     tiers = [TierSpec("shm", f"shm://{args.name}-{{rank}}")]
-    policy = Policy(tiers={"shm": TierPolicy(versions="all", keep_bases=2)})
+    if args.files:  # every rank reads every rank's pieces: restores onto another world size
+        tiers = [TierSpec("files", f"file://{root}/{args.name}-files", {"shared": True})]
+    policy = Policy(tiers={tiers[0].name: TierPolicy(versions="all", keep_bases=2)})
     run = Run(args.mixed)
     report: dict[str, Any] = {"saves": [], "restore": None}
     start = 0
@@ -140,7 +143,7 @@ def main() -> None:
                 "fallback": info.fallback,
             }
             torch.save(run.tensors(), root / f"{args.out}-restored-{rank}.pt")
-        for step in range(start + 1, args.steps + 1):
+        for step in range(start + 1, args.steps + 1):  # none after a restore of --steps
             run.step()
             handle = ckpt.save(step, run.state())
             result = handle.result()
