@@ -395,7 +395,7 @@ class _ShardedRoute:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import save
 
         if storage_options is not None:
             raise TypeError(
@@ -407,7 +407,7 @@ class _ShardedRoute:
         for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             shards[f"optimizer_{i}"] = optim_state
         step = int(checkpoint.get("global_step", 0))
-        dcp.save(shards, storage_writer=self.writer, checkpoint_id=f"step:{step}")
+        save(shards, storage_writer=self.writer, checkpoint_id=f"step:{step}")
         if self.strategy.is_global_zero:
             assert self.writer.last_version is not None  # DCP's coordinator is rank 0
             checkpoint[DCP_KEY] = {
@@ -419,13 +419,13 @@ class _ShardedRoute:
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
             set_optimizer_state_dict,
         )
+        from torch.distributed.checkpoint.state_dict_loader import load
 
         from tiercheck.integrations.dcp import TierReader
 
@@ -441,13 +441,13 @@ class _ShardedRoute:
         version = f"version:{where['version']}"
         reader = TierReader(str(where["root"]))
         model_state = {"state_dict": get_model_state_dict(module)}
-        dcp.load(model_state, storage_reader=reader, checkpoint_id=version)
+        load(model_state, storage_reader=reader, checkpoint_id=version)
         strict = self.strategy.lightning_module.strict_loading
         module.load_state_dict(model_state["state_dict"], strict=strict)
         for i, optim in enumerate(self.strategy.optimizers):
             key = f"optimizer_{i}"
             optim_state = {key: get_optimizer_state_dict(module, optim)}
-            dcp.load(optim_state, storage_reader=reader, checkpoint_id=version)
+            load(optim_state, storage_reader=reader, checkpoint_id=version)
             set_optimizer_state_dict(
                 module, optim, optim_state_dict=optim_state[key], options=StateDictOptions()
             )
