@@ -71,7 +71,11 @@ from tiercheck.formats.manifest import Role, ShardManifest, VersionInfo
 from tiercheck.history.diff import Diff
 from tiercheck.history.diff import diff as diff_versions
 from tiercheck.history.versions import Version, VersionSummary, build_history, open_version
-from tiercheck.logversions.planner import LogSource, replay_version
+from tiercheck.logversions.planner import (
+    LogSource,
+    replay_version,
+    replay_version_resharded,
+)
 from tiercheck.restore.reshard import Gathered, gather
 from tiercheck.restore.service import (
     Binding,
@@ -646,7 +650,7 @@ class Checkpointer:
         # tree and plain leaves, and assembles its distributed tensors from every rank
         shard_rank = self.rank if self.rank < len(info.shards) else 0
         manifest = fetcher.manifest(info.shards[shard_rank], order=order)
-        # (a log version's distributed tensors are replayed: its base's shard says)
+        # (a log version's distributed tensors are replayed: its base's shard places them)
         if shard_rank != self.rank and not manifest.sharded and manifest.log is None:
             raise NoRestorableVersion(
                 f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
@@ -780,7 +784,12 @@ class Checkpointer:
             if source.scaler is not None and is_stateful(source.scaler):
                 undo.touched(source.scaler)
             try:
-                report, replayed = replay_version(source, staged.manifest, staged.stream)
+                writers = len(staged.info.shards)
+                if writers != self.world_size:  # logged on another layout: replay there
+                    logs = [self.version(staged.info.id, rank=r) for r in range(writers)]
+                    report, replayed = replay_version_resharded(source, logs)
+                else:
+                    report, replayed = replay_version(source, staged.manifest, staged.stream)
             except ReplayError as exc:
                 error = exc
             except Exception as exc:  # not a refusal: the replay itself broke

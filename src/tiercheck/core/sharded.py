@@ -12,6 +12,7 @@ log copies, fingerprints and replays a DTensor's local tensor (:func:`local_tens
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.errors import StateError, UnsupportedValue
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "box_of",
+    "copy_box",
     "is_dtensor",
     "local_piece",
     "local_tensor",
@@ -133,3 +135,24 @@ def local_piece(t: Any, key: str) -> tuple[torch.Tensor, ShardPlacement]:
         offsets=offsets,
     )
     return local, placement
+
+
+def copy_box(
+    src: torch.Tensor, src_offsets: Sequence[int], dst: torch.Tensor, dst_offsets: Sequence[int]
+) -> int:
+    """Copy the elements two boxes of one global tensor share: ``src`` holds the global
+    elements from ``src_offsets`` on, ``dst`` those from ``dst_offsets`` on. Returns how
+    many elements were copied (0 where the boxes do not overlap)."""
+    import torch
+
+    lo = [max(a, b) for a, b in zip(src_offsets, dst_offsets)]
+    hi = [min(a + n, b + k) for a, n, b, k in zip(src_offsets, src.shape, dst_offsets, dst.shape)]
+    if any(a >= z for a, z in zip(lo, hi)):
+        return 0
+    s, d = src, dst
+    for dim, (a, z) in enumerate(zip(lo, hi)):
+        s = s.narrow(dim, a - src_offsets[dim], z - a)
+        d = d.narrow(dim, a - dst_offsets[dim], z - a)
+    with torch.no_grad():
+        d.copy_(s)
+    return int(s.numel())

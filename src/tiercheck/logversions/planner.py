@@ -18,7 +18,10 @@ save pipeline (hash, 2PC, every tier) is the one of any version.
 **Restoring.** :func:`replay_version` runs a log version's steps on the guarded optimizer,
 which holds its base version's state, and verifies the fingerprints; the restore then
 loads the log version's own leaves (:func:`tiercheck.restore.service.materialize` with the
-replayed tensors).
+replayed tensors). A log version of DTensor state saved by another number of ranks is
+replayed on the layout that saved it, one rank's log at a time over copies of that rank's
+pieces of the base, and the verified pieces are resharded into the guarded optimizer's
+tensors (:func:`replay_version_resharded`).
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ __all__ = [
     "gradients_of",
     "replay_offline",
     "replay_offline_leaves",
+    "replay_resharded",
     "replay_version",
+    "replay_version_resharded",
     "replayed_keys",
     "with_fingerprints",
 ]
@@ -336,6 +341,91 @@ def replay_version(
     return report, replayed_tensors(source.optimizer, source.mirrors)
 
 
+def replay_resharded(logs: Sequence[Version], live: Mapping[str, Any]) -> int:
+    """Replay a log version saved by ``len(logs)`` ranks on the layout that saved it, then
+    reshard: ``logs[r]`` is the version opened for rank ``r``. Each rank's steps are
+    replayed over copies of its base's pieces (:func:`replay_offline_leaves` with
+    ``pieces``) and verified against its fingerprints; then every tensor of ``live`` (the
+    guarded optimizer's :func:`~tiercheck.logversions.update_log.replayed_tensors`, holding
+    the base version on this rank's layout) gets its box from the replayed pieces. Returns
+    the steps replayed (per rank).
+
+    Writes only ``live``'s tensors, and only once every rank's replay verified. Raises
+    :class:`~tiercheck.errors.ReplayRequired` where a replay cannot be done or does not
+    verify, :class:`~tiercheck.errors.ReplayRefused` where the pieces do not cover a tensor.
+    """
+    import torch
+
+    from tiercheck.core.sharded import box_of, copy_box, is_dtensor
+    from tiercheck.errors import ReplayRefused
+
+    # name -> [(offsets, piece)] of every rank, each distinct box once
+    boxes: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    values: dict[str, Any] = {}
+    steps = 0
+    for v in logs:
+        replayed = replay_offline_leaves(v, pieces=True)
+        names = replayed_keys(v.manifest.tree)
+        base = v.base_version
+        assert base is not None  # replay_offline_leaves refuses a version without one
+        bm = base.manifest
+        placed = {bm.entries[i].key: p.offsets for i, p in bm.sharded.items()}
+        for key, value in replayed.items():
+            name = names[key]
+            if not isinstance(value, torch.Tensor):
+                values.setdefault(name, value)
+                continue
+            offsets = placed.get(key, (0,) * value.dim())
+            found = boxes.setdefault(name, [])
+            if all(o != offsets or p.shape != value.shape for o, p in found):
+                found.append((offsets, value))
+        rlog = v.manifest.log
+        assert rlog is not None
+        steps = sum(1 for s in rlog.steps if not s.skipped)
+    targets: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
+    for name, t in live.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_dtensor(t):
+            local, offsets = box_of(t, name)
+        else:
+            local, offsets = t, (0,) * t.dim()
+        targets.append((name, local, offsets))
+        if name not in boxes:
+            raise ReplayRefused(f"the ranks that saved the log replayed no {name}")
+    staged = []
+    for name, local, offsets in targets:
+        fresh = torch.empty_like(local)
+        covered = sum(copy_box(piece, at, fresh, offsets) for at, piece in boxes[name])
+        if covered != local.numel():
+            raise ReplayRefused(
+                f"the pieces the ranks replayed cover {covered} of the {local.numel()} "
+                f"elements of {name} here"
+            )
+        staged.append((local, fresh))
+    with torch.no_grad():
+        for local, fresh in staged:
+            local.copy_(fresh)
+    return steps
+
+
+def replay_version_resharded(
+    source: LogSource, logs: Sequence[Version]
+) -> tuple[ReplayReport, dict[str, Any]]:
+    """:func:`replay_version` for a log version saved on another layout (``logs``: the
+    version opened for each rank that saved it): each rank's log is replayed on the
+    layout that saved it, then resharded into the guarded optimizer's tensors
+    (:func:`replay_resharded`). Returns the report and the replayed tensors by name."""
+    import time
+
+    t0 = time.perf_counter()
+    live = replayed_tensors(source.optimizer, source.mirrors)
+    steps = replay_resharded(logs, live)
+    verified = sum(len(v.manifest.log.fingerprints) for v in logs if v.manifest.log is not None)
+    report = ReplayReport(steps, 0, verified, time.perf_counter() - t0)
+    return report, replayed_tensors(source.optimizer, source.mirrors)
+
+
 def replayed_keys(tree: Any) -> dict[str, str]:
     """``{state key: replayed tensor name}`` of a log version's ``{"r": NAME}`` nodes."""
     out: dict[str, str] = {}
@@ -371,7 +461,7 @@ def replay_offline(version: Version) -> dict[str, Any]:
     return out
 
 
-def replay_offline_leaves(version: Version) -> dict[str, Any]:
+def replay_offline_leaves(version: Version, *, pieces: bool = False) -> dict[str, Any]:
     """The leaves log version ``version``'s replay reproduces, by state key, as its state
     held them, without the training script: a ``torch.optim`` optimizer of the class the
     log names is built over copies of the base version's parameters and optimizer state
@@ -382,6 +472,10 @@ def replay_offline_leaves(version: Version) -> dict[str, Any]:
     optimizer outside ``torch.optim``, another torch version or device type, a base laid
     out differently) or where the replay does not reproduce the fingerprints (its cause,
     a :class:`~tiercheck.errors.ReplayMismatch`, names the tensors).
+
+    ``pieces``: the version's rank's own pieces of its distributed tensors (FSDP2), replayed
+    on the layout that logged them (the base's pieces of that rank), instead of whole
+    tensors.
     """
     import importlib
 
@@ -424,7 +518,8 @@ def replay_offline_leaves(version: Version) -> dict[str, Any]:
     state_entries = [
         k for k in base.entries if prefix is not None and k.startswith(f"{prefix}/state/")
     ]
-    base_values = base.read([*(k for k in wanted if k is not None), *state_entries])
+    read = base.read_pieces if pieces else base.read
+    base_values = read([*(k for k in wanted if k is not None), *state_entries])
     params = [
         torch.nn.Parameter(base_values[k].clone(), requires_grad=True)
         for k in wanted
@@ -452,7 +547,7 @@ def replay_offline_leaves(version: Version) -> dict[str, Any]:
         mkey = key_of.get(f"mirror/{j}")
         if mkey is None or mkey not in base.entries:
             raise refuse(f"version {base.id} does not hold mirror {j}")
-        mirrors.append((params[i], base.read([mkey])[mkey].clone()))
+        mirrors.append((params[i], read([mkey])[mkey].clone()))
     grad_keys = {i: m.entries[i].key for s in rlog.steps for i in s.grads if i is not None}
     grads = version.read_stored(sorted(set(grad_keys.values())))
     try:
