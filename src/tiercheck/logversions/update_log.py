@@ -16,7 +16,8 @@ before anything later on that stream can touch the gradient; the trainer waits o
 that copy) and records the options and counters; a step post-hook marks the step
 complete. With a ``torch.amp.GradScaler`` attached too, a step the scaler skipped (it
 found inf/nan and did not call ``optimizer.step()``) is logged as skipped, with the
-scaler's state.
+scaler's state. A DTensor gradient (FSDP2) is logged as its local piece, and a float32
+gradient whose every element is an exact bfloat16 value as bfloat16, bit for bit.
 
 The engine's call sequence (the contract this module keeps):
 
@@ -826,9 +827,8 @@ _NARROW_PROBE = 4096
 
 def _narrowable(g: torch.Tensor) -> bool:
     """Whether float32 gradient ``g`` (in host memory) holds only exact bfloat16 values:
-    the low 16 bits of every element zero. FSDP2's mixed precision reduces gradients in
-    bfloat16 and hands the optimizer float32 ones cast up, as does a trainer that copies
-    bf16 gradients to float32 master weights. Such a gradient is logged as bfloat16 (the
+    the low 16 bits of every element zero: bf16 gradients cast up for float32 master
+    weights (and not clipped in float32 after). Such a gradient is logged as bfloat16 (the
     high halves, bit for bit: SPEC.md section 12.3) at half the bytes, and widened back
     for the replay. A device tensor is never probed: that would make the step wait."""
     import torch
