@@ -655,6 +655,40 @@ steps, verify every parameter and optimizer tensor's fingerprint):
 
 {_md(["store", "tiers", "version", "steps replayed", "seconds"], restore)}
 
+{_fsdp2_rows(doc.get("fsdp2"))}"""
+
+
+def _fsdp2_rows(fsdp2: dict[str, Any] | None) -> str:
+    """The FSDP2 part of the log versions section (empty if it has not been run)."""
+    if not fsdp2:
+        return ""
+    rows = []
+    for r in fsdp2["results"]:
+        x = r["ranks"]
+        nonbase = [y["mean_per_non_base_version_x"] for y in x]
+        rows.append(
+            [
+                "fp32" if r["precision"] == "fp32" else "mixed (bf16 params, fp32 masters)",
+                "before (`log=False`)" if r["mode"] == "diffs" else "after (default)",
+                f"{x[0]['state_bytes'] / 2**20:.1f} MiB",
+                "".join(c[0] for c in x[0]["roles"]),
+                " / ".join(f"{y['mean_per_version_x']:.3f}x" for y in x),
+                " / ".join("-" if n is None else f"{n:.3f}x" for n in nonbase),
+            ]
+        )
+    head = ["precision", "store", "state per rank", "roles", "per version", "per non-base"]
+    return f"""The same model sharded by FSDP2 over 2 ranks (torchrun, gloo, CPU; `fully_shard` of
+the embedding, each encoder layer and the head; each rank its own batches), saved after
+each of {fsdp2["saves"]} steps into one shm tier per rank: fp32 (fp32 parameters and AdamW
+state), and mixed precision (bf16 parameters, sharded, reduced and clipped in bf16; fp32
+master copies of the shards stepped by AdamW with fp32 state, the bf16 parameters guarded as
+`mirrors`). Each rank logs its shards' gradients; a bf16 gradient cast up for the fp32
+masters is logged as bf16. Bytes each rank's shm tier stored, as a multiple of that rank's
+state (rank 0 / rank 1). `python benchmarks/log_versions.py --only fsdp2 --scale
+{fsdp2["scale"]} --saves {fsdp2["saves"]}`.
+
+{_md(head, rows)}
+
 """
 
 

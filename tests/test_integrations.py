@@ -112,3 +112,17 @@ def test_pointer_files_round_trip_and_leave_torch_files_alone(tmp_path: Path) ->
         read_pointer(tmp_path / "bad.ckpt")
     with pytest.raises(FileNotFoundError):
         read_pointer(tmp_path / "missing.ckpt")
+
+
+def test_lightning_sharded_strategy_resume_after_sigkill_is_bit_identical(work: Path) -> None:
+    """ModelParallelStrategy (FSDP2) on 2 CPU ranks saves through DCP, not through a
+    checkpoint IO: the TiercheckIO callback alone routes its saves and loads to tiercheck."""
+    a, b = _crash_and_resume("ptl_sharded_run.py", work)
+    assert a["first_epoch"] == 0
+    assert b["first_epoch"] == 2, "the resumed run must start from the checkpoint of epoch 1"
+    _assert_identical(a, b)
+    last = work / "job" / "ckpts" / "last.ckpt"
+    assert last.is_file() and last.read_bytes().startswith(b'{"format": "tiercheck-pointer"')
+    # the shards live in tiercheck (one store per rank), none in Lightning's DCP files
+    assert not list((work / "job").rglob("*.distcp"))
+    assert {p.name for p in (work / "job" / "store-sharded").iterdir()} >= {"rank0", "rank1"}

@@ -23,18 +23,6 @@ PACKAGE_ROOTS = {
     "tiercheck.formats": REPO / "formats",
 }
 
-# Imports of core/sharded.py that go up the pipeline (restore-side resharding reads chunks
-# through engine.fetch and engine.tierset; its Piece sizes entries with core.entries).
-# Issue 24's split moves that half to restore/reshard.py; then these edges are gone and
-# test_no_edge_is_excused_that_is_not_there asks to empty this set.
-EXCUSED: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("tiercheck.core.sharded", "tiercheck.engine.fetch"),
-        ("tiercheck.core.sharded", "tiercheck.engine.tierset"),
-        ("tiercheck.core.sharded", "tiercheck.core.entries"),
-    }
-)
-
 
 def _modules() -> dict[str, Path]:
     """Every module by its installed dotted name."""
@@ -169,16 +157,8 @@ def test_cycles_are_found() -> None:
 
 def test_no_import_cycle() -> None:
     graph = import_graph()
-    for source, target in EXCUSED:
-        graph[source].discard(target)
     found = cycles(graph)
     assert not found, "import cycles: " + " | ".join(_describe(graph, c) for c in found)
-
-
-def test_no_edge_is_excused_that_is_not_there() -> None:
-    graph = import_graph()
-    gone = sorted(f"{s} -> {t}" for s, t in EXCUSED if t not in graph.get(s, set()))
-    assert not gone, f"no longer imported, remove from EXCUSED in {__file__}: {gone}"
 
 
 def test_the_facade_only_delegates() -> None:

@@ -248,6 +248,39 @@ def test_mirrors_are_recomputed_and_verified() -> None:
         _replay_from(layout, stream, fresh.opt)
 
 
+def test_gradients_of_exact_bf16_values_are_logged_as_bf16_and_replay_bit_for_bit() -> None:
+    """SPEC.md 12.3: a float32 gradient whose elements are all exact bf16 values is stored as
+    their high halves (half the bytes) and widened for the replay; any other one as it is."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5000)) for _ in range(3)]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    ulog = UpdateLog()
+    ulog.attach(opt)
+    base = [p.detach().clone() for p in params]
+    ulog.reset()
+    exact = torch.randn(5000).to(torch.bfloat16).float()
+    specials = [-0.0, float("inf"), float("-inf"), 1e-40, 3.0e38]
+    exact[: len(specials)] = torch.tensor(specials).to(torch.bfloat16).float()
+    exact[10] = torch.tensor(0x7FC1_0000, dtype=torch.int32).view(torch.float32)  # NaN payload
+    late = exact.clone()
+    late[-1] = torch.tensor(0x3F80_0001, dtype=torch.int32).view(torch.float32)  # low bit set
+    for grads in ([exact, late, torch.randn(5000)], [late, exact, exact]):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    logged = ulog.take()
+    dtypes = [[g.dtype for g in step.grads if g is not None] for step in logged.steps]
+    assert dtypes == [["bfloat16", "float32", "float32"], ["float32", "bfloat16", "bfloat16"]]
+    assert [g.nbytes for g in logged.steps[0].grads if g is not None] == [10000, 20000, 20000]
+    saved = [p.detach().clone() for p in params]
+    layout, stream = _stream(logged)
+    fresh = [nn.Parameter(b.clone()) for b in base]
+    fresh_opt = torch.optim.AdamW(fresh, lr=1e-2)
+    report = _replay_from(layout, stream, fresh_opt)  # verifies every fingerprint
+    assert report.steps == 2 and report.verified > 0
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fresh, saved))
+
+
 # --- the capture ring -------------------------------------------------------------------
 
 

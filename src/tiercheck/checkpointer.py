@@ -125,6 +125,7 @@ class Checkpointer:
             flush=self.flush,
             refresh=self.refresh,
             logs=self._engine.logs,
+            version=lambda vid, rank: self.version(vid, rank=rank),
             read_only=read_only,
             allow_pickle=allow_pickle,
         )

@@ -338,7 +338,6 @@ class SaveService:
             and job.layout is not None
             and job.forced is None
             and self._takes_diffs
-            and not job.layout.sharded  # distributed tensors: full versions (not replayed)
         ):
             proposal = logs.propose(
                 job.leaves, self.policy.max_replay_seconds, self._committed_full

@@ -279,6 +279,16 @@ class Version:
             raise KeyError(f"version {self.id} stores no entry {missing[0]!r}")
         return self._reader.read(wanted)
 
+    def read_pieces(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Read entries of :attr:`stored_entries` as this rank stored them: a distributed
+        tensor's entry is this rank's piece, not the whole tensor (see its placement in
+        ``manifest.sharded``)."""
+        wanted = list(keys)
+        missing = [k for k in wanted if k not in self.stored_entries]
+        if missing:
+            raise KeyError(f"version {self.id} stores no entry {missing[0]!r}")
+        return self._reader._read_plain(wanted)
+
     def to_state_dict(self, prefix: str = "") -> dict[str, Any]:
         """Every entry (or those whose key starts with ``prefix``) as a flat dict, read as
         :meth:`read` does."""
@@ -460,7 +470,7 @@ class _Reader:
         import torch
 
         from tiercheck.core.entries import torch_dtype
-        from tiercheck.core.sharded import Piece, gather
+        from tiercheck.restore.reshard import Piece, gather
 
         m = self.manifest
         out: dict[str, Any] = {}

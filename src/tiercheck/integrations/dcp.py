@@ -610,6 +610,8 @@ class TierWriter(StorageWriter):
         self._step: int | None = None
         self._ranks: dict[int, str] = {}
         self._pending: dict[str, Any] | None = None
+        # the version id of the last checkpoint this writer committed as DCP's coordinator
+        self.last_version: int | None = None
 
     # pickling (the process executor of dcp.async_save sends the writer to another process)
     def __getstate__(self) -> dict[str, Any]:
@@ -817,6 +819,7 @@ class TierWriter(StorageWriter):
                 state[ITEMS] = self._pending
             handle = ckpt.save(self._step, state, metadata={"dcp": self._mark(True)})
             handle.wait()
+            self.last_version = handle.version
         finally:
             self._end()
 

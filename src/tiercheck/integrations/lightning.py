@@ -33,6 +33,20 @@ What happens where:
   retention policy, see docs/configuration.md).
 
 Lightning saves on global rank 0 only; other ranks open the store read-only to load.
+
+**Sharded strategies.** ``ModelParallelStrategy`` (FSDP2, tensor parallel) saves through
+``torch.distributed.checkpoint`` and never calls the checkpoint IO. As a callback,
+``TiercheckIO`` routes such a strategy's ``save_checkpoint`` and ``load_checkpoint``
+through tiercheck (no other line changes): every rank's shard of the weights and
+optimizer states is saved with DCP through :class:`~tiercheck.integrations.dcp.TierWriter`
+(one store per rank under ``sharded_root``, default ``ROOT-sharded``; DCP's planner, so a
+resume may use another number of ranks), then the rest of Lightning's checkpoint (loops,
+callbacks, schedulers, rank 0's random generators) is saved by rank 0 in the store at
+``root`` with the key ``tiercheck_dcp`` naming the DCP version, and the pointer is
+written. A pointer thus exists only once every rank's shard is committed. Loading reads
+the pointer, loads the shards into the strategy's model and optimizers
+(:class:`~tiercheck.integrations.dcp.TierReader`), and returns the rest.
+
 ``LightningModule.load_from_checkpoint(path)`` reads files with ``torch.load`` itself, not
 through the checkpoint IO: use :func:`load` for a pointer file there.
 """
@@ -59,13 +73,16 @@ from tiercheck.engine.background import reporting
 from tiercheck.engine.config import TierSpec
 from tiercheck.engine.coordinator import LocalCoordinator
 from tiercheck.engine.placement import Policy
-from tiercheck.errors import CheckpointError, NoRestorableVersion
+from tiercheck.errors import CheckpointError, ConfigError, NoRestorableVersion
 from tiercheck.integrations._pointer import Pointer, read_pointer, write_pointer
 
-__all__ = ["RNG_KEY", "TiercheckIO", "escape_keys", "load", "unescape_keys"]
+__all__ = ["DCP_KEY", "RNG_KEY", "TiercheckIO", "escape_keys", "load", "unescape_keys"]
 
 RNG_KEY = "tiercheck_rng"
 """Key of the random generators' state in a saved checkpoint (removed again on load)."""
+
+DCP_KEY = "tiercheck_dcp"
+"""Key, in the checkpoint of a sharded strategy, of the DCP version holding its shards."""
 
 
 # --- keys ----------------------------------------------------------------------------------
@@ -137,7 +154,8 @@ class TiercheckIO(CheckpointIO, Callback):
     configured). ``async_save`` returns after staging instead of after the commit.
     ``rng`` saves and restores every random generator with the checkpoint (needed for a
     bit-identical resume). ``allow_pickle`` lets values msgpack cannot hold (custom objects
-    in hyperparameters) be stored with pickle.
+    in hyperparameters) be stored with pickle. ``sharded_root`` holds the per-rank stores of
+    a sharded strategy's checkpoints (see the module docstring).
     """
 
     def __init__(
@@ -149,9 +167,15 @@ class TiercheckIO(CheckpointIO, Callback):
         async_save: bool = False,
         rng: bool = True,
         allow_pickle: bool = False,
+        sharded_root: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         self.root = Path(root).expanduser().resolve()
+        self.sharded_root = (
+            Path(sharded_root).expanduser().resolve()
+            if sharded_root is not None
+            else self.root.with_name(f"{self.root.name}-sharded")
+        )
         self.async_save = async_save
         self.rng = rng
         self.allow_pickle = allow_pickle
@@ -163,6 +187,7 @@ class TiercheckIO(CheckpointIO, Callback):
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
         self._error: BaseException | None = None
+        self._sharded: _ShardedRoute | None = None
 
     # --- the store ---------------------------------------------------------------------
 
@@ -311,12 +336,121 @@ class TiercheckIO(CheckpointIO, Callback):
                 self._writer = None
             with self._lock:
                 store, self._store = self._store, None
+                sharded, self._sharded = self._sharded, None
+            if sharded is not None:
+                sharded.close()
             if store is not None:
                 store.close()
 
     # --- Callback ------------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Install this IO on the trainer's strategy; remember the module to load into."""
-        trainer.strategy.checkpoint_io = self
+        """Install this IO on the trainer's strategy; remember the module to load into. A
+        strategy that saves through DCP has its saves and loads routed here too."""
+        strategy = trainer.strategy
+        strategy.checkpoint_io = self
         self._module = weakref.ref(pl_module)
+        if _saves_through_dcp(strategy) and self._sharded is None:
+            self._sharded = _ShardedRoute(self, strategy)
+
+
+def _saves_through_dcp(strategy: Any) -> bool:
+    """Whether Lightning's ``strategy`` writes its checkpoints with DCP itself (raises
+    :class:`ConfigError` for one tiercheck does not route)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "sharded":
+        raise ConfigError(
+            "TiercheckIO does not store the sharded checkpoints of FSDPStrategy (FSDP1), "
+            "which Lightning writes with DCP itself: use FSDPStrategy(state_dict_type='full') "
+            "(saved through TiercheckIO on rank 0) or ModelParallelStrategy (FSDP2, routed "
+            "through tiercheck)"
+        )
+    return isinstance(strategy, ModelParallelStrategy) and bool(
+        getattr(strategy, "_save_distributed_checkpoint", False)
+    )
+
+
+class _ShardedRoute:
+    """A DCP-saving strategy's ``save_checkpoint`` / ``load_checkpoint``, on tiercheck.
+
+    Installed on the strategy object (the methods Lightning's trainer calls); ``close``
+    puts the strategy's own methods back.
+    """
+
+    def __init__(self, io: TiercheckIO, strategy: Any) -> None:
+        from tiercheck.integrations.dcp import TierWriter
+
+        self.io = io
+        self.strategy = strategy
+        self.writer = TierWriter(io.sharded_root, tiers=io._tiers, policy=io._policy)
+        strategy.save_checkpoint = self.save_checkpoint
+        strategy.load_checkpoint = self.load_checkpoint
+
+    def close(self) -> None:
+        for name in ("save_checkpoint", "load_checkpoint"):
+            vars(self.strategy).pop(name, None)
+        self.writer.close()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        if storage_options is not None:
+            raise TypeError(
+                f"TiercheckIO does not take storage_options (got {storage_options!r}); "
+                "configure the store's tiers instead"
+            )
+        path = self.strategy.broadcast(filepath)
+        shards = {"state_dict": checkpoint.pop("state_dict")}
+        for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            shards[f"optimizer_{i}"] = optim_state
+        step = int(checkpoint.get("global_step", 0))
+        save(shards, storage_writer=self.writer, checkpoint_id=f"step:{step}")
+        if self.strategy.is_global_zero:
+            assert self.writer.last_version is not None  # DCP's coordinator is rank 0
+            checkpoint[DCP_KEY] = {
+                "root": str(self.io.sharded_root),
+                "version": self.writer.last_version,
+            }
+            self.io.save_checkpoint(checkpoint, path)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        from tiercheck.integrations.dcp import TierReader
+
+        path = self.strategy.broadcast(checkpoint_path)
+        checkpoint = self.io.load_checkpoint(path, weights_only=weights_only)
+        where = checkpoint.pop(DCP_KEY, None)
+        if not isinstance(where, dict) or not isinstance(where.get("version"), int):
+            raise CheckpointError(
+                f"{path} is not a checkpoint of a sharded strategy saved by TiercheckIO "
+                f"(no {DCP_KEY!r} naming its shards)"
+            )
+        module = self.strategy.model
+        version = f"version:{where['version']}"
+        reader = TierReader(str(where["root"]))
+        model_state = {"state_dict": get_model_state_dict(module)}
+        load(model_state, storage_reader=reader, checkpoint_id=version)
+        strict = self.strategy.lightning_module.strict_loading
+        module.load_state_dict(model_state["state_dict"], strict=strict)
+        for i, optim in enumerate(self.strategy.optimizers):
+            key = f"optimizer_{i}"
+            optim_state = {key: get_optimizer_state_dict(module, optim)}
+            load(optim_state, storage_reader=reader, checkpoint_id=version)
+            set_optimizer_state_dict(
+                module, optim, optim_state_dict=optim_state[key], options=StateDictOptions()
+            )
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        return checkpoint

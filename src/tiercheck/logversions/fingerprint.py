@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import blake3
 
 from tiercheck.core.entries import encode_scalar
+from tiercheck.core.sharded import local_tensor
 from tiercheck.formats.manifest import Fingerprint
 
 if TYPE_CHECKING:
@@ -145,7 +146,8 @@ def fingerprints(
     ``algos`` may name the algorithm per name (a replay asks for the ones recorded at
     save); otherwise each tensor gets :func:`default_algorithm`. The device sums of every
     ``wsum64`` tensor are queued first and brought to the host in one transfer, so the
-    call synchronises with each device once.
+    call synchronises with each device once. A DTensor (FSDP2) is fingerprinted by its
+    local piece: each rank checks its own shard, with no collective.
     """
     import torch
 
@@ -159,6 +161,7 @@ def fingerprints(
             _, packed = encode_scalar(value, name, allow_pickle=False)
             out[name] = Fingerprint("value", packed)
             continue
+        value = local_tensor(value)
         algo = (algos.get(name) if algos else None) or default_algorithm(value)
         if algo == "blake3":
             out[name] = Fingerprint("blake3", _blake3(value))

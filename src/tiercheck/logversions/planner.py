@@ -18,7 +18,10 @@ save pipeline (hash, 2PC, every tier) is the one of any version.
 **Restoring.** :func:`replay_version` runs a log version's steps on the guarded optimizer,
 which holds its base version's state, and verifies the fingerprints; the restore then
 loads the log version's own leaves (:func:`tiercheck.restore.service.materialize` with the
-replayed tensors).
+replayed tensors). A log version of DTensor state saved by another number of ranks is
+replayed on the layout that saved it, one rank's log at a time over copies of that rank's
+pieces of the base, and the verified pieces are resharded into the guarded optimizer's
+tensors (:func:`replay_version_resharded`).
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ __all__ = [
     "gradients_of",
     "replay_offline",
     "replay_offline_leaves",
+    "replay_resharded",
     "replay_version",
+    "replay_version_resharded",
     "replayed_keys",
     "with_fingerprints",
 ]
@@ -275,17 +280,17 @@ def build(
         *(replace(e, offset=e.offset + shift) for e in own_layout.entries),
     )
     windows = (*grads.windows, *((o + shift, n) for o, n in own_layout.windows))
-    layout = Layout(entries, shift + own_layout.stream_bytes, chunk, windows)
+    first = len(grads.entries)
+    sharded = {first + i: p for i, p in own_layout.sharded.items()}
+    layout = Layout(entries, shift + own_layout.stream_bytes, chunk, windows, sharded)
     index = {id(leaf): len(grads.entries) + i for i, leaf in enumerate(own)}
     names = {i: replayed[leaf.key] for i, leaf in enumerate(leaves) if leaf.key in replayed}
 
     def walk(node: Any) -> Any:
         ((tag, sub),) = node.items()
-        if tag == "e":
+        if tag in ("e", "s"):  # "s": a DTensor's local piece (FSDP2), replayed on it too
             name = names.get(sub)
-            return {"r": name} if name is not None else {"e": index[id(leaves[sub])]}
-        if tag == "s":  # never replayed (saves of distributed tensors are full versions)
-            return {"s": index[id(leaves[sub])]}
+            return {"r": name} if name is not None else {tag: index[id(leaves[sub])]}
         if tag == "o":
             return {"o": walk(sub)}
         if tag == "d":
@@ -331,6 +336,91 @@ def replay_version(
             mirrors=source.mirrors,
             scaler=source.scaler,
         )
+    return report, replayed_tensors(source.optimizer, source.mirrors)
+
+
+def replay_resharded(logs: Sequence[StoredVersion], live: Mapping[str, Any]) -> int:
+    """Replay a log version saved by ``len(logs)`` ranks on the layout that saved it, then
+    reshard: ``logs[r]`` is the version opened for rank ``r``. Each rank's steps are
+    replayed over copies of its base's pieces (:func:`replay_offline_leaves` with
+    ``pieces``) and verified against its fingerprints; then every tensor of ``live`` (the
+    guarded optimizer's :func:`~tiercheck.logversions.update_log.replayed_tensors`, holding
+    the base version on this rank's layout) gets its box from the replayed pieces. Returns
+    the steps replayed (per rank).
+
+    Writes only ``live``'s tensors, and only once every rank's replay verified. Raises
+    :class:`~tiercheck.errors.ReplayRequired` where a replay cannot be done or does not
+    verify, :class:`~tiercheck.errors.ReplayRefused` where the pieces do not cover a tensor.
+    """
+    import torch
+
+    from tiercheck.core.sharded import box_of, copy_box, is_dtensor
+    from tiercheck.errors import ReplayRefused
+
+    # name -> [(offsets, piece)] of every rank, each distinct box once
+    boxes: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    values: dict[str, Any] = {}
+    steps = 0
+    for v in logs:
+        replayed = replay_offline_leaves(v, pieces=True)
+        names = replayed_keys(v.manifest.tree)
+        base = v.base_version
+        assert base is not None  # replay_offline_leaves refuses a version without one
+        bm = base.manifest
+        placed = {bm.entries[i].key: p.offsets for i, p in bm.sharded.items()}
+        for key, value in replayed.items():
+            name = names[key]
+            if not isinstance(value, torch.Tensor):
+                values.setdefault(name, value)
+                continue
+            offsets = placed.get(key, (0,) * value.dim())
+            found = boxes.setdefault(name, [])
+            if all(o != offsets or p.shape != value.shape for o, p in found):
+                found.append((offsets, value))
+        rlog = v.manifest.log
+        assert rlog is not None
+        steps = sum(1 for s in rlog.steps if not s.skipped)
+    targets: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
+    for name, t in live.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_dtensor(t):
+            local, offsets = box_of(t, name)
+        else:
+            local, offsets = t, (0,) * t.dim()
+        targets.append((name, local, offsets))
+        if name not in boxes:
+            raise ReplayRefused(f"the ranks that saved the log replayed no {name}")
+    staged = []
+    for name, local, offsets in targets:
+        fresh = torch.empty_like(local)
+        covered = sum(copy_box(piece, at, fresh, offsets) for at, piece in boxes[name])
+        if covered != local.numel():
+            raise ReplayRefused(
+                f"the pieces the ranks replayed cover {covered} of the {local.numel()} "
+                f"elements of {name} here"
+            )
+        staged.append((local, fresh))
+    with torch.no_grad():
+        for local, fresh in staged:
+            local.copy_(fresh)
+    return steps
+
+
+def replay_version_resharded(
+    source: LogSource, logs: Sequence[StoredVersion]
+) -> tuple[ReplayReport, dict[str, Any]]:
+    """:func:`replay_version` for a log version saved on another layout (``logs``: the
+    version opened for each rank that saved it): each rank's log is replayed on the
+    layout that saved it, then resharded into the guarded optimizer's tensors
+    (:func:`replay_resharded`). Returns the report and the replayed tensors by name."""
+    import time
+
+    t0 = time.perf_counter()
+    live = replayed_tensors(source.optimizer, source.mirrors)
+    steps = replay_resharded(logs, live)
+    verified = sum(len(v.manifest.log.fingerprints) for v in logs if v.manifest.log is not None)
+    report = ReplayReport(steps, 0, verified, time.perf_counter() - t0)
     return report, replayed_tensors(source.optimizer, source.mirrors)
 
 
@@ -388,6 +478,8 @@ class StoredVersion(Protocol):
 
     def read_stored(self, keys: Iterable[str]) -> dict[str, Any]: ...
 
+    def read_pieces(self, keys: Iterable[str]) -> dict[str, Any]: ...
+
 
 def replay_offline(version: StoredVersion) -> dict[str, Any]:
     """Every entry of log version ``version`` as its state held it, without the training
@@ -403,7 +495,7 @@ def replay_offline(version: StoredVersion) -> dict[str, Any]:
     return out
 
 
-def replay_offline_leaves(version: StoredVersion) -> dict[str, Any]:
+def replay_offline_leaves(version: StoredVersion, *, pieces: bool = False) -> dict[str, Any]:
     """The leaves log version ``version``'s replay reproduces, by state key, as its state
     held them, without the training script: a ``torch.optim`` optimizer of the class the
     log names is built over copies of the base version's parameters and optimizer state
@@ -414,6 +506,10 @@ def replay_offline_leaves(version: StoredVersion) -> dict[str, Any]:
     optimizer outside ``torch.optim``, another torch version or device type, a base laid
     out differently) or where the replay does not reproduce the fingerprints (its cause,
     a :class:`~tiercheck.errors.ReplayMismatch`, names the tensors).
+
+    ``pieces``: the version's rank's own pieces of its distributed tensors (FSDP2), replayed
+    on the layout that logged them (the base's pieces of that rank), instead of whole
+    tensors.
     """
     import importlib
 
@@ -456,7 +552,8 @@ def replay_offline_leaves(version: StoredVersion) -> dict[str, Any]:
     state_entries = [
         k for k in base.entries if prefix is not None and k.startswith(f"{prefix}/state/")
     ]
-    base_values = base.read([*(k for k in wanted if k is not None), *state_entries])
+    read = base.read_pieces if pieces else base.read
+    base_values = read([*(k for k in wanted if k is not None), *state_entries])
     params = [
         torch.nn.Parameter(base_values[k].clone(), requires_grad=True)
         for k in wanted
@@ -484,7 +581,7 @@ def replay_offline_leaves(version: StoredVersion) -> dict[str, Any]:
         mkey = key_of.get(f"mirror/{j}")
         if mkey is None or mkey not in base.entries:
             raise refuse(f"version {base.id} does not hold mirror {j}")
-        mirrors.append((params[i], base.read([mkey])[mkey].clone()))
+        mirrors.append((params[i], read([mkey])[mkey].clone()))
     grad_keys = {i: m.entries[i].key for s in rlog.steps for i in s.grads if i is not None}
     grads = version.read_stored(sorted(set(grad_keys.values())))
     try:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.core.entries import decode_scalar, torch_dtype
+from tiercheck.core.sharded import is_dtensor, local_tensor
 from tiercheck.errors import ReplayMismatch, ReplayRefused, StateError
 from tiercheck.formats.manifest import GroupOptions, ReplayLog, SmallTensor
 from tiercheck.logversions.fingerprint import differing, fingerprints
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ReplayReport",
     "apply_options",
+    "as_grad",
     "check_replayable",
     "replay",
     "small_tensor",
@@ -142,6 +144,33 @@ def check_replayable(
         )
 
 
+def as_grad(logged: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The logged gradient ``logged`` as ``param``'s ``.grad``: on its device, widened bit
+    for bit where it was logged narrowed (bfloat16 for a float32 parameter, SPEC.md
+    section 12.3), and for a DTensor parameter (FSDP2) a DTensor of its layout whose
+    local piece is ``logged``."""
+    import torch
+
+    local = local_tensor(param)
+    if logged.dtype == torch.bfloat16 and local.dtype == torch.float32:
+        words = torch.zeros(2 * logged.numel(), dtype=torch.int16)
+        words[1::2] = logged.reshape(-1).view(torch.int16)
+        logged = words.view(torch.float32).reshape(logged.shape)
+    logged = logged.to(local.device)
+    if not is_dtensor(param):
+        return logged
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        logged,
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
 def _live_counter(optimizer: torch.optim.Optimizer) -> tuple[str, float | None]:
     import torch
 
@@ -196,7 +225,7 @@ def replay(
                 )
             apply_options(optimizer, step.options)
             for p, entry in zip(params, step.grads):
-                p.grad = None if entry is None else gradient(entry).to(p.device)
+                p.grad = None if entry is None else as_grad(gradient(entry), p)
             device = params[0].device if params else "cpu"
             attrs = {k: small_tensor(v, device) for k, v in step.attrs.items()}
             for k, v in attrs.items():

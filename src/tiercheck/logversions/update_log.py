@@ -16,7 +16,8 @@ before anything later on that stream can touch the gradient; the trainer waits o
 that copy) and records the options and counters; a step post-hook marks the step
 complete. With a ``torch.amp.GradScaler`` attached too, a step the scaler skipped (it
 found inf/nan and did not call ``optimizer.step()``) is logged as skipped, with the
-scaler's state.
+scaler's state. A DTensor gradient (FSDP2) is logged as its local piece, and a float32
+gradient whose every element is an exact bfloat16 value as bfloat16, bit for bit.
 
 The engine's call sequence (the contract this module keeps):
 
@@ -38,6 +39,7 @@ that would exceed it makes the log unusable (``status`` says so) until the next
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,7 +48,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.core.chunking import ALIGN, cut_windows
-from tiercheck.core.entries import Leaf, encode_scalar
+from tiercheck.core.entries import Leaf, encode_scalar, torch_dtype
+from tiercheck.core.sharded import local_tensor
 from tiercheck.errors import StateError
 from tiercheck.formats.manifest import (
     Entry,
@@ -132,7 +135,11 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> Implementation:
         {k: group[k] for k in IMPLEMENTATION_FLAGS if k in group}
         for group in optimizer.param_groups
     )
-    specs = tuple(ParamSpec(g, _dtype_name(p), tuple(int(d) for d in p.shape)) for g, p in params)
+    # a DTensor's (FSDP2) local piece: what this rank's log holds gradients of
+    specs = tuple(
+        ParamSpec(g, _dtype_name(p), tuple(int(d) for d in local_tensor(p).shape))
+        for g, p in params
+    )
     return Implementation(
         f"{cls.__module__}.{cls.__qualname__}", torch.__version__, ",".join(devices), flags, specs
     )
@@ -174,9 +181,9 @@ def replayed_leaves(leaves: Sequence[Leaf], replayed: Mapping[str, Any]) -> dict
         return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
 
     by_ident = {
-        ident(v): name
+        ident(local_tensor(v)): name
         for name, v in replayed.items()
-        if isinstance(v, torch.Tensor) and v.numel() > 0
+        if isinstance(v, torch.Tensor) and local_tensor(v).numel() > 0
     }
     out: dict[str, str] = {}
     for leaf in leaves:
@@ -712,17 +719,18 @@ class UpdateLog:
             pos = 0
             on_cuda = False
             for _, p in flat_params(optimizer):
-                g = p.grad
-                if g is None:
+                if p.grad is None:
                     grads.append(None)
                     continue
+                g = local_tensor(p.grad)  # a DTensor's (FSDP2): this rank's piece
                 if g.layout != torch.strided:
                     self._fail("a gradient is sparse; only dense gradients can be logged")
                     return
                 pos = _round_up(pos, ALIGN)
-                n = g.numel() * g.element_size()
+                dtype = "bfloat16" if _narrowable(g) else _dtype_name(g)
+                n = g.numel() * torch_dtype(dtype).itemsize
                 shape = tuple(int(d) for d in g.shape)
-                grads.append((g, GradSlot(pos, n, _dtype_name(g), shape)))
+                grads.append((g, GradSlot(pos, n, dtype, shape)))
                 on_cuda = on_cuda or g.device.type == "cuda"
                 pos += n
             buf = self._buffer(pos, on_cuda) if pos else None
@@ -792,15 +800,17 @@ def _copy_grads(
         g, slot = item
         if slot.offset > end:
             buf[end : slot.offset].zero_()
-        target = buf[slot.offset : slot.offset + slot.nbytes].view(g.dtype).view(g.shape)
-        if g.device.type == "cuda":
+        target = buf[slot.offset : slot.offset + slot.nbytes]
+        if slot.dtype != _dtype_name(g):  # narrowed: each element's high 16 bits
+            target.view(torch.int16).copy_(g.reshape(-1).view(torch.int16)[1::2])
+        elif g.device.type == "cuda":
             # On the gradient's own current stream: ordered after the backward that wrote
             # it and before anything later on that stream (zero_grad, the next backward)
             # can change it; the host does not wait.
-            target.copy_(g.detach(), non_blocking=True)
+            target.view(g.dtype).view(g.shape).copy_(g.detach(), non_blocking=True)
             cuda.add(g.device)
         else:
-            target.copy_(g.detach())
+            target.view(g.dtype).view(g.shape).copy_(g.detach())
         end = slot.offset + slot.nbytes
     events = []
     for dev in sorted(cuda, key=str):
@@ -808,6 +818,31 @@ def _copy_grads(
         ev.record(torch.cuda.current_stream(dev))
         events.append((dev, ev))
     return events
+
+
+# elements probed before the whole of a gradient is checked by _narrowable: a gradient
+# computed in float32 has low bits set in its first elements, and costs no more than that
+_NARROW_PROBE = 4096
+
+
+def _narrowable(g: torch.Tensor) -> bool:
+    """Whether float32 gradient ``g`` (in host memory) holds only exact bfloat16 values:
+    the low 16 bits of every element zero: bf16 gradients cast up for float32 master
+    weights (and not clipped in float32 after). Such a gradient is logged as bfloat16 (the
+    high halves, bit for bit: SPEC.md section 12.3) at half the bytes, and widened back
+    for the replay. A device tensor is never probed: that would make the step wait."""
+    import torch
+
+    if (
+        g.dtype != torch.float32
+        or g.device.type != "cpu"
+        or sys.byteorder != "little"
+        or not g.numel()
+        or not g.is_contiguous()
+    ):
+        return False
+    low = g.detach().reshape(-1).view(torch.int16)[0::2]
+    return not bool(low[:_NARROW_PROBE].any()) and not bool(low.any())
 
 
 def _counter(optimizer: Any) -> _Deferred | float | None:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiercheck.core.entries import is_stateful
-from tiercheck.core.sharded import Gathered, gather
 from tiercheck.engine.catalog import Catalog
 from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.fetch import ChunkFetcher
@@ -40,7 +39,13 @@ from tiercheck.errors import (
     TierUnavailable,
 )
 from tiercheck.formats.manifest import ShardManifest, VersionInfo
-from tiercheck.logversions.planner import LogSource, replay_version
+from tiercheck.logversions.planner import (
+    LogSource,
+    StoredVersion,
+    replay_version,
+    replay_version_resharded,
+)
+from tiercheck.restore.reshard import Gathered, gather
 from tiercheck.restore.service import (
     Binding,
     RestoreInfo,
@@ -66,7 +71,8 @@ class RestoreService:
     restore, so that no save stages meanwhile), and agrees with the other ranks through
     ``coordinator``. ``flush`` and ``refresh`` finish the saves in flight and re-read every
     tier's log before a version is chosen; ``logs`` is the guarded optimizer's update log, if
-    any (a log version replays into it).
+    any (a log version replays into it); ``version(id, rank)`` opens a version as rank
+    ``rank`` stored it (a log version saved on another number of ranks replays per saver).
     """
 
     def __init__(
@@ -80,6 +86,7 @@ class RestoreService:
         flush: Callable[[], None],
         refresh: Callable[[], Catalog],
         logs: Callable[[], LogSource | None],
+        version: Callable[[int, int], StoredVersion],
         read_only: bool,
         allow_pickle: bool,
     ) -> None:
@@ -93,6 +100,7 @@ class RestoreService:
         self._flush = flush
         self._refresh = refresh
         self._logs = logs
+        self._version = version
         self.read_only = read_only
         self.allow_pickle = allow_pickle
 
@@ -214,7 +222,7 @@ class RestoreService:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
         of ``state`` is written (what loading it will overwrite is noted in ``undo`` and
         copied meanwhile). Pieces of distributed tensors this rank's new layout needs
-        from other ranks' shards are read and verified too (:mod:`tiercheck.core.sharded`). A log
+        from other ranks' shards are read and verified too (:mod:`tiercheck.restore.reshard`). A log
         version: its base into the staging buffer, its own shard into a buffer of its own."""
         if info.role == "log":
             assert info.base is not None
@@ -249,7 +257,8 @@ class RestoreService:
         # tree and plain leaves, and assembles its distributed tensors from every rank
         shard_rank = self.rank if self.rank < len(info.shards) else 0
         manifest = fetcher.manifest(info.shards[shard_rank], order=order)
-        if shard_rank != self.rank and not manifest.sharded:
+        # (a log version's distributed tensors are replayed: its base's shard places them)
+        if shard_rank != self.rank and not manifest.sharded and manifest.log is None:
             raise NoRestorableVersion(
                 f"version {info.id} has {len(info.shards)} shard(s); this is rank {self.rank}"
             )
@@ -382,7 +391,12 @@ class RestoreService:
             if source.scaler is not None and is_stateful(source.scaler):
                 undo.touched(source.scaler)
             try:
-                report, replayed = replay_version(source, staged.manifest, staged.stream)
+                writers = len(staged.info.shards)
+                if writers != self.world_size:  # logged on another layout: replay there
+                    logs = [self._version(staged.info.id, r) for r in range(writers)]
+                    report, replayed = replay_version_resharded(source, logs)
+                else:
+                    report, replayed = replay_version(source, staged.manifest, staged.stream)
             except ReplayError as exc:
                 error = exc
             except Exception as exc:  # not a refusal: the replay itself broke

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tiercheck.core.entries import decode_scalar, is_stateful, torch_dtype
-from tiercheck.core.sharded import Piece, is_dtensor, piece_for
+from tiercheck.core.sharded import is_dtensor
 from tiercheck.engine.catalog import Catalog
 from tiercheck.engine.fetch import ChunkFetcher
 from tiercheck.engine.tierset import TierSlot
@@ -58,6 +58,7 @@ from tiercheck.errors import (
     TiercheckError,
 )
 from tiercheck.formats.manifest import Entry, Role, ShardManifest, VersionInfo
+from tiercheck.restore.reshard import Piece, piece_for
 
 if TYPE_CHECKING:
     import torch
@@ -174,7 +175,7 @@ class Binding:
     stateful: dict[int, dict[str, Any]] = field(default_factory=dict)  # id(tree node) -> sd
     # id(tree node) -> (key, the caller's object whose state_dict() that sd is)
     objects: dict[int, tuple[str, Any]] = field(default_factory=dict)
-    # pieces of distributed tensors assembled from the version's saved boxes (sharded.py)
+    # pieces of distributed tensors assembled from the version's saved boxes (reshard.py)
     pieces: list[Piece] = field(default_factory=list)
 
 
@@ -438,7 +439,7 @@ def load_stream(manifest: ShardManifest, binding: Binding, stream: memoryview) -
         if not entry.nbytes:
             continue
         dst = binding.dests.get(i)
-        if dst is None:  # a log version's gradient, or a piece assembled by sharded.py
+        if dst is None:  # a log version's gradient, or a piece assembled by reshard.py
             continue
         src = stream[entry.offset : entry.offset + entry.nbytes]
         if entry.nbytes >= _BIG_COPY:
