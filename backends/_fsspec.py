@@ -96,6 +96,8 @@ from typing import Any, ClassVar, NoReturn
 from urllib.parse import urlsplit
 
 from tiercheck.backends._vectored import read_parts
+from tiercheck.core.sizes import parse_size
+from tiercheck.backends._packs import PackedBlobs
 from tiercheck.backends.base import (
     BLOB_ID_RE,
     Buffer,
@@ -129,7 +131,9 @@ log = logging.getLogger(__name__)
 # os module itself: no wrapper, no cost.
 _os = os
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: blobs may be in packs (packs/), besides loose objects
+#: the default pack size of an object store (``pack_size`` option; 0: one object per blob)
+DEFAULT_PACK_SIZE = 128 * 1024 * 1024
 _MARKER = "tier.json"
 _MARKER_KIND = "tiercheck-fsspec"
 _LOG_NAME_RE = re.compile(r"^(\d{16})\.rec$")
@@ -251,6 +255,15 @@ class _Store(abc.ABC):
     def read_parts(self, path: str, parts: Sequence[memoryview]) -> int:
         """Read ``path`` scattered over ``parts`` (see ``Tier.get_parts``); its size."""
         return scatter(self.read(path, None), parts)
+
+    @abc.abstractmethod
+    def read_range(self, path: str, start: int, parts: Sequence[memoryview]) -> int:
+        """Fill ``parts`` from byte ``start`` of ``path`` (one ranged read); the bytes read
+        (fewer if the object ends first). ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    def sizes(self, directory: str) -> dict[str, int]:
+        """Base name -> size of the files directly in ``directory`` ({} if it is missing)."""
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """The bytes of each path, None for one that vanished."""
@@ -444,6 +457,24 @@ class _LocalStore(_Store):
         finally:
             os.close(fd)
         return size
+
+    def read_range(self, path: str, start: int, parts: Sequence[memoryview]) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return read_parts(fd, parts, sum(len(p) for p in parts), start)
+        finally:
+            os.close(fd)
+
+    def sizes(self, directory: str) -> dict[str, int]:
+        try:
+            with os.scandir(directory) as it:
+                return {
+                    e.name: e.stat(follow_symlinks=False).st_size
+                    for e in it
+                    if e.is_file(follow_symlinks=False)
+                }
+        except FileNotFoundError:
+            return {}
 
     def head(self, path: str, nbytes: int) -> bytes:
         with open(path, "rb", buffering=0) as f:
@@ -670,6 +701,25 @@ class _FsspecStore(_Store):
                 return b""
             raise
 
+    def read_range(self, path: str, start: int, parts: Sequence[memoryview]) -> int:
+        want = sum(len(p) for p in parts)
+        if not want:
+            return 0
+        data = self.fs.cat_file(path, start=start, end=start + want)  # one ranged request
+        return min(scatter(data, parts), want)
+
+    def sizes(self, directory: str) -> dict[str, int]:
+        self.fs.invalidate_cache(directory)
+        try:
+            entries = self.fs.ls(directory, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e["type"] == "file"
+        }
+
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         if not self.fs.async_impl or len(paths) < 2:
             return super().read_many(paths)
@@ -743,6 +793,19 @@ class _FsspecStore(_Store):
 # --- the tier ------------------------------------------------------------------------
 
 
+def _parse_pack_size(value: int | str | None, url: str, *, default: int) -> int:
+    """The ``pack_size`` option in bytes (0: no packs, one object per blob)."""
+    if value is None:
+        return default
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise invalid_url(url, f"pack_size: {exc}") from None
+    if size < 0:
+        raise invalid_url(url, f"pack_size must be 0 (no packs) or positive, got {value!r}")
+    return size
+
+
 def _parse_bool(value: Any, name: str, url: str) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
@@ -765,6 +828,7 @@ class FsspecTier(Tier):
         persistent: bool | None = None,
         speed_rank: int | None = None,
         compress: bool | None = None,
+        pack_size: int | str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -802,17 +866,41 @@ class FsspecTier(Tier):
         self._sep = os.sep if local else "/"
         self._blob_dir = self._join(self._root, "blobs")
         self._log_dir = self._join(self._root, "log")
-        self._check_marker()
+        self._packs: PackedBlobs | None = None
+        size = _parse_pack_size(pack_size, url, default=0 if local or memory else DEFAULT_PACK_SIZE)
+        self._check_marker(packed=bool(size))
+        if size:
+            self._packs = PackedBlobs(
+                self._store,
+                url=url,
+                root=self._root,
+                pack_size=size,
+                call=self._call,
+                join=self._join,
+                loose_path=self._blob_path,
+                remote=not (local or memory),
+            )
+
+    def flush(self) -> None:
+        """Write the blobs waiting for a pack (a packed tier); make their names durable."""
+        if self.read_only:
+            return
+        if self._packs is not None:
+            self._packs.flush()
+        self._call("sync", "", self._store.sync)
 
     def close(self) -> None:
-        """Make the names of blobs put since the last log record durable (a failure is
-        logged: no record names those blobs yet, so nothing committed depends on them)."""
+        """Write the blobs still waiting for a pack, and make the names of blobs put since
+        the last log record durable (a failure is logged: no record names those blobs
+        yet, so nothing committed depends on them)."""
         if self.read_only:
             return
         try:
+            if self._packs is not None:
+                self._packs.flush()  # blobs waiting for a pack are written at close too
             self._store.sync()
-        except OSError as exc:
-            log.warning("%s: could not fsync blob directories at close: %s", self.url, exc)
+        except (OSError, TierError) as exc:
+            log.warning("%s: could not store the last blobs at close: %s", self.url, exc)
 
     # --- paths ---------------------------------------------------------------------
 
@@ -843,14 +931,18 @@ class FsspecTier(Tier):
 
     # --- marker --------------------------------------------------------------------
 
-    def _check_marker(self) -> None:
+    def _check_marker(self, *, packed: bool) -> None:
+        """Check the root's marker (create it on a writable open). A tier that writes
+        packs says layout 2, so that a tiercheck that cannot read packs refuses the root
+        instead of finding it empty; one that does not keeps layout 1."""
         path = self._join(self._root, _MARKER)
+        want = LAYOUT_VERSION if packed else 1
+        body = json.dumps({"tier": _MARKER_KIND, "layout": want}).encode()
         try:
             raw = bytes(self._call("open", _MARKER, lambda: self._store.read(path, None)))
         except NotFound:
             if self.read_only:
                 return
-            body = json.dumps({"tier": _MARKER_KIND, "layout": LAYOUT_VERSION}).encode()
             try:
                 self._call(
                     "create marker", _MARKER, lambda: self._store.create(path, memoryview(body))
@@ -874,6 +966,12 @@ class FsspecTier(Tier):
                 f"tier {self.url} has layout {layout}; this tiercheck reads up to "
                 f"{LAYOUT_VERSION}: upgrade tiercheck"
             )
+        if layout < want and not self.read_only:
+            self._call(
+                "upgrade marker",
+                _MARKER,
+                lambda: self._store.put(path, (memoryview(body),), if_absent=False),
+            )
 
     # --- blobs ---------------------------------------------------------------------
 
@@ -886,6 +984,8 @@ class FsspecTier(Tier):
         path = self._blob_path(blob_id)
         self._check_writable("put")
         views = [_byte_view(p) for p in parts]
+        if self._packs is not None:
+            return self._packs.put(blob_id, views, overwrite=overwrite)
         written: bool = self._call(
             "put", blob_id, lambda: self._store.put(path, views, if_absent=not overwrite)
         )
@@ -895,8 +995,8 @@ class FsspecTier(Tier):
         """A local file system writes the temporary file now and fsyncs and names it in
         :meth:`PendingPut.finish`; any other store puts at once."""
         store = self._store
-        if not isinstance(store, _LocalStore):
-            return super().begin_put(blob_id, parts)
+        if not isinstance(store, _LocalStore) or self._packs is not None:
+            return super().begin_put(blob_id, parts)  # a pack copies the parts at once
         path = self._blob_path(blob_id)
         self._check_writable("put")
         views = [_byte_view(p) for p in parts]
@@ -906,6 +1006,9 @@ class FsspecTier(Tier):
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
         batch = [(self._blob_path(bid), _byte_view(data), bid) for bid, data in items]
         self._check_writable("put")
+        if self._packs is not None:
+            packs = self._packs
+            return sum(1 for _, view, bid in batch if packs.put(bid, (view,), overwrite=False))
         store = self._store
         if isinstance(store, _LocalStore) or len(batch) < 2:
             count = 0
@@ -925,6 +1028,11 @@ class FsspecTier(Tier):
             return sum(1 for written in pool.map(one, batch) if written)
 
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
+        if self._packs is not None:
+            return self._packs.get(blob_id, out, partial(self._get_loose, blob_id, out))
+        return self._get_loose(blob_id, out)
+
+    def _get_loose(self, blob_id: str, out: memoryview | None) -> memoryview:
         path = self._blob_path(blob_id)
         try:
             view: memoryview = self._call("get", blob_id, lambda: self._store.read(path, out))
@@ -936,7 +1044,14 @@ class FsspecTier(Tier):
 
     def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
         """As ``Tier.get_parts``; a local file is read with ``preadv`` straight into
-        ``parts``."""
+        ``parts``; a packed blob by one ranged read."""
+        if self._packs is not None:
+            return self._packs.get_parts(
+                blob_id, parts, partial(self._get_parts_loose, blob_id, parts)
+            )
+        return self._get_parts_loose(blob_id, parts)
+
+    def _get_parts_loose(self, blob_id: str, parts: Sequence[memoryview]) -> int:
         path = self._blob_path(blob_id)
         try:
             size: int = self._call("get", blob_id, lambda: self._store.read_parts(path, parts))
@@ -949,6 +1064,13 @@ class FsspecTier(Tier):
         path = self._blob_path(blob_id)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if self._packs is not None:
+            return self._packs.head(
+                blob_id, nbytes, partial(self._head_loose, path, blob_id, nbytes)
+            )
+        return self._head_loose(path, blob_id, nbytes)
+
+    def _head_loose(self, path: str, blob_id: str, nbytes: int) -> bytes:
         try:
             data: bytes = self._call("head", blob_id, lambda: self._store.head(path, nbytes))
         except NotFound:
@@ -957,6 +1079,11 @@ class FsspecTier(Tier):
 
     def size(self, blob_id: str) -> int:
         path = self._blob_path(blob_id)
+        if self._packs is not None:
+            return self._packs.size(blob_id, partial(self._size_loose, path, blob_id))
+        return self._size_loose(path, blob_id)
+
+    def _size_loose(self, path: str, blob_id: str) -> int:
         try:
             n: int = self._call("size", blob_id, lambda: self._store.size(path))
         except NotFound:
@@ -965,6 +1092,8 @@ class FsspecTier(Tier):
 
     def has(self, blob_ids: Iterable[str]) -> set[str]:
         ids = list(blob_ids)
+        if self._packs is not None:
+            return self._packs.has(ids)
         paths = [self._blob_path(b) for b in ids]
         if not ids:
             return set()
@@ -975,6 +1104,8 @@ class FsspecTier(Tier):
         ids = list(dict.fromkeys(blob_ids))
         paths = [self._blob_path(b) for b in ids]
         self._check_writable("delete")
+        if self._packs is not None:
+            return self._packs.delete(ids)
         if not ids:
             return 0
         present = [
@@ -989,6 +1120,8 @@ class FsspecTier(Tier):
         return len(present)
 
     def list(self) -> Iterator[str]:
+        if self._packs is not None:
+            return iter(self._packs.list())
         rels: builtins.list[str] = self._call(
             "list", "", lambda: list(self._store.files_below(self._blob_dir))
         )
@@ -1029,6 +1162,8 @@ class FsspecTier(Tier):
             check_blob_id(bid, self.url)
         if items:
             self.put_many(items)
+        if self._packs is not None:
+            self._packs.flush()  # every blob put so far is in a pack before the record
         self._call("sync", "", self._store.sync)  # every blob named so far is durable
         with self._lock:
             seq = self._next_seq

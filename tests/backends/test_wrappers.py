@@ -134,6 +134,7 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "usage": lambda t: t.usage(),
     "set_budget": lambda t: t.set_budget("1MiB"),
     "bind_store": lambda t: t.bind_store("/nonexistent/store"),
+    "flush": lambda t: t.flush(),
     "close": lambda t: t.close(),
 }
 _METHODS = frozenset(CALLS)
