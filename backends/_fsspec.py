@@ -95,9 +95,8 @@ from functools import partial
 from typing import Any, ClassVar, NoReturn
 from urllib.parse import urlsplit
 
-from tiercheck.backends._vectored import read_parts
-from tiercheck.core.sizes import parse_size
 from tiercheck.backends._packs import PackedBlobs
+from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
     BLOB_ID_RE,
     Buffer,
@@ -109,6 +108,7 @@ from tiercheck.backends.base import (
     invalid_url,
     scatter,
 )
+from tiercheck.core.sizes import parse_size
 from tiercheck.errors import (
     AlreadyExists,
     FormatVersionError,

@@ -503,7 +503,7 @@ class PackedBlobs:
         self.refresh()
         with self._cond:
             ids = set(self._pending) | set(self._sealing) | self._loose
-            for name, pack in self._packs.items():
+            for _name, pack in self._packs.items():
                 ids.update(bid for bid in pack.entries if bid not in pack.dropped)
         return sorted(ids)
 

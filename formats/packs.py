@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import blake3
 
 __all__ = [
+    "MAX_PACK_BLOBS",
     "PACK_HEADER",
     "PACK_MAGIC",
     "PACK_TRAILER",
-    "MAX_PACK_BLOBS",
     "TAIL_GUESS",
     "PackEntry",
     "PackError",

@@ -127,11 +127,12 @@ def default_config(root: Path, *, multi_rank: bool = False) -> StoreConfig:
             TierSpec("shm", f"shm://tiercheck-{tag}{per_rank}"),
             TierSpec("lmdb", f"lmdb://{root / 'lmdb'}{per_rank}"),
             # a directory on this node's disk: it survives a crash and a reboot, not the
-            # node; shared by the ranks, so it takes migrated bases (placement defaults)
+            # node; shared by the ranks, so it takes migrated bases (placement defaults),
+            # in packs: a few files per base, not one per chunk
             TierSpec(
                 "remote",
                 f"file://{root / 'remote'}",
-                {"survives": "process", "shared": True},
+                {"survives": "process", "shared": True, "pack_size": "128MiB"},
             ),
         ),
         policy=Policy(),
