@@ -205,16 +205,22 @@ class PackedBlobs:
             if m:
                 (packs if m.group(2) == "pack" else drops)[m.group(1)] = size
         new = [(n, s) for n, s in packs.items() if n not in known_packs and self._bad.get(n) != s]
-        loaded = self._map(lambda item: (item[0], self._load_pack(*item)), new)
+        loaded = dict(self._map(lambda item: (item[0], self._load_pack(*item)), new))
         with self._cond:
-            stale_drops = {
-                n: s for n, s in drops.items() if n in self._packs and self._packs[n].drop_size != s
-            }
-        read = self._map(lambda item: (item[0], item[1], self._load_drop(item[0])), stale_drops)
+            stale_drops = [
+                (n, s)
+                for n, s in drops.items()
+                if (n in self._packs and self._packs[n].drop_size != s) or loaded.get(n) is not None
+            ]
+        read = self._map(lambda item: (*item, self._load_drop(item[0])), stale_drops)
+        for name, size, dropped in read:  # a new pack is known with its drop list
+            pack = loaded.get(name)
+            if pack is not None and dropped is not None:
+                pack.dropped, pack.drop_size = dropped, size
         with self._cond:
             for name in known_packs - set(packs):
                 self._forget_pack(name)
-            for name, pack in loaded:
+            for name, pack in loaded.items():
                 if pack is not None and name not in self._packs:
                     self._add_pack(name, pack)
             for name, size, dropped in read:

@@ -29,7 +29,8 @@ from tiercheck.backends.registry import open_tier
 
 _PACK_SIZE = 400_000
 
-_CHILD = r"""
+_CHILD = (
+    r"""
 import json
 import os
 import signal
@@ -75,7 +76,9 @@ for i in range(start, start + 100_000):
         ids.append(bid)
     tier.append(f"{i}:{','.join(ids)}:".encode() + bytes([i %% 251]) * (i %% 4096))
     print(f"ack {i} {','.join(ids)}", flush=True)
-""" % _PACK_SIZE
+"""
+    % _PACK_SIZE
+)
 
 
 def _run(url: str, options: dict[str, Any], *, kill_at: int, acks_before_kill: int) -> list[int]:
