@@ -29,8 +29,7 @@ from tiercheck.backends.registry import open_tier
 
 _PACK_SIZE = 400_000
 
-_CHILD = (
-    r"""
+_CHILD = r"""
 import json
 import os
 import signal
@@ -64,28 +63,26 @@ class _KillInPack:
 
 if kill_at > 0:
     _fsspec._os = _KillInPack()
-tier = open_tier(url, pack_size=%d, **options)
+tier = open_tier(url, pack_size=int(sys.argv[4]), **options)
 start = len(tier.read_log())
 for i in range(start, start + 100_000):
     ids = []
     for j in range(6):
         seed = (i * 8 + j).to_bytes(8, "little")
-        data = blake3.blake3(seed).digest(length=120_000 + 7919 * ((i + j) %% 13))
+        data = blake3.blake3(seed).digest(length=120_000 + 7919 * ((i + j) % 13))
         bid = blake3.blake3(data).hexdigest()
         tier.put(bid, data)
         ids.append(bid)
-    tier.append(f"{i}:{','.join(ids)}:".encode() + bytes([i %% 251]) * (i %% 4096))
+    tier.append(f"{i}:{','.join(ids)}:".encode() + bytes([i % 251]) * (i % 4096))
     print(f"ack {i} {','.join(ids)}", flush=True)
 """
-    % _PACK_SIZE
-)
 
 
 def _run(url: str, options: dict[str, Any], *, kill_at: int, acks_before_kill: int) -> list[int]:
     """Run a writer until it dies (``kill_at``: by its own hand in its Nth pack) or the
     parent kills it after ``acks_before_kill`` acks; return the acknowledged versions."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, url, json.dumps(options), str(kill_at)],
+        [sys.executable, "-c", _CHILD, url, json.dumps(options), str(kill_at), str(_PACK_SIZE)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -150,7 +150,7 @@ def test_layout_marker(tmp_path: Path) -> None:
     new, new_data = blob(3000, seed=8)
     packed.append(b"new", blobs=[(new, new_data)])
     assert set(packed.list()) == {old, new}
-    fresh = open_tier(f"file://{tmp_path}/fresh", pack_size="1MiB")
+    open_tier(f"file://{tmp_path}/fresh", pack_size="1MiB").close()
     assert json.loads((tmp_path / "fresh" / "tier.json").read_text())["layout"] == 2
 
 
