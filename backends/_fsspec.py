@@ -4,8 +4,10 @@ file system, unlike the native ``memory://`` tier).
 
 Layout under the root (the URL's path)::
 
-    tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1}
+    tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1 or 2}
     blobs/<id[:2]>/<id>          one object per blob, written once (repairs overwrite)
+    packs/<name>.pack            layout 2: many blobs in one object, its index at its end
+    packs/<name>.drop            ids deleted from that pack while its bytes stay
     log/<seq:016d>.rec           one object per log record, seq = 0, 1, 2, ... in append order
     log/<seq:016d>.ckpt          a checkpoint record standing for every record up to seq
 
@@ -51,6 +53,12 @@ stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *``
 a put without ``overwrite``, which saves the existence check). Other fsspec file systems
 write in place: a crash may leave a partial blob, which the codec layer detects by hash.
 
+**Packs** (``pack_size``, SPEC section 15, :mod:`tiercheck.backends._packs`): an object
+store gets its blobs in pack objects of about ``pack_size`` bytes (128 MiB by default;
+``0``: one object per blob, the only layout of local and memory stores unless asked).
+Blobs put are gathered in memory and written as packs before the next log record, at
+``flush()`` and at ``close()``; reads are ranged reads. A root with packs says layout 2.
+
 **Capabilities** (each overridable by the options of the same name):
 
 =====================  ===========  ======  ==========  ==========  ========
@@ -71,7 +79,7 @@ A local path on a shared mount (NFS, Lustre) should be opened with ``shared=True
 
 **Options:** ``storage_options`` (dict passed to fsspec, e.g. ``endpoint_url``, ``key``,
 ``secret``, ``client_kwargs`` for s3fs), ``read_only``, ``survives``, ``shared``,
-``persistent``, ``speed_rank``, ``compress``.
+``persistent``, ``speed_rank``, ``compress``, ``pack_size``.
 
 **Errors:** a missing bucket raises ``InvalidURL`` at open; connection failures and
 timeouts ``TierUnavailable``; no space ``TierFull``; a missing blob ``NotFound``.
@@ -147,6 +155,8 @@ _S3_PROTOCOLS = frozenset({"s3", "s3a"})
 # how many threads put_many uses on a remote store.
 _ASYNC_BATCH = 64
 _REMOTE_THREADS = 16
+# part size of a pack's multipart upload to S3 (a pack of two parts or more is multipart)
+_PART = 8 * 1024 * 1024
 _UNAVAILABLE_ERRNOS = frozenset(
     {
         errno.ECONNREFUSED,
@@ -240,6 +250,11 @@ class _Store(abc.ABC):
 
         ``if_absent`` may race (both writers write): fine for content-addressed blobs.
         """
+
+    def put_object(self, path: str, parts: Sequence[memoryview]) -> None:
+        """Write a new, uniquely named object (a pack) atomically; large ones as fast as
+        the store allows. Default: :meth:`put`."""
+        self.put(path, parts, if_absent=True)
 
     @abc.abstractmethod
     def create(self, path: str, data: memoryview) -> None:
@@ -675,6 +690,16 @@ class _FsspecStore(_Store):
             return False
         self._pipe(path, payload, create=False)
         return True
+
+    def put_object(self, path: str, parts: Sequence[memoryview]) -> None:
+        """S3: a multipart upload of ``_PART``-byte parts, ``_REMOTE_THREADS`` at once
+        (one request would carry the whole pack on one connection); the object appears
+        only when the upload completes. Others: one put."""
+        payload = b"".join(parts)
+        if self._s3:
+            self.fs.pipe_file(path, payload, chunksize=_PART, max_concurrency=_REMOTE_THREADS)
+        else:
+            self._pipe(path, payload, create=False)
 
     def create(self, path: str, data: memoryview) -> None:
         self._pipe(path, bytes(data), create=True)

@@ -22,12 +22,14 @@ ids are listed in ``packs/<name>.drop`` and no longer read from that pack.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import re
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,12 +48,17 @@ from tiercheck.formats.packs import (
     parse_index,
 )
 
-__all__ = ["REPACK_BELOW", "PackStore", "PackedBlobs"]
+__all__ = ["REPACK_BELOW", "SPAN", "PackStore", "PackedBlobs"]
 
 log = logging.getLogger(__name__)
 
 #: a pack whose live blobs hold less than this share of its blob bytes is repacked
 REPACK_BELOW = 0.5
+#: a remote read fetches the run of neighbouring blobs around the one asked for, up to this
+#: many bytes, and keeps it for the reads of the others (restic's restorer reads packs so)
+SPAN = 16 * 1024 * 1024
+#: runs kept per tier once fetched (each at most SPAN bytes), oldest dropped first
+_SPANS_KEPT = 4
 #: packs being written at once per tier (bounds memory: each holds up to ``pack_size``)
 _SEALING_MAX = 2
 _PACK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.(pack|drop)$")
@@ -62,6 +69,8 @@ class PackStore(Protocol):
     """The store primitives packs need (implemented by the fsspec tier's stores)."""
 
     def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool: ...
+
+    def put_object(self, path: str, parts: Sequence[memoryview]) -> None: ...
 
     def read(self, path: str, out: memoryview | None) -> memoryview: ...
 
@@ -90,6 +99,35 @@ class _Pack:
     def live(self, blob_id: str) -> PackEntry | None:
         entry = self.entries.get(blob_id)
         return None if entry is None or blob_id in self.dropped else entry
+
+    def span(self, blob_id: str) -> tuple[int, int]:
+        """The byte range of the run of neighbouring blobs (at most :data:`SPAN` bytes,
+        or the blob alone if larger) that a remote read of ``blob_id`` fetches."""
+        if self.spans is None:
+            self.spans = {}
+            run: list[PackEntry] = []
+            for e in sorted(self.entries.values(), key=lambda e: e.offset):
+                if run and e.offset + e.length - run[0].offset > SPAN:
+                    self._close(run)
+                    run = []
+                run.append(e)
+            if run:
+                self._close(run)
+        return self.spans[blob_id]
+
+    def run_ids(self, start: int) -> set[str]:
+        """The ids of the run that starts at ``start`` (see :meth:`span`)."""
+        self.span(next(iter(self.entries)))
+        assert self.spans is not None
+        return {b for b, (s, _) in self.spans.items() if s == start}
+
+    def _close(self, run: list[PackEntry]) -> None:
+        assert self.spans is not None
+        rng = (run[0].offset, run[-1].offset + run[-1].length)
+        for e in run:
+            self.spans[e.blob_id] = rng
+
+    spans: dict[str, tuple[int, int]] | None = None
 
 
 Call = Callable[[str, str, Callable[[], Any]], Any]
@@ -123,6 +161,12 @@ class PackedBlobs:
         self._pack_dir = join(root, "packs")
         self._blob_dir = join(root, "blobs")
         self._threads = _READ_THREADS if remote else 1
+        self._remote = remote
+        # runs of neighbouring blobs fetched by a remote read: (pack, start) -> the bytes
+        # (a future while in flight) and the ids in it not read yet
+        self._spans: OrderedDict[tuple[str, int], Future[bytes]] = OrderedDict()
+        self._unread: dict[tuple[str, int], set[str]] = {}
+        self._span_lock = threading.Lock()
         self._cond = threading.Condition()
         self._pending: dict[str, bytes] = {}
         self._pending_bytes = 0
@@ -361,7 +405,7 @@ class PackedBlobs:
             offset += len(data)
         parts.append(memoryview(encode_pack_tail(entries)))
         path = self._pack_path(name)
-        self._call("write pack", name, lambda: self._store.put(path, parts, if_absent=True))
+        self._call("write pack", name, lambda: self._store.put_object(path, parts))
         return name, _Pack(offset + len(parts[-1]), {e.blob_id: e for e in entries})
 
     def flush(self) -> None:
@@ -410,6 +454,55 @@ class PackedBlobs:
                 self.refresh()
         raise AssertionError("unreachable")
 
+    def _read_blob(self, name: str, entry: PackEntry, parts: Sequence[memoryview]) -> None:
+        """Fill ``parts`` from the start of the packed blob ``entry``: one ranged read, or
+        on a remote store a share of the run of neighbours fetched once (see :data:`SPAN`)."""
+        with self._cond:
+            pack = self._packs.get(name)
+            start, end = pack.span(entry.blob_id) if pack else (entry.offset, entry.offset)
+        if not self._remote or end - start <= entry.length:
+            self._range(name, entry, 0, parts)
+            return
+        key = (name, start)
+        with self._span_lock:
+            fut = self._spans.get(key)
+            owner = fut is None
+            if fut is None:
+                fut = self._spans[key] = Future()
+                assert pack is not None
+                self._unread[key] = pack.run_ids(start) - pack.dropped
+            else:
+                self._spans.move_to_end(key)
+        if owner:
+            run = PackEntry(entry.blob_id, start, end - start)  # the run as one range
+            buf = memoryview(bytearray(end - start))
+            try:
+                self._range(name, run, 0, (buf,))
+            except BaseException as exc:
+                with self._span_lock:
+                    self._spans.pop(key, None)
+                    self._unread.pop(key, None)
+                fut.set_exception(exc)
+                raise
+            fut.set_result(bytes(buf))
+            self._trim_spans()
+        data = fut.result()
+        scatter(memoryview(data)[entry.offset - start : entry.offset - start + entry.length], parts)
+        with self._span_lock:
+            unread = self._unread.get(key)
+            if unread is not None:
+                unread.discard(entry.blob_id)
+                if not unread:  # every blob of the run was read once: done with it
+                    self._spans.pop(key, None)
+                    del self._unread[key]
+
+    def _trim_spans(self) -> None:
+        with self._span_lock:
+            done = [k for k, f in self._spans.items() if f.done()]
+            for key in done[: max(0, len(done) - _SPANS_KEPT)]:
+                del self._spans[key]
+                self._unread.pop(key, None)
+
     def _range(self, name: str, entry: PackEntry, start: int, parts: Sequence[memoryview]) -> int:
         """Read ``parts`` from the blob ``entry`` of pack ``name`` at ``start`` in the blob."""
         want = sum(len(p) for p in parts)
@@ -442,7 +535,7 @@ class PackedBlobs:
                     f"({self._url} {blob_id})"
                 )
             target = memoryview(bytearray(entry.length)) if out is None else out[: entry.length]
-            self._range(name, entry, 0, (target,))
+            self._read_blob(name, entry, (target,))
             return target
 
         view: memoryview = self._read(blob_id, read)
@@ -465,8 +558,8 @@ class PackedBlobs:
                 view = p if p.format == "B" and p.ndim == 1 else p.cast("B")
                 fit.append(view[:left])
                 left -= len(fit[-1])
-            self._range(name, entry, 0, fit)
-            return entry.length
+            self._read_blob(name, entry, fit)
+            return int(entry.length)
 
         n: int = self._read(blob_id, read)
         return n
@@ -585,7 +678,7 @@ class PackedBlobs:
             pack.dropped = set(dropped)
             pack.drop_size = len(body)
 
-    def _repack(self, live: dict[str, list[PackEntry]]) -> None:
+    def _repack(self, live: dict[str, builtins.list[PackEntry]]) -> None:
         """Write the live blobs of the given packs into new packs, durable before the old
         ones are deleted (a crash in between leaves both copies: harmless)."""
         batch: dict[str, bytes] = {}
