@@ -256,6 +256,11 @@ class _Store(abc.ABC):
         the store allows. Default: :meth:`put`."""
         self.put(path, parts, if_absent=True)
 
+    def open_upload(self, path: str) -> _S3Upload | None:
+        """An object streamed while it is written (see ``PackUpload``), or None where
+        the store cannot (then a pack is written whole by :meth:`put_object`)."""
+        return None
+
     @abc.abstractmethod
     def create(self, path: str, data: memoryview) -> None:
         """Write ``path`` only if absent; raise ``FileExistsError`` if it exists."""
@@ -701,6 +706,9 @@ class _FsspecStore(_Store):
         else:
             self._pipe(path, payload, create=False)
 
+    def open_upload(self, path: str) -> _S3Upload | None:
+        return _S3Upload(self.fs, path) if self._s3 else None
+
     def create(self, path: str, data: memoryview) -> None:
         self._pipe(path, bytes(data), create=True)
 
@@ -813,6 +821,68 @@ class _FsspecStore(_Store):
             path = str(path)
             if path.startswith(prefix):
                 yield path[len(prefix) :]
+
+
+class _S3Upload:
+    """A pack streamed to S3 as a multipart upload: each ``_PART`` bytes added go out as a
+    part (up to ``_REMOTE_THREADS`` at once) while the pack is still being filled; the
+    object exists only once :meth:`finish` completes the upload. A pack that stays under
+    one part is one ``PutObject``. An upload never completed is invisible (an S3
+    lifecycle rule aborting incomplete multipart uploads frees its parts)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self._fs, self._path = fs, path
+        self._bucket, self._key, _ = fs.split_path(path)
+        self._buf = bytearray()
+        self._id: str | None = None
+        self._parts: list[Any] = []  # concurrent futures of upload_part, in order
+
+    def _s3(self, method: str, **kwargs: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(
+            self._fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs),
+            self._fs.loop,
+        )
+
+    def _send(self, body: bytes) -> None:
+        if self._id is None:
+            self._id = self._s3("create_multipart_upload").result()["UploadId"]
+        busy = [f for f in self._parts if not f.done()]
+        if len(busy) >= _REMOTE_THREADS:
+            busy[0].result()
+        for f in self._parts:
+            if f.done():
+                f.result()  # a failed part fails the pack now
+        n = len(self._parts) + 1
+        self._parts.append(self._s3("upload_part", UploadId=self._id, PartNumber=n, Body=body))
+
+    def add(self, data: bytes) -> None:
+        self._buf += data
+        while len(self._buf) >= _PART:
+            self._send(bytes(self._buf[:_PART]))
+            del self._buf[:_PART]
+
+    def finish(self, tail: bytes) -> None:
+        self._buf += tail
+        if self._id is None:
+            self._fs.pipe_file(self._path, bytes(self._buf))
+            return
+        self._send(bytes(self._buf))  # the last part may be short
+        self._buf = bytearray()
+        parts = [
+            {"PartNumber": i, "ETag": f.result()["ETag"]} for i, f in enumerate(self._parts, 1)
+        ]
+        self._s3(
+            "complete_multipart_upload", UploadId=self._id, MultipartUpload={"Parts": parts}
+        ).result()
+        self._fs.invalidate_cache(self._path)
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+        if self._id is not None:
+            for f in self._parts:
+                f.cancel()
+            self._s3("abort_multipart_upload", UploadId=self._id).result()
+            self._id = None
 
 
 # --- the tier ------------------------------------------------------------------------

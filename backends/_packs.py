@@ -72,6 +72,8 @@ class PackStore(Protocol):
 
     def put_object(self, path: str, parts: Sequence[memoryview]) -> None: ...
 
+    def open_upload(self, path: str) -> PackUpload | None: ...
+
     def read(self, path: str, out: memoryview | None) -> memoryview: ...
 
     def read_range(self, path: str, start: int, parts: Sequence[memoryview]) -> int: ...
@@ -87,6 +89,29 @@ class PackStore(Protocol):
     def size(self, path: str) -> int: ...
 
     def sync(self) -> None: ...
+
+
+class PackUpload(Protocol):
+    """A pack object streamed to the store while it is filled (an S3 multipart upload):
+    nothing is visible until :meth:`finish` returns; :meth:`abort` drops it."""
+
+    def add(self, data: bytes) -> None: ...
+
+    def finish(self, tail: bytes) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """The pack being streamed: its name, upload, the offset of its next blob, and
+    where each blob added went (blobs deleted before the pack is finished stay as bytes
+    the index does not name)."""
+
+    name: str
+    upload: PackUpload
+    offset: int
+    entries: dict[str, PackEntry] = field(default_factory=dict)
 
 
 @dataclass
@@ -167,6 +192,10 @@ class PackedBlobs:
         self._spans: OrderedDict[tuple[str, int], Future[bytes]] = OrderedDict()
         self._unread: dict[tuple[str, int], set[str]] = {}
         self._span_lock = threading.Lock()
+        # the pack being streamed (stores that can: S3), and the lock that keeps its bytes
+        # in the order of the pending blobs
+        self._stream: _Stream | None = None
+        self._write_lock = threading.Lock()
         self._cond = threading.Condition()
         self._pending: dict[str, bytes] = {}
         self._pending_bytes = 0
@@ -351,19 +380,51 @@ class PackedBlobs:
             return True
         self._ensure_loaded()
         data = b"".join(parts)  # a copy: the caller may reuse its buffers at once
-        with self._cond:
-            if self._present(blob_id):
-                return False
-            while self._pending_bytes >= self._pack_size and self._sealing_count >= _SEALING_MAX:
-                self._cond.wait()
-            if self._present(blob_id):
-                return False
-            self._pending[blob_id] = data
-            self._pending_bytes += len(data)
-            batch = self._take() if self._pending_bytes >= self._pack_size else None
+        stream = None
+        with self._write_lock:
+            with self._cond:
+                if self._present(blob_id):
+                    return False
+                while (
+                    self._pending_bytes >= self._pack_size and self._sealing_count >= _SEALING_MAX
+                ):
+                    self._cond.wait()
+                if self._present(blob_id):
+                    return False
+                self._pending[blob_id] = data
+                self._pending_bytes += len(data)
+            self._stream_add(blob_id, data)
+            with self._cond:
+                batch = self._take() if self._pending_bytes >= self._pack_size else None
+            if batch is not None:
+                stream, self._stream = self._stream, None
         if batch is not None:
-            self._seal(batch)
+            self._seal(batch, stream)
         return True
+
+    def _stream_add(self, blob_id: str, data: bytes) -> None:
+        """Send ``data`` on with the pack being streamed (caller holds the write lock).
+        A store that cannot stream keeps it in memory only; a stream that fails is
+        dropped, and its blobs are written whole when their pack is sealed."""
+        stream = self._stream
+        try:
+            if stream is None:
+                name = uuid.uuid4().hex
+                path = self._pack_path(name)
+                upload = self._call("write pack", name, lambda: self._store.open_upload(path))
+                if upload is None:
+                    return
+                stream = self._stream = _Stream(name, upload, PACK_HEADER)
+                self._call("write pack", name, lambda: upload.add(PACK_MAGIC))
+            s = stream
+            self._call("write pack", s.name, lambda: s.upload.add(data))
+            s.entries[blob_id] = PackEntry(blob_id, s.offset, len(data))
+            s.offset += len(data)
+        except Exception as exc:
+            log.debug("%s: streaming a pack failed (%s); it is written whole", self._url, exc)
+            self._stream = None
+            if stream is not None:
+                _abort_quietly(stream.upload)
 
     def _take(self) -> dict[str, bytes]:
         """Move every pending blob to the sealing set (caller holds the condition)."""
@@ -372,11 +433,19 @@ class PackedBlobs:
         self._sealing_count += 1
         return batch
 
-    def _seal(self, batch: dict[str, bytes]) -> None:
-        """Write ``batch`` as a pack; on failure its blobs wait again for the next flush."""
+    def _seal(self, batch: dict[str, bytes], stream: _Stream | None = None) -> None:
+        """Write ``batch`` as a pack (finishing ``stream`` if it holds every blob of it);
+        on failure its blobs wait again for the next flush."""
         try:
-            name, pack = self._write_pack(batch)
+            if stream is not None and batch.keys() <= stream.entries.keys():
+                name, pack = self._finish_stream(stream, batch)
+            else:
+                if stream is not None:
+                    _abort_quietly(stream.upload)
+                name, pack = self._write_pack(batch)
         except BaseException:
+            if stream is not None:
+                _abort_quietly(stream.upload)
             with self._cond:
                 for bid, data in batch.items():
                     self._sealing.pop(bid, None)
@@ -408,6 +477,12 @@ class PackedBlobs:
         self._call("write pack", name, lambda: self._store.put_object(path, parts))
         return name, _Pack(offset + len(parts[-1]), {e.blob_id: e for e in entries})
 
+    def _finish_stream(self, stream: _Stream, batch: dict[str, bytes]) -> tuple[str, _Pack]:
+        entries = [stream.entries[bid] for bid in batch]
+        tail = encode_pack_tail(entries)
+        self._call("write pack", stream.name, lambda: stream.upload.finish(tail))
+        return stream.name, _Pack(stream.offset + len(tail), {e.blob_id: e for e in entries})
+
     def flush(self) -> None:
         """Write every blob put so far into packs; return once they are all stored."""
         while True:
@@ -416,8 +491,13 @@ class PackedBlobs:
                     self._cond.wait()
                 if not self._pending:
                     return
-                batch = self._take()
-            self._seal(batch)
+            with self._write_lock:
+                with self._cond:
+                    if not self._pending:
+                        continue
+                    batch = self._take()
+                stream, self._stream = self._stream, None
+            self._seal(batch, stream)
 
     # --- reading -------------------------------------------------------------------
 
@@ -699,6 +779,13 @@ class PackedBlobs:
         with self._cond:
             for name, pack in written:
                 self._add_pack(name, pack)
+
+
+def _abort_quietly(upload: PackUpload) -> None:
+    try:
+        upload.abort()
+    except Exception as exc:  # an upload left behind is invisible (never completed)
+        log.debug("aborting a pack upload failed: %s", exc)
 
 
 def _copy_out(data: bytes, out: memoryview | None, url: str, blob_id: str) -> memoryview:

@@ -594,6 +594,57 @@ an 8 MiB limit; 8 connections each sending 59 MiB of a 60 MiB frame took it to 1
 """
 
 
+def packs_section(path: Path = Path(__file__).parent / "results" / "packs.json") -> str:
+    """The "Packs on an object store" section, from ``benchmarks/packs.py``'s JSON (empty
+    if it has not been run)."""
+    if not path.exists():
+        return ""
+    doc = json.loads(path.read_text())
+    rows = []
+    for mib, row in doc["sizes"].items():
+        for layout in ("loose", "packs"):
+            r = row[layout]
+            rows.append(
+                [
+                    f"{mib} MiB",
+                    layout,
+                    str(r["objects_per_base"]),
+                    str(r["migrate_puts"]),
+                    f"{r['migrate_s']:.2f} s",
+                    f"{r['restore_s']:.2f} s",
+                ]
+            )
+        q = row["ratios"]
+        rows.append(
+            [
+                f"{mib} MiB",
+                "packs / loose",
+                f"{q['objects']:.2f}x",
+                f"{q['puts']:.2f}x",
+                f"**{q['migrate_time']:.2f}x**",
+                f"**{q['restore_time']:.2f}x**",
+            ]
+        )
+    head = ["state", "layout", "objects per base", "PUTs", "migration", "restore"]
+    m = doc["machine"]
+    return f"""## Packs on an object store
+
+`python benchmarks/packs.py --sizes {",".join(doc["sizes"])} --runs {doc["runs"]}`: a base of
+random fp32 (zstd cannot shrink it) migrated from a `memory://` tier to S3 (a moto server
+process on loopback) and restored from S3 alone, with one object per blob (`loose`,
+`pack_size=0`, the layout before packs) and with the default 128 MiB packs. Objects per
+base exclude the tier's marker; PUTs are the requests moto logged during the migration;
+times are medians. Moto is an emulator: it answers a ranged GET by reading the whole object,
+so a read of one blob of a pack costs it the pack; packed reads therefore fetch runs of up
+to 16 MiB of neighbouring blobs at once. {m["cpus"]} CPUs, load average
+{m["loadavg_start"][0]:.1f} at the start and {m["loadavg_end"][0]:.1f} at the end (a shared
+machine: timings vary from run to run). Raw data: `benchmarks/results/packs.json`.
+
+{_md(head, rows)}
+
+"""
+
+
 def log_versions_section(
     path: Path = Path(__file__).parent / "results" / "log_versions.json",
 ) -> str:
@@ -763,7 +814,7 @@ step to /dev/shm ({t["dcp_async_s"]:.2f} s, **{t["dcp_async_slowdown"]:.2f}x**).
 
 ![training](benchmarks/training.png)
 
-{log_versions_section()}{peer_abuse_section()}{gpu_section()}## Every metric
+{log_versions_section()}{peer_abuse_section()}{packs_section()}{gpu_section()}## Every metric
 
 {_md(["metric", "median", "min .. max", "what"], metric_rows(res, metric_docs))}
 

@@ -54,7 +54,7 @@ _REQUEST = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) ')
 class _Moto:
     """A moto server subprocess whose request log is counted by HTTP method."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_memory: bool = False) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -66,6 +66,8 @@ class _Moto:
             AWS_EC2_METADATA_DISABLED="true",
             NO_PROXY="127.0.0.1",
         )
+        if in_memory:  # moto keeps an object over 5 MiB in a temporary file by default
+            env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(1 << 30)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
@@ -114,8 +116,8 @@ class _Moto:
 
 
 @contextmanager
-def moto() -> Iterator[_Moto]:
-    server = _Moto()
+def moto(in_memory: bool = False) -> Iterator[_Moto]:
+    server = _Moto(in_memory)
     try:
         yield server
     finally:
@@ -200,6 +202,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="48,512", help="state sizes in MiB, comma-separated")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--moto-in-memory",
+        action="store_true",
+        help="keep every object in moto's memory (by default one over 5 MiB is a temporary "
+        "file, read whole by every GET, ranged or not)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/packs.json"))
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -214,9 +222,10 @@ def main() -> None:
             "loadavg_start": list(os.getloadavg()),
         },
         "runs": args.runs,
+        "moto_in_memory": args.moto_in_memory,
         "sizes": {},
     }
-    with moto() as server:
+    with moto(args.moto_in_memory) as server:
         for mib in sizes:
             row: dict[str, Any] = {}
             for layout, pack_size in layouts.items():

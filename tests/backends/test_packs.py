@@ -302,3 +302,27 @@ def test_a_well_formed_hand_made_pack_is_read(
     # the negative cases above differ from this one only in what they break
     tier = _hostile(tmp_path, _pack_bytes(_GOOD, b"0123456789"), caplog)
     assert tier.has([_ID]) == {_ID} and bytes(tier.get(_ID)) == b"0123456789"
+
+
+def test_a_pack_streams_to_s3_in_parts_while_it_fills(
+    s3_bucket: tuple[str, dict[str, Any]],
+) -> None:
+    import s3fs
+
+    url, storage = s3_bucket
+    tier = open_tier(url, storage_options=storage, pack_size="24MiB")
+    items = [blob(3 << 20, seed=i) for i in range(7)]  # 21 MiB: parts leave as it fills
+    for bid, data in items:
+        tier.put(bid, data)
+    gone = items[2][0]
+    assert tier.delete([gone]) == 1  # before the pack is finished: its bytes stay, unnamed
+    tier.flush()
+    fs = s3fs.S3FileSystem(**storage)
+    packs = [p for p in fs.find(url.removeprefix("s3://")) if p.endswith(".pack")]
+    assert len(packs) == 1
+    assert fs.info(packs[0])["ETag"].strip('"').endswith("-3")  # a multipart upload
+    again = open_tier(url, storage_options=storage, pack_size="24MiB")
+    assert set(again.list()) == {bid for bid, _ in items} - {gone}
+    for bid, data in items:
+        if bid != gone:
+            assert bytes(again.get(bid)) == data
