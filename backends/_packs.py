@@ -8,7 +8,12 @@ object is written whole and atomically (one ``PutObject``, or a multipart upload
 completed at once; locally a temporary file, fsync, rename), so a pack is visible exactly
 when its index is durable, and a record never names a blob that is only in memory.
 
-Reads are ranged reads of a pack at the offset its index gives. The index of every pack
+On S3 the pack is streamed while it fills (:class:`PackUpload`, a multipart upload
+completed when the pack is sealed), so its upload overlaps the work that produces it.
+
+Reads are ranged reads of a pack at the offset its index gives; on an object store a
+read fetches the run of neighbouring blobs around the one asked for (:data:`SPAN`) and
+the next reads of that run are served from memory. The index of every pack
 is loaded once (one ranged read of its tail) and kept; a listing of ``packs/`` finds new
 and vanished packs (on every ``has``, ``list`` and ``delete``, and on a miss).
 
