@@ -4,10 +4,12 @@ file system, unlike the native ``memory://`` tier).
 
 Layout under the root (the URL's path)::
 
-    tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1}
+    tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1 or 2}
     owner.json                   the store owning the prefix: {"store_id", "root", "host"}
                                  (formats/SPEC.md "Store identity"; replaced whole)
     blobs/<id[:2]>/<id>          one object per blob, written once (repairs overwrite)
+    packs/<name>.pack            layout 2: many blobs in one object, its index at its end
+    packs/<name>.drop            ids deleted from that pack while its bytes stay
     log/<seq:016d>.rec           one object per log record, seq = 0, 1, 2, ... in append order
     log/<seq:016d>.ckpt          a checkpoint record standing for every record up to seq
 
@@ -53,6 +55,12 @@ stores: one ``PutObject`` (atomic by the store's semantics; ``If-None-Match: *``
 a put without ``overwrite``, which saves the existence check). Other fsspec file systems
 write in place: a crash may leave a partial blob, which the codec layer detects by hash.
 
+**Packs** (``pack_size``, SPEC section 16, :mod:`tiercheck.backends._packs`): an object
+store gets its blobs in pack objects of about ``pack_size`` bytes (128 MiB by default;
+``0``: one object per blob, the only layout of local and memory stores unless asked).
+Blobs put are gathered in memory and written as packs before the next log record, at
+``flush()`` and at ``close()``; reads are ranged reads. A root with packs says layout 2.
+
 **Capabilities** (each overridable by the options of the same name):
 
 =====================  ===========  ======  ==========  ==========  ========
@@ -73,7 +81,7 @@ A local path on a shared mount (NFS, Lustre) should be opened with ``shared=True
 
 **Options:** ``storage_options`` (dict passed to fsspec, e.g. ``endpoint_url``, ``key``,
 ``secret``, ``client_kwargs`` for s3fs), ``read_only``, ``survives``, ``shared``,
-``persistent``, ``speed_rank``, ``compress``.
+``persistent``, ``speed_rank``, ``compress``, ``pack_size``.
 
 **Errors:** a missing bucket raises ``InvalidURL`` at open; connection failures and
 timeouts ``TierUnavailable``; no space ``TierFull``; a missing blob ``NotFound``.
@@ -98,6 +106,7 @@ from functools import partial
 from typing import Any, ClassVar, NoReturn
 from urllib.parse import urlsplit
 
+from tiercheck.backends._packs import PackedBlobs
 from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
     BLOB_ID_RE,
@@ -112,6 +121,7 @@ from tiercheck.backends.base import (
     invalid_url,
     scatter,
 )
+from tiercheck.core.sizes import parse_size
 from tiercheck.errors import (
     AlreadyExists,
     FormatVersionError,
@@ -134,7 +144,9 @@ log = logging.getLogger(__name__)
 # os module itself: no wrapper, no cost.
 _os = os
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: blobs may be in packs (packs/), besides loose objects
+#: the default pack size of an object store (``pack_size`` option; 0: one object per blob)
+DEFAULT_PACK_SIZE = 128 * 1024 * 1024
 _MARKER = "tier.json"
 _MARKER_KIND = "tiercheck-fsspec"
 _OWNER = "owner.json"
@@ -149,6 +161,8 @@ _S3_PROTOCOLS = frozenset({"s3", "s3a"})
 # how many threads put_many uses on a remote store.
 _ASYNC_BATCH = 64
 _REMOTE_THREADS = 16
+# part size of a pack's multipart upload to S3 (a pack of two parts or more is multipart)
+_PART = 8 * 1024 * 1024
 _UNAVAILABLE_ERRNOS = frozenset(
     {
         errno.ECONNREFUSED,
@@ -243,6 +257,16 @@ class _Store(abc.ABC):
         ``if_absent`` may race (both writers write): fine for content-addressed blobs.
         """
 
+    def put_object(self, path: str, parts: Sequence[memoryview]) -> None:
+        """Write a new, uniquely named object (a pack) atomically; large ones as fast as
+        the store allows. Default: :meth:`put`."""
+        self.put(path, parts, if_absent=True)
+
+    def open_upload(self, path: str) -> _S3Upload | None:
+        """An object streamed while it is written (see ``PackUpload``), or None where
+        the store cannot (then a pack is written whole by :meth:`put_object`)."""
+        return None
+
     @abc.abstractmethod
     def create(self, path: str, data: memoryview) -> None:
         """Write ``path`` only if absent; raise ``FileExistsError`` if it exists."""
@@ -257,6 +281,15 @@ class _Store(abc.ABC):
     def read_parts(self, path: str, parts: Sequence[memoryview]) -> int:
         """Read ``path`` scattered over ``parts`` (see ``Tier.get_parts``); its size."""
         return scatter(self.read(path, None), parts)
+
+    @abc.abstractmethod
+    def read_range(self, path: str, start: int, parts: Sequence[memoryview]) -> int:
+        """Fill ``parts`` from byte ``start`` of ``path`` (one ranged read); the bytes read
+        (fewer if the object ends first). ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    def sizes(self, directory: str) -> dict[str, int]:
+        """Base name -> size of the files directly in ``directory`` ({} if it is missing)."""
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """The bytes of each path, None for one that vanished."""
@@ -481,6 +514,24 @@ class _LocalStore(_Store):
             os.close(fd)
         return size
 
+    def read_range(self, path: str, start: int, parts: Sequence[memoryview]) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return read_parts(fd, parts, sum(len(p) for p in parts), start)
+        finally:
+            os.close(fd)
+
+    def sizes(self, directory: str) -> dict[str, int]:
+        try:
+            with os.scandir(directory) as it:
+                return {
+                    e.name: e.stat(follow_symlinks=False).st_size
+                    for e in it
+                    if e.is_file(follow_symlinks=False)
+                }
+        except FileNotFoundError:
+            return {}
+
     def head(self, path: str, nbytes: int) -> bytes:
         with open(path, "rb", buffering=0) as f:
             parts = []
@@ -684,6 +735,19 @@ class _FsspecStore(_Store):
         self._pipe(path, payload, create=False)
         return True
 
+    def put_object(self, path: str, parts: Sequence[memoryview]) -> None:
+        """S3: a multipart upload of ``_PART``-byte parts, ``_REMOTE_THREADS`` at once
+        (one request would carry the whole pack on one connection); the object appears
+        only when the upload completes. Others: one put."""
+        payload = b"".join(parts)
+        if self._s3:
+            self.fs.pipe_file(path, payload, chunksize=_PART, max_concurrency=_REMOTE_THREADS)
+        else:
+            self._pipe(path, payload, create=False)
+
+    def open_upload(self, path: str) -> _S3Upload | None:
+        return _S3Upload(self.fs, path) if self._s3 else None
+
     def create(self, path: str, data: memoryview) -> None:
         self._pipe(path, bytes(data), create=True)
 
@@ -708,6 +772,25 @@ class _FsspecStore(_Store):
             if exc.errno == errno.EINVAL and self.fs.size(path) == 0:
                 return b""
             raise
+
+    def read_range(self, path: str, start: int, parts: Sequence[memoryview]) -> int:
+        want = sum(len(p) for p in parts)
+        if not want:
+            return 0
+        data = self.fs.cat_file(path, start=start, end=start + want)  # one ranged request
+        return min(scatter(data, parts), want)
+
+    def sizes(self, directory: str) -> dict[str, int]:
+        self.fs.invalidate_cache(directory)
+        try:
+            entries = self.fs.ls(directory, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e["type"] == "file"
+        }
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         if not self.fs.async_impl or len(paths) < 2:
@@ -782,7 +865,82 @@ class _FsspecStore(_Store):
                 yield path[len(prefix) :]
 
 
+class _S3Upload:
+    """A pack streamed to S3 as a multipart upload: each ``_PART`` bytes added go out as a
+    part (up to ``_REMOTE_THREADS`` at once) while the pack is still being filled; the
+    object exists only once :meth:`finish` completes the upload. A pack that stays under
+    one part is one ``PutObject``. An upload never completed is invisible (an S3
+    lifecycle rule aborting incomplete multipart uploads frees its parts)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self._fs, self._path = fs, path
+        self._bucket, self._key, _ = fs.split_path(path)
+        self._buf = bytearray()
+        self._id: str | None = None
+        self._parts: list[Any] = []  # concurrent futures of upload_part, in order
+
+    def _s3(self, method: str, **kwargs: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(
+            self._fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs),
+            self._fs.loop,
+        )
+
+    def _send(self, body: bytes) -> None:
+        if self._id is None:
+            self._id = self._s3("create_multipart_upload").result()["UploadId"]
+        busy = [f for f in self._parts if not f.done()]
+        if len(busy) >= _REMOTE_THREADS:
+            busy[0].result()
+        for f in self._parts:
+            if f.done():
+                f.result()  # a failed part fails the pack now
+        n = len(self._parts) + 1
+        self._parts.append(self._s3("upload_part", UploadId=self._id, PartNumber=n, Body=body))
+
+    def add(self, data: bytes) -> None:
+        self._buf += data
+        while len(self._buf) >= _PART:
+            self._send(bytes(self._buf[:_PART]))
+            del self._buf[:_PART]
+
+    def finish(self, tail: bytes) -> None:
+        self._buf += tail
+        if self._id is None:
+            self._fs.pipe_file(self._path, bytes(self._buf))
+            return
+        self._send(bytes(self._buf))  # the last part may be short
+        self._buf = bytearray()
+        parts = [
+            {"PartNumber": i, "ETag": f.result()["ETag"]} for i, f in enumerate(self._parts, 1)
+        ]
+        self._s3(
+            "complete_multipart_upload", UploadId=self._id, MultipartUpload={"Parts": parts}
+        ).result()
+        self._fs.invalidate_cache(self._path)
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+        if self._id is not None:
+            for f in self._parts:
+                f.cancel()
+            self._s3("abort_multipart_upload", UploadId=self._id).result()
+            self._id = None
+
+
 # --- the tier ------------------------------------------------------------------------
+
+
+def _parse_pack_size(value: int | str | None, url: str, *, default: int) -> int:
+    """The ``pack_size`` option in bytes (0: no packs, one object per blob)."""
+    if value is None:
+        return default
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise invalid_url(url, f"pack_size: {exc}") from None
+    if size < 0:
+        raise invalid_url(url, f"pack_size must be 0 (no packs) or positive, got {value!r}")
+    return size
 
 
 def _parse_bool(value: Any, name: str, url: str) -> bool | None:
@@ -807,6 +965,7 @@ class FsspecTier(Tier):
         persistent: bool | None = None,
         speed_rank: int | None = None,
         compress: bool | None = None,
+        pack_size: int | str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -845,17 +1004,41 @@ class FsspecTier(Tier):
         self._sep = os.sep if local else "/"
         self._blob_dir = self._join(self._root, "blobs")
         self._log_dir = self._join(self._root, "log")
-        self._check_marker()
+        self._packs: PackedBlobs | None = None
+        size = _parse_pack_size(pack_size, url, default=0 if local or memory else DEFAULT_PACK_SIZE)
+        self._check_marker(packed=bool(size))
+        if size:
+            self._packs = PackedBlobs(
+                self._store,
+                url=url,
+                root=self._root,
+                pack_size=size,
+                call=self._call,
+                join=self._join,
+                loose_path=self._blob_path,
+                remote=not (local or memory),
+            )
+
+    def flush(self) -> None:
+        """Write the blobs waiting for a pack (a packed tier); make their names durable."""
+        if self.read_only:
+            return
+        if self._packs is not None:
+            self._packs.flush()
+        self._call("sync", "", self._store.sync)
 
     def close(self) -> None:
-        """Make the names of blobs put since the last log record durable (a failure is
-        logged: no record names those blobs yet, so nothing committed depends on them)."""
+        """Write the blobs still waiting for a pack, and make the names of blobs put since
+        the last log record durable (a failure is logged: no record names those blobs
+        yet, so nothing committed depends on them)."""
         if self.read_only:
             return
         try:
+            if self._packs is not None:
+                self._packs.flush()  # blobs waiting for a pack are written at close too
             self._store.sync()
-        except OSError as exc:
-            log.warning("%s: could not fsync blob directories at close: %s", self.url, exc)
+        except (OSError, TierError) as exc:
+            log.warning("%s: could not store the last blobs at close: %s", self.url, exc)
 
     # --- paths ---------------------------------------------------------------------
 
@@ -886,14 +1069,18 @@ class FsspecTier(Tier):
 
     # --- marker --------------------------------------------------------------------
 
-    def _check_marker(self) -> None:
+    def _check_marker(self, *, packed: bool) -> None:
+        """Check the root's marker (create it on a writable open). A tier that writes
+        packs says layout 2, so that a tiercheck that cannot read packs refuses the root
+        instead of finding it empty; one that does not keeps layout 1."""
         path = self._join(self._root, _MARKER)
+        want = LAYOUT_VERSION if packed else 1
+        body = json.dumps({"tier": _MARKER_KIND, "layout": want}).encode()
         try:
             raw = bytes(self._call("open", _MARKER, lambda: self._store.read(path, None)))
         except NotFound:
             if self.read_only:
                 return
-            body = json.dumps({"tier": _MARKER_KIND, "layout": LAYOUT_VERSION}).encode()
             try:
                 self._call(
                     "create marker", _MARKER, lambda: self._store.create(path, memoryview(body))
@@ -916,6 +1103,12 @@ class FsspecTier(Tier):
             raise FormatVersionError(
                 f"tier {self.url} has layout {layout}; this tiercheck reads up to "
                 f"{LAYOUT_VERSION}: upgrade tiercheck"
+            )
+        if layout < want and not self.read_only:
+            self._call(
+                "upgrade marker",
+                _MARKER,
+                lambda: self._store.put(path, (memoryview(body),), if_absent=False),
             )
 
     # --- owner ---------------------------------------------------------------------
@@ -953,6 +1146,8 @@ class FsspecTier(Tier):
         path = self._blob_path(blob_id)
         self._check_writable("put")
         views = [_byte_view(p) for p in parts]
+        if self._packs is not None:
+            return self._packs.put(blob_id, views, overwrite=overwrite)
         written: bool = self._call(
             "put", blob_id, lambda: self._store.put(path, views, if_absent=not overwrite)
         )
@@ -962,8 +1157,8 @@ class FsspecTier(Tier):
         """A local file system writes the temporary file now and fsyncs and names it in
         :meth:`PendingPut.finish`; any other store puts at once."""
         store = self._store
-        if not isinstance(store, _LocalStore):
-            return super().begin_put(blob_id, parts)
+        if not isinstance(store, _LocalStore) or self._packs is not None:
+            return super().begin_put(blob_id, parts)  # a pack copies the parts at once
         path = self._blob_path(blob_id)
         self._check_writable("put")
         views = [_byte_view(p) for p in parts]
@@ -973,6 +1168,9 @@ class FsspecTier(Tier):
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> int:
         batch = [(self._blob_path(bid), _byte_view(data), bid) for bid, data in items]
         self._check_writable("put")
+        if self._packs is not None:
+            packs = self._packs
+            return sum(1 for _, view, bid in batch if packs.put(bid, (view,), overwrite=False))
         store = self._store
         if isinstance(store, _LocalStore) or len(batch) < 2:
             count = 0
@@ -992,6 +1190,11 @@ class FsspecTier(Tier):
             return sum(1 for written in pool.map(one, batch) if written)
 
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
+        if self._packs is not None:
+            return self._packs.get(blob_id, out, partial(self._get_loose, blob_id, out))
+        return self._get_loose(blob_id, out)
+
+    def _get_loose(self, blob_id: str, out: memoryview | None) -> memoryview:
         path = self._blob_path(blob_id)
         try:
             view: memoryview = self._call("get", blob_id, lambda: self._store.read(path, out))
@@ -1003,7 +1206,14 @@ class FsspecTier(Tier):
 
     def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
         """As ``Tier.get_parts``; a local file is read with ``preadv`` straight into
-        ``parts``."""
+        ``parts``; a packed blob by one ranged read."""
+        if self._packs is not None:
+            return self._packs.get_parts(
+                blob_id, parts, partial(self._get_parts_loose, blob_id, parts)
+            )
+        return self._get_parts_loose(blob_id, parts)
+
+    def _get_parts_loose(self, blob_id: str, parts: Sequence[memoryview]) -> int:
         path = self._blob_path(blob_id)
         try:
             size: int = self._call("get", blob_id, lambda: self._store.read_parts(path, parts))
@@ -1016,6 +1226,13 @@ class FsspecTier(Tier):
         path = self._blob_path(blob_id)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if self._packs is not None:
+            return self._packs.head(
+                blob_id, nbytes, partial(self._head_loose, path, blob_id, nbytes)
+            )
+        return self._head_loose(path, blob_id, nbytes)
+
+    def _head_loose(self, path: str, blob_id: str, nbytes: int) -> bytes:
         try:
             data: bytes = self._call("head", blob_id, lambda: self._store.head(path, nbytes))
         except NotFound:
@@ -1024,6 +1241,11 @@ class FsspecTier(Tier):
 
     def size(self, blob_id: str) -> int:
         path = self._blob_path(blob_id)
+        if self._packs is not None:
+            return self._packs.size(blob_id, partial(self._size_loose, path, blob_id))
+        return self._size_loose(path, blob_id)
+
+    def _size_loose(self, path: str, blob_id: str) -> int:
         try:
             n: int = self._call("size", blob_id, lambda: self._store.size(path))
         except NotFound:
@@ -1032,6 +1254,8 @@ class FsspecTier(Tier):
 
     def has(self, blob_ids: Iterable[str]) -> set[str]:
         ids = list(blob_ids)
+        if self._packs is not None:
+            return self._packs.has(ids)
         paths = [self._blob_path(b) for b in ids]
         if not ids:
             return set()
@@ -1042,6 +1266,8 @@ class FsspecTier(Tier):
         ids = list(dict.fromkeys(blob_ids))
         paths = [self._blob_path(b) for b in ids]
         self._check_writable("delete")
+        if self._packs is not None:
+            return self._packs.delete(ids)
         if not ids:
             return 0
         present = [
@@ -1056,19 +1282,28 @@ class FsspecTier(Tier):
         return len(present)
 
     def written_at(self, blob_ids: Sequence[str]) -> dict[str, float]:
-        """Each blob object's modification time (one stat or HEAD each)."""
+        """Each blob object's modification time (one stat or HEAD each); a packed blob's is
+        its pack's."""
+        if self._packs is not None:
+            return self._packs.written_at(blob_ids, self._loose_written_at)
         out: dict[str, float] = {}
         for blob_id in blob_ids:
-            path = self._blob_path(blob_id)
             try:
-                t = self._call("written_at", blob_id, partial(self._store.mtime, path))
+                t = self._loose_written_at(blob_id)
             except NotFound:
                 continue
             if t is not None:
                 out[blob_id] = t
         return out
 
+    def _loose_written_at(self, blob_id: str) -> float | None:
+        path = self._blob_path(blob_id)
+        t: float | None = self._call("written_at", blob_id, partial(self._store.mtime, path))
+        return t
+
     def list(self) -> Iterator[str]:
+        if self._packs is not None:
+            return iter(self._packs.list())
         rels: builtins.list[str] = self._call(
             "list", "", lambda: list(self._store.files_below(self._blob_dir))
         )
@@ -1109,6 +1344,8 @@ class FsspecTier(Tier):
             check_blob_id(bid, self.url)
         if items:
             self.put_many(items)
+        if self._packs is not None:
+            self._packs.flush()  # every blob put so far is in a pack before the record
         self._call("sync", "", self._store.sync)  # every blob named so far is durable
         with self._lock:
             seq = self._next_seq

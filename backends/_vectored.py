@@ -13,9 +13,9 @@ _IOV_MAX = 1024
 _IO_STEP = 1 << 30
 
 
-def read_parts(fd: int, parts: Sequence[memoryview], size: int) -> int:
-    """Fill ``parts`` in order from the start of the file ``fd`` of ``size`` bytes, up to
-    ``size``; return the bytes read (less than asked only if the file shrank)."""
+def read_parts(fd: int, parts: Sequence[memoryview], size: int, start: int = 0) -> int:
+    """Fill ``parts`` in order from byte ``start`` of the file ``fd``, up to ``size``
+    bytes; return the bytes read (less than asked only if the file ended or shrank)."""
     views: list[memoryview] = []
     left = size
     for part in parts:
@@ -28,7 +28,7 @@ def read_parts(fd: int, parts: Sequence[memoryview], size: int) -> int:
     pos = 0
     i = 0
     while i < len(views):
-        got = os.preadv(fd, views[i : i + _IOV_MAX], pos)
+        got = os.preadv(fd, views[i : i + _IOV_MAX], start + pos)
         if got == 0:
             break
         pos += got

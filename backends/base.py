@@ -11,7 +11,11 @@ The engine's call sequence into a tier, which an implementation may rely on:
 2. Saving a version: ``has(ids)`` to skip what is there, then ``put``/``put_many`` for the
    missing blobs, then ``append(record, blobs=...)``. A record is appended only after every
    blob it references is durable in this tier (a tier with transactions may put the blobs
-   passed as ``blobs`` in the same transaction as the record).
+   passed as ``blobs`` in the same transaction as the record). A tier may batch the blobs
+   put since its last ``append`` (a packed object store writes them into one pack object):
+   they are readable through the same instance at once, and durable and visible to other
+   instances once ``append``, ``flush()`` or ``close()`` returns; ``append`` makes them
+   durable before its record, so a record never names a blob that is not stored.
 3. Restoring: ``read_log()`` once, then ``get`` or ``get_parts`` per blob (possibly into a
    caller buffer).
 4. Repair: ``put(id, data, overwrite=True)`` replaces a copy found corrupt.
@@ -356,6 +360,13 @@ class Tier(abc.ABC):
         default raises ``NotSupported``: the engine then keeps the whole log.
         """
         raise self._unsupported("log compaction (replace_log_prefix)")
+
+    def flush(self) -> None:  # noqa: B027 - optional hook, most tiers store at once
+        """Make every blob put so far durable and visible to other instances.
+
+        A tier that batches puts (see the call sequence above) writes what is waiting;
+        ``append`` and ``close`` do it too. Default: nothing (puts are stored on return).
+        """
 
     # --- resources -----------------------------------------------------------------
 

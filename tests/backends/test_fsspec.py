@@ -243,6 +243,7 @@ def test_read_only(opener: Opener) -> None:
     writer = opener()
     bid, data = blob(100)
     writer.put(bid, data)
+    writer.flush()  # an object store's blobs wait for a pack until then
     ro = opener(read_only=True)
     assert ro.read_only
     with pytest.raises(ReadOnlyTier):

@@ -172,11 +172,12 @@ def default_config(root: Path, *, multi_rank: bool = False) -> StoreConfig:
             # relative to the root: a moved root still opens its tiers
             TierSpec("lmdb", f"lmdb://{ROOT_PLACEHOLDER}/lmdb{per_rank}"),
             # a directory on this node's disk: it survives a crash and a reboot, not the
-            # node; shared by the ranks, so it takes migrated bases (placement defaults)
+            # node; shared by the ranks, so it takes migrated bases (placement defaults),
+            # in packs: a few files per base, not one per chunk
             TierSpec(
                 "remote",
                 f"file://{ROOT_PLACEHOLDER}/remote",
-                {"survives": "process", "shared": True},
+                {"survives": "process", "shared": True, "pack_size": "128MiB"},
             ),
         ),
         policy=Policy(),

@@ -154,6 +154,9 @@ class WrapperTier(Tier):
     def bind_store(self, root: str) -> None:
         self.inner.bind_store(root)
 
+    def flush(self) -> None:
+        self.inner.flush()
+
     def close(self) -> None:
         self.inner.close()
 
