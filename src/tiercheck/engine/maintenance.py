@@ -223,7 +223,8 @@ class Maintenance:
         # listing a tier is not free (a remote one especially): sweep only after a drop,
         # while swept candidates wait out their grace, and once after opening
         if drops or slot.name in self._gc_due:
-            report = self._sweep(slot, self._gc_state, self._grace(slot), False)
+            grace = self._grace(slot) if drops else self.policy.gc_grace_seconds
+            report = self._sweep(slot, self._gc_state, grace, False)
             if report.waiting or report.fenced:
                 self._gc_due.add(slot.name)
             else:
@@ -318,12 +319,13 @@ class Maintenance:
         return Shortfall(slot.name, needed, held, budget)
 
     def _grace(self, slot: TierSlot) -> float:
-        """The grace of a sweep of ``slot`` after retention or to make room: none where only
-        this process writes (not a shared tier: this process's saves and migrations are
-        fenced, and no other writer can leave a blob behind that it would still commit),
-        the policy's in a shared tier. Without it, what retention dropped would stay on
-        disk for the grace period: an LMDB file, which never shrinks, would grow by a state
-        per base saved during it."""
+        """The grace of a sweep of ``slot`` after retention dropped versions or to make
+        room: none where only this process writes (not a shared tier: this process's saves
+        and migrations are fenced, and no other writer can leave a blob behind that it
+        would still commit), the policy's in a shared tier. Without it, what retention
+        dropped would stay on disk for the grace period: an LMDB file, which never shrinks,
+        would grow by a state per base saved during it. (The sweep after opening, with
+        nothing dropped, keeps the policy's grace.)"""
         assert slot.tier is not None
         return self.policy.gc_grace_seconds if slot.tier.capabilities.shared else 0.0
 
