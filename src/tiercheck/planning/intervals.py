@@ -705,8 +705,9 @@ def recommended_config(result: Plan, design: str | None = None) -> str:
         "policy": {"base_every": d.base_every},
         "tier": [],
     }
-    # the remote tier receives a base once per base interval of this schedule (remote_every)
-    remote_every = f"{max(1, round(d.interval_s * d.base_every))}s"
+    # the remote tier receives a base once per base interval of this schedule, counted in
+    # steps (a duration would skip a base that came a little early)
+    remote_every = d.steps_per_version * d.base_every
     if not only:
         body["policy"]["remote_every"] = remote_every
     for name in d.design.tiers:
@@ -725,7 +726,12 @@ def recommended_config(result: Plan, design: str | None = None) -> str:
         f"# Call save() every {d.steps_per_version} steps ({d.interval_s:.0f} s of training);",
         f"# expected goodput {100 * d.goodput:.2f}% (+/- {100 * d.goodput_ci:.2f}).",
         f"# base_every = {d.base_every}: the remote tier receives {every}"
-        + (f", at most one per {remote_every} (remote_every)." if not only else "."),
+        + (
+            f", at most one per {remote_every} steps ({d.interval_s * d.base_every:.0f} s; "
+            "remote_every)."
+            if not only
+            else "."
+        ),
         "# Replace the placeholder URLs; a peer URL names a daemon on another node.",
         "",
     ]
