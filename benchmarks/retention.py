@@ -130,7 +130,7 @@ def footprint(root: Path) -> dict[str, Any]:
                 path = root / "lmdb"
             roles: dict[str, int] = {}
             for v in history:
-                if slot.name in v.tiers:
+                if v.tiers.get(slot.name) == "committed":
                     roles[v.role] = roles.get(v.role, 0) + 1
             entry: dict[str, Any] = {
                 "disk_bytes": tree_bytes(Path(path)) if path is not None else None,
@@ -227,9 +227,7 @@ def main() -> None:
     print(
         f"\n{result['saves']} guarded saves of a {result['state_bytes'] / MIB:.0f} MiB state, "
         f"after gc --grace 0: {result['on_disk_x']:.1f}x the state on disk "
-        + ", ".join(
-            f"{n} {e['disk_x']:.1f}x" for n, e in a.items() if e["disk_x"] is not None
-        )
+        + ", ".join(f"{n} {e['disk_x']:.1f}x" for n, e in a.items() if e["disk_x"] is not None)
         + (
             f"; remote {a['remote']['objects']} objects, "
             f"{a['remote']['objects_per_base']:.0f} per base"
