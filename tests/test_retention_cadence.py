@@ -61,6 +61,12 @@ def test_a_bad_cadence_is_a_config_error_that_says_what_is_accepted(value: objec
         TierPolicy(milestones=value)  # type: ignore[arg-type]
 
 
+def test_remote_every_none_is_refused_for_0() -> None:
+    with pytest.raises(ConfigError, match="0 sends every base"):
+        Policy(remote_every=None)  # type: ignore[arg-type]
+    assert parse_cadence(Policy(remote_every=0).remote_every, "remote_every") is None
+
+
 def test_every_is_refused_on_a_synchronous_tier() -> None:
     with pytest.raises(ConfigError, match=r"every='1h' applies to an asynchronous tier"):
         TierPolicy(mode="sync", every="1h")

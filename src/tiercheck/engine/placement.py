@@ -196,6 +196,8 @@ class Policy:
                 raise ConfigError(
                     f"{name} must be 'process', 'node', 'cluster' or None, got {value!r}"
                 )
+        if self.remote_every is None:  # TOML has no null: 0 is written and read back
+            raise ConfigError("remote_every must be a cadence; 0 sends every base")
         parse_cadence(self.remote_every, "remote_every")
         for name, tp in self.tiers.items():
             if not isinstance(tp, TierPolicy):
