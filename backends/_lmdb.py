@@ -95,8 +95,10 @@ DEFAULT_MAP_SIZE = 1 << 30
 # transaction's dirty pages in heap memory until commit.
 _BATCH_BYTES = 256 << 20
 # Disk blocks are reserved (writemap) in steps of this many bytes, with this much slack for
-# the tree pages and the free list a transaction rewrites beside its values.
-_RESERVE_STEP = 64 << 20
+# the tree pages and the free list a transaction rewrites beside its values. A step of 16 MiB
+# is still one posix_fallocate per transaction or fewer, and what a store of a small state
+# holds on disk ahead of its pages stays small (docs/configuration.md, "Footprint").
+_RESERVE_STEP = 16 << 20
 _RESERVE_SLACK = 16 << 20
 _SEQ = struct.Struct(">Q")
 _OWNER_KEY = b"tiercheck.owner"

@@ -256,6 +256,8 @@ def tiers_json(ckpt: Any) -> list[dict[str, Any]]:
                     "codec": pol.codec,
                     "keep_bases": pol.keep_bases,
                     "keep_diffs": pol.keep_diffs,
+                    "every": pol.every,
+                    "milestones": pol.milestones,
                     "guarantee": "required" if pol.required else "best_effort",
                 },
             }

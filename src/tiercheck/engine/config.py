@@ -284,13 +284,15 @@ def load_config(path: Path) -> StoreConfig:
             if k in raw
         }
         if overrides:
-            tier_policies[raw["name"]] = TierPolicy(**overrides)
-    return StoreConfig(
-        coerce_tiers(specs),
-        Policy(**policy_data, tiers=tier_policies),
-        store_id=store_id,
-        recorded_root=recorded_root,
-    )
+            try:
+                tier_policies[raw["name"]] = TierPolicy(**overrides)
+            except ConfigError as exc:
+                raise ConfigError(f"{path}: tier {raw['name']!r}: {exc}") from None
+    try:
+        policy = Policy(**policy_data, tiers=tier_policies)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: [policy]: {exc}") from None
+    return StoreConfig(coerce_tiers(specs), policy, store_id=store_id, recorded_root=recorded_root)
 
 
 _SECRET_NAMES = frozenset(

@@ -257,7 +257,8 @@ class Maintenance:
         # listing a tier is not free (a remote one especially): sweep only after a drop,
         # while swept candidates wait out their grace, and once after opening
         if drops or slot.name in self._gc_due:
-            report = self._sweep(slot, self._gc_state, self.policy.gc_grace_seconds, False)
+            grace = self._grace(slot) if drops else self.policy.gc_grace_seconds
+            report = self._sweep(slot, self._gc_state, grace, False)
             if report.waiting or report.fenced:
                 self._gc_due.add(slot.name)
             else:
@@ -318,8 +319,7 @@ class Maintenance:
             return None
         if slot.policy is None or not self._manages(slot):
             return Shortfall(slot.name, needed, held, budget)
-        shared = tier.capabilities.shared
-        grace = self.policy.gc_grace_seconds if shared else 0.0
+        grace = self._grace(slot)
         # first what retention dropped already (waiting out its grace), then tighter steps,
         # and last what a more durable tier keeps; never what this tier must keep (which
         # these drops do not change: its newest version and what that needs stay)
@@ -351,6 +351,17 @@ class Maintenance:
             if held + needed <= budget:
                 return None
         return Shortfall(slot.name, needed, held, budget)
+
+    def _grace(self, slot: TierSlot) -> float:
+        """The grace of a sweep of ``slot`` after retention dropped versions or to make
+        room: none where only this process writes (not a shared tier: this process's saves
+        and migrations are fenced, and no other writer can leave a blob behind that it
+        would still commit), the policy's in a shared tier. Without it, what retention
+        dropped would stay on disk for the grace period: an LMDB file, which never shrinks,
+        would grow by a state per base saved during it. (The sweep after opening, with
+        nothing dropped, keeps the policy's grace.)"""
+        assert slot.tier is not None
+        return self.policy.gc_grace_seconds if slot.tier.capabilities.shared else 0.0
 
     def _protection(self, slot: TierSlot) -> Protection:
         """What ``slot``'s tier must keep now (:func:`tiercheck.engine.retention.protection`)."""

@@ -139,6 +139,8 @@ class MigrationService:
         self._closing = False  # stop() is finishing the queue: no waiting on unreachable tiers
         self._halted = False  # stop() gave up: settle what is left as abandoned
         self._abandoned: list[tuple[int, str, str]] = []
+        # tier -> (step, time) of the newest version it holds or was sent (cadence)
+        self._sent: dict[str, tuple[int, float]] = {}
         self._rng = random.Random()
         self._thread = threading.Thread(
             target=reporting(failures, "the migration thread stopped", self._loop),
@@ -149,13 +151,40 @@ class MigrationService:
 
     # --- called by the save pipeline ---------------------------------------------------
 
-    def targets(self, info: VersionInfo) -> list[TierSlot]:
-        """The asynchronous tiers that want ``info``."""
-        return [
-            s
-            for s in self.tierset.open()
-            if s.policy is not None and s.policy.mode == "async" and s.policy.wants(info.role)
-        ]
+    def targets(self, info: VersionInfo) -> tuple[list[TierSlot], dict[str, str]]:
+        """The asynchronous tiers that want ``info`` and are due for it, and the tiers
+        that want it but whose cadence (``TierPolicy.every``) is not due yet, with why.
+
+        A tier is due when it has no version yet, or ``info`` is ``every`` after the newest
+        version it holds or was sent (by step or by the versions' time, so that every rank
+        decides alike); called once per version, in commit order."""
+        due: list[TierSlot] = []
+        later: dict[str, str] = {}
+        for s in self.tierset.open():
+            if s.policy is None or s.policy.mode != "async" or not s.policy.wants(info.role):
+                continue
+            cadence = s.policy.cadence
+            if cadence is not None:
+                with self._cond:
+                    last = self._sent.get(s.name) or self._newest_held(s.name)
+                    if last is not None and not cadence.due(info.step, info.time, *last):
+                        later[s.name] = (
+                            f"not due: the tier receives a version every {cadence.describe()} "
+                            f"(every={s.policy.every!r}), the last from step {last[0]}"
+                        )
+                        continue
+                    self._sent[s.name] = (info.step, info.time)
+            due.append(s)
+        return due, later
+
+    def _newest_held(self, tier: str) -> tuple[int, float] | None:
+        """``(step, time)`` of the newest version ``tier`` holds, as the catalog knows it."""
+        tl = self.catalog.snapshot().logs.get(tier)
+        held = tl.held() if tl is not None else []
+        if tl is None or not held:
+            return None
+        newest = tl.committed[held[-1]]
+        return newest.step, newest.time
 
     def reserve(
         self, info: VersionInfo, targets: Sequence[TierSlot], ids: Sequence[str]
@@ -417,6 +446,12 @@ class MigrationService:
             )
         if last_of_version:
             self.release(job.reservation)
+        with self._cond:  # one that never arrived: the cadence counts from what the tier holds
+            if state != "committed" and self._sent.get(job.slot.name) == (
+                job.info.step,
+                job.info.time,
+            ):
+                del self._sent[job.slot.name]
         handle = job.handle
         if handle is not None and handle._migration_settled(job.slot.name, state, error):
             states = handle.result_now()

@@ -9,7 +9,11 @@ from its declared capabilities (:func:`default_tier_policy`, docs/configuration.
 | in-process or host memory (``memory``, shm) | all      | sync  | raw   | newest base + its diffs |
 | peer memory (survives a node)               | all      | sync  | delta | newest base + its diffs |
 | persistent node-local (LMDB, local file)    | base     | sync  | raw   | 2 newest bases          |
-| shared / survives the cluster (remote)      | base     | async | zstd  | every base              |
+| shared / survives the cluster (remote)      | base     | async | zstd  | 2 newest bases          |
+
+The remote tier receives a base at most every ``Policy.remote_every`` (30 minutes unless
+the configuration says otherwise, as ``tiercheck plan``'s recommendation does): the
+versions between live in the faster tiers (cadence by durability, DESIGN.md).
 
 A shared or cluster-surviving tier that declares ``compress=False`` (a file system mounted
 on this node: a local disk, NFS, Lustre) gets ``raw`` instead of ``zstd``.
@@ -32,6 +36,7 @@ from typing import Literal
 
 from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.core.chunking import DEFAULT_CHUNK_SIZE
+from tiercheck.engine.cadence import Cadence, CadenceValue, parse_cadence
 from tiercheck.errors import ConfigError
 
 __all__ = ["Durability", "Guarantee", "Policy", "TierPolicy", "default_tier_policy"]
@@ -60,6 +65,12 @@ class TierPolicy:
       asynchronous one) or ``"best_effort"`` (a failure lowers the commit level and is
       reported in the result, nothing more). ``None``: required if ``mode="sync"``,
       best effort if ``mode="async"``.
+    - ``every``: a cadence (:mod:`tiercheck.engine.cadence`: ``500`` steps, ``"30min"``)
+      for an asynchronous tier: a version is migrated to it only once this much has passed
+      since the newest version it holds or was sent; ``None`` (or ``0``): every version it
+      wants. The default placement of a remote tier sets it to ``Policy.remote_every``.
+    - ``milestones``: a cadence; retention also keeps the oldest base of each such window
+      (every 1,000 steps, every ``"6h"``), besides the newest ``keep_bases``. ``None``: none.
     """
 
     versions: Versions = "all"
@@ -68,6 +79,8 @@ class TierPolicy:
     keep_bases: int | None = 1
     keep_diffs: int | None = None
     guarantee: Guarantee | None = None
+    every: CadenceValue = None
+    milestones: CadenceValue = None
 
     def __post_init__(self) -> None:
         if self.versions not in ("all", "base"):
@@ -86,6 +99,22 @@ class TierPolicy:
             raise ConfigError(
                 f"guarantee must be 'required' or 'best_effort', got {self.guarantee!r}"
             )
+        if parse_cadence(self.every, "every") is not None and self.mode != "async":
+            raise ConfigError(
+                f"every={self.every!r} applies to an asynchronous tier (mode='async'): a "
+                "synchronous tier takes every version it wants as part of the commit"
+            )
+        parse_cadence(self.milestones, "milestones")
+
+    @property
+    def cadence(self) -> Cadence | None:
+        """The parsed ``every`` (None: every version the tier wants)."""
+        return parse_cadence(self.every, "every")
+
+    @property
+    def milestone_cadence(self) -> Cadence | None:
+        """The parsed ``milestones`` (None: no milestones)."""
+        return parse_cadence(self.milestones, "milestones")
 
     def wants(self, role: str) -> bool:
         return self.versions == "all" or role == "base"
@@ -112,7 +141,8 @@ class Policy:
       fsspec), else first seen unreferenced this long ago by this process. Blobs of saves
       and migrations in flight are protected without it (in this process, and through
       leases in shared tiers); the grace only delays deleting what a crashed writer left
-      behind.
+      behind. Maintenance sweeps a tier only this
+      process writes to (not shared) at once after retention: no other writer is there.
     - ``hash_threads``: threads for hashing and encoding (``0``: one per core).
     - ``durability``: the failure domain ``wait()`` promises: it raises
       :class:`~tiercheck.errors.DurabilityError` unless a tier that committed the version
@@ -123,6 +153,9 @@ class Policy:
       optimizer steps (estimated from the steps as timed at capture, plus verification);
       a save that would exceed it is a full version. Only applies where an optimizer is
       guarded with its update log (``Checkpointer.guard``).
+    - ``remote_every``: the cadence (``"30min"``, ``"2h"``, ``500`` steps; ``0``: every
+      base) at which a remote tier with the default placement receives a base
+      (``TierPolicy.every``); ``tiercheck plan`` writes its recommendation here.
     - ``tiers``: a :class:`TierPolicy` per tier name; absent names get defaults.
     """
 
@@ -135,6 +168,7 @@ class Policy:
     durability: Durability | None = None
     migrated_durability: Durability | None = None
     max_replay_seconds: float = 30.0
+    remote_every: str | int = "30min"
     tiers: Mapping[str, TierPolicy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,6 +198,9 @@ class Policy:
                 raise ConfigError(
                     f"{name} must be 'process', 'node', 'cluster' or None, got {value!r}"
                 )
+        if self.remote_every is None:  # TOML has no null: 0 is written and read back
+            raise ConfigError("remote_every must be a cadence; 0 sends every base")
+        parse_cadence(self.remote_every, "remote_every")
         for name, tp in self.tiers.items():
             if not isinstance(tp, TierPolicy):
                 raise ConfigError(f"policy for tier {name!r} must be a TierPolicy")
@@ -171,14 +208,20 @@ class Policy:
     def for_tier(self, name: str, caps: Capabilities) -> TierPolicy:
         """The placement of tier ``name``: explicit, or the default for its capabilities."""
         explicit = self.tiers.get(name)
-        return explicit if explicit is not None else default_tier_policy(caps, self.base_every)
+        if explicit is not None:
+            return explicit
+        return default_tier_policy(caps, self.base_every, self.remote_every)
 
 
-def default_tier_policy(caps: Capabilities, base_every: int = 10) -> TierPolicy:
+def default_tier_policy(
+    caps: Capabilities, base_every: int = 10, remote_every: CadenceValue = "30min"
+) -> TierPolicy:
     """The default placement for a tier with capabilities ``caps`` (the table above)."""
     if caps.shared or caps.survives == FailureDomain.CLUSTER:
         codec: CodecName = "zstd" if caps.compress else "raw"
-        return TierPolicy(versions="base", mode="async", codec=codec, keep_bases=None)
+        return TierPolicy(
+            versions="base", mode="async", codec=codec, keep_bases=2, every=remote_every
+        )
     if caps.survives == FailureDomain.NODE:
         return TierPolicy(versions="all", mode="sync", codec="delta", keep_bases=1)
     if caps.persistent:

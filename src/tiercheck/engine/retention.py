@@ -1,8 +1,9 @@
 """Retention (which versions a tier keeps) and garbage collection (which blobs it keeps).
 
 Retention drops versions from a tier by appending ``drop`` records, never deleting data
-directly: the newest ``keep_bases`` bases are kept, diffs are kept only while their base
-is, the newest ``keep_diffs`` of those; pinned versions (a migration still reading them)
+directly: the newest ``keep_bases`` bases are kept, and the milestones (the oldest base of
+each ``milestones`` window), diffs are kept only while their base is, the newest
+``keep_diffs`` of those; pinned versions (a migration still reading them)
 are never dropped, and neither is a base that a kept diff needs.
 
 GC is mark-and-sweep per tier: the mark set is every chunk and manifest of every version
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tiercheck.backends.base import Capabilities, Tier
@@ -48,7 +49,7 @@ from tiercheck.engine.placement import TierPolicy
 from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import BlobCorrupt, FormatVersionError, NotFound, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE, BLOB_MAGIC, read_header
-from tiercheck.formats.manifest import DropRecord, ShardManifest
+from tiercheck.formats.manifest import DropRecord, ShardManifest, VersionInfo
 
 __all__ = [
     "GCReport",
@@ -57,6 +58,7 @@ __all__ = [
     "at_least_as_durable",
     "collect_garbage",
     "drop_versions",
+    "milestones",
     "plan_drops",
     "protection",
 ]
@@ -149,6 +151,7 @@ def plan_drops(
     info = {v: tl.committed[v] for v in held}
     bases = [v for v in held if info[v].role == "base"]
     keep_bases = set(bases if policy.keep_bases is None else bases[-policy.keep_bases :])
+    keep_bases |= milestones(policy, [info[v] for v in bases])
     diffs = [v for v in held if info[v].role == "diff" and info[v].base in keep_bases]
     if policy.keep_diffs is not None:
         diffs = diffs[-policy.keep_diffs :] if policy.keep_diffs else []
@@ -177,6 +180,23 @@ def plan_drops(
             keep.add(base)
             todo.append(base)
     return [v for v in held if v not in keep]
+
+
+def milestones(policy: TierPolicy, bases: Sequence[VersionInfo]) -> set[int]:
+    """The milestone versions among ``bases`` (oldest first) under ``policy.milestones``:
+    the oldest base of each window (every N steps, or every so long by the versions'
+    clock). A milestone stays one as newer bases come: its window's oldest never changes."""
+    cadence = policy.milestone_cadence
+    if cadence is None:
+        return set()
+    windows: set[int] = set()
+    out: set[int] = set()
+    for v in bases:
+        w = cadence.window(v.step, v.time)
+        if w not in windows:
+            windows.add(w)
+            out.add(v.id)
+    return out
 
 
 def drop_versions(slot: TierSlot, versions: Iterable[int]) -> list[int]:

@@ -849,7 +849,9 @@ class SaveService:
         """Steps 6 and 7: confirm across ranks, judge the guarantees, deliver the outcome,
         queue the migrations and request maintenance."""
         handle = job.handle
-        targets = self.migrations.targets(info)
+        targets, later = self.migrations.targets(info)
+        for name, why in later.items():  # their cadence is not due: the faster tiers keep it
+            handle._set_tier(name, "missing", why)
         reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
         try:
             # every tier by name (the same names on every rank, whichever opened): the

@@ -145,7 +145,7 @@ class TierSet:
             return
         for slot in open_:
             if slot.policy is not None and slot.name not in policy.tiers:
-                slot.policy = replace(slot.policy, mode="sync")
+                slot.policy = replace(slot.policy, mode="sync", every=None)
                 log.info("no synchronous tier by default: %s is made one", slot.name)
                 return
         if writing and self.slots and all(s.policy is not None for s in self.slots):

@@ -729,7 +729,7 @@ def recommended_config(result: Plan, design: str | None = None) -> str:
             "versions": "base",
             "mode": "async",
             "codec": "zstd",
-            "keep_bases": "all",
+            "keep_bases": 2,
             "options": {"survives": "cluster", "shared": True},
         },
     }
@@ -739,10 +739,17 @@ def recommended_config(result: Plan, design: str | None = None) -> str:
         "policy": {"base_every": d.base_every},
         "tier": [],
     }
+    # the remote tier receives a base once per base interval of this schedule, counted in
+    # steps (a duration would skip a base that came a little early)
+    remote_every = d.steps_per_version * d.base_every
+    if not only:
+        body["policy"]["remote_every"] = remote_every
     for name in d.design.tiers:
         entry = {"name": name, **tiers[name]}
         if only:  # a single tier takes every version, synchronously
             entry.update(versions="all", mode="sync")
+        elif entry.get("mode") == "async":
+            entry["every"] = remote_every
         body["tier"].append(entry)
     job = result.job
     every = "every base version" if not only else "every version"
@@ -753,7 +760,12 @@ def recommended_config(result: Plan, design: str | None = None) -> str:
         f"# Call save() every {d.steps_per_version} steps ({d.interval_s:.0f} s of training);",
         f"# expected goodput {100 * d.goodput:.2f}% (+/- {100 * d.goodput_ci:.2f}).",
         f"# base_every = {d.base_every}: the remote tier receives {every}"
-        + (f", one per {d.interval_s * d.base_every:.0f} s." if not only else "."),
+        + (
+            f", at most one per {remote_every} steps ({d.interval_s * d.base_every:.0f} s; "
+            "remote_every)."
+            if not only
+            else "."
+        ),
         "# Replace the placeholder URLs; a peer URL names a daemon on another node.",
         "",
     ]
