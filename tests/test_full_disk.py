@@ -137,7 +137,8 @@ def test_failed_save_deletes_what_it_wrote_and_the_next_save_succeeds(
             ckpt.save(0, random_state(0, 6)).wait()
             ballast = fill(disk, leave=4)
             before = used(disk)
-            failed = ckpt.save(1, random_state(1, 8))
+            # 16 MiB: more than the free space and the slack LMDB reserved beyond its data
+            failed = ckpt.save(1, random_state(1, 16))
             with pytest.raises(DurabilityError):  # the disk tier is required: it is full
                 failed.wait()
             assert failed.result_now().tiers == {"mem": "committed", "disk": "failed"}
@@ -171,9 +172,15 @@ _WRITER = textwrap.dedent(
         policy=Policy(base_every=1, chunk_size=1 << 16, gc_grace_seconds=300,
                       tiers={"lmdb": keep1, "files": keep1}),
     )
-    for step in range(4):  # every base replaces the last: its blobs wait out the grace
+    for step in range(4):  # every base replaces the last (retention sweeps its blobs)
         g = torch.Generator().manual_seed(step)
         ckpt.save(step, {"w": torch.randn(1 << 18, generator=g), "step": step}).wait()
+    # what a writer that died mid-save leaves: blobs no record references
+    from tiercheck.formats.ids import chunk_id
+    for i in range(5):
+        blob = bytes([i]) * 70000
+        for slot in ckpt.tierset.slots:
+            slot.tier.put(chunk_id(blob), blob)
     ckpt.close()
     """
 )
@@ -224,7 +231,7 @@ def test_gc_without_flags_frees_what_a_process_that_exited_left(tmp_path: Path) 
 
     dry = gc("--dry-run")
     for tier in ("lmdb", "files"):
-        # the blobs of three dropped bases are past the grace (main: all "waiting")
+        # the blobs the dead writer left are past the grace (main: all "waiting")
         assert dry[tier]["unreferenced"] > 0, dry
         assert dry[tier]["would_delete"] == dry[tier]["unreferenced"], dry
     before = blob_files()
