@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.engine.copying import WRITE_WINDOW
+from tiercheck.engine.executors import Executors
 from tiercheck.testing.faults import FaultEvent, FaultPlan, FaultyTier
 
 CHUNK = 4096
@@ -114,3 +116,23 @@ def test_a_saves_small_chunks_are_hashed_on_the_stores_hashing_pool(
         ckpt.save(0, state).wait()
         assert hashed_on and hashed_on <= set(ckpt.executors.hashing._threads)
         assert torch.equal(ckpt.version(0)["w"], state["w"])
+
+
+def test_work_cancelled_at_shutdown_is_done_for_its_waiters() -> None:
+    """``concurrent.futures.wait`` returns for work the close cancelled (CPython's own
+    ``shutdown(cancel_futures=True)`` leaves it unnotified: a migration waiting for its
+    queued writes hung forever at close)."""
+    from concurrent.futures import wait
+
+    pools = Executors.start(threads=4)
+    release = threading.Event()
+    try:
+        busy = [pools.writes.submit(release.wait) for _ in range(WRITE_WINDOW)]
+        queued = pools.writes.submit(lambda: None)  # no thread is free: it waits in the queue
+        pools.shutdown(wait=False, cancel_futures=True)
+        done, _ = wait([queued], timeout=60)
+        assert queued in done and queued.cancelled()
+    finally:
+        release.set()
+        pools.shutdown(wait=True)
+    assert all(f.done() for f in busy)

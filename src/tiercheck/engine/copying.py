@@ -176,7 +176,7 @@ def migrate_shard(
             queued = list(in_flight)
         for write, _ in queued:
             write.cancel()  # not started yet: never started
-        wait([write for write, _ in queued])
+        wait([write for write, _ in queued if not write.cancelled()])  # those never run
         for write, pending in queued:
             if pending is not None and write.cancelled():
                 pending.abort()  # begun, never finished: its temporary file goes

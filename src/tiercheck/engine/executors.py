@@ -19,6 +19,7 @@ maintenance thread.
 from __future__ import annotations
 
 import os
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +28,24 @@ from tiercheck.engine.copying import WRITE_WINDOW
 __all__ = ["Executors"]
 
 LOG_READERS = 8  # tiers whose logs are read at once
+
+
+class _Pool(ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` whose ``shutdown(cancel_futures=True)`` also notifies the
+    futures it cancels. CPython's leaves them ``CANCELLED`` without notifying waiters, and
+    ``concurrent.futures.wait`` on such a future never returns: a migration waiting for its
+    queued writes at close hung forever."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._work_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None and item.future.cancel():
+                    item.future.set_running_or_notify_cancel()
+        super().shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 @dataclass(frozen=True)
@@ -44,12 +63,10 @@ class Executors:
         at least 4) and one hashing thread per core."""
         cores = os.cpu_count() or 2
         return cls(
-            io=ThreadPoolExecutor(
-                max_workers=threads or max(4, 2 * cores), thread_name_prefix="tiercheck-io"
-            ),
-            writes=ThreadPoolExecutor(WRITE_WINDOW, thread_name_prefix="tiercheck-write"),
-            hashing=ThreadPoolExecutor(cores, thread_name_prefix="tiercheck-hash"),
-            logs=ThreadPoolExecutor(LOG_READERS, thread_name_prefix="tiercheck-log"),
+            io=_Pool(max_workers=threads or max(4, 2 * cores), thread_name_prefix="tiercheck-io"),
+            writes=_Pool(WRITE_WINDOW, thread_name_prefix="tiercheck-write"),
+            hashing=_Pool(cores, thread_name_prefix="tiercheck-hash"),
+            logs=_Pool(LOG_READERS, thread_name_prefix="tiercheck-log"),
         )
 
     def shutdown(self, *, wait: bool, cancel_futures: bool = False) -> None:
