@@ -35,7 +35,8 @@ import re
 import shutil
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -166,6 +167,20 @@ def store_shm_roots(config: StoreConfig | None) -> list[str]:
         if found is not None and found[0] not in roots:
             roots.append(found[0])
     return roots
+
+
+def _still_held(paths: Sequence[str], looks: int = 5, pause: float = 0.1) -> dict[str, int]:
+    """:func:`_holders`, asked again a few times while it finds any: a child between fork
+    and exec holds copies of its parent's descriptors for a moment (any process of this
+    user that starts a subprocess while a store is open), while a process that really holds
+    the store open still does ``looks x pause`` seconds later."""
+    held = _holders(paths)
+    for _ in range(looks - 1):
+        if not held:
+            break
+        time.sleep(pause)
+        held = _holders(paths)
+    return held
 
 
 def _holders(paths: Iterable[str]) -> dict[str, int]:
@@ -427,7 +442,7 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
                 kept.append(f"{spec.name} ({spec.url})")
         if not path.exists() and not segments:
             raise FileNotFoundError(f"no store at {path} and no shm segment it owns")
-        held = _holders([*segments, *lmdb])
+        held = _still_held([*segments, *lmdb])
         if held:
             where, pid = next(iter(held.items()))
             raise StoreLocked(
