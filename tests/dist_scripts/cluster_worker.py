@@ -13,11 +13,11 @@ import argparse
 import json
 import os
 import signal
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _leave import leave
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
@@ -242,4 +242,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _leave import leave
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
@@ -106,4 +107,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    leave(main())

@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from _leave import leave
 
 import tiercheck
 from tiercheck import TierSpec
@@ -44,4 +45,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    leave(main())

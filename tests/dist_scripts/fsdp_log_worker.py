@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _leave import leave
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -166,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    leave(main())

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _leave import leave
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
@@ -94,4 +94,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     assert tiercheck.__version__
-    sys.exit(main())
+    leave(main())

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _leave import leave
 from torch import nn
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
@@ -91,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    leave(main())

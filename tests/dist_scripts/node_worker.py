@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _leave import leave
 
 from tiercheck import Checkpointer, Policy, TierSpec
 
@@ -124,4 +124,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

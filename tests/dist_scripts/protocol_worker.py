@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _leave import leave
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.engine.coordinator import DistCoordinator
@@ -129,4 +129,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
