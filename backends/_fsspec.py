@@ -875,7 +875,10 @@ class _S3Upload:
     def __init__(self, fs: Any, path: str) -> None:
         self._fs, self._path = fs, path
         self._bucket, self._key, _ = fs.split_path(path)
-        self._buf = bytearray()
+        # what is added but not sent yet: views of the callers' bytes (immutable), joined
+        # once per part, so a byte is copied once on its way to a part
+        self._buf: list[memoryview] = []
+        self._buffered = 0
         self._id: str | None = None
         self._parts: list[Any] = []  # concurrent futures of upload_part, in order
 
@@ -898,18 +901,26 @@ class _S3Upload:
         self._parts.append(self._s3("upload_part", UploadId=self._id, PartNumber=n, Body=body))
 
     def add(self, data: bytes) -> None:
-        self._buf += data
-        while len(self._buf) >= _PART:
-            self._send(bytes(self._buf[:_PART]))
-            del self._buf[:_PART]
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), _PART - self._buffered)
+            self._buf.append(view[:take])
+            self._buffered += take
+            view = view[take:]
+            if self._buffered == _PART:
+                self._send(self._take())
+
+    def _take(self) -> bytes:
+        body = b"".join(self._buf)
+        self._buf, self._buffered = [], 0
+        return body
 
     def finish(self, tail: bytes) -> None:
-        self._buf += tail
+        self._buf.append(memoryview(tail).cast("B"))
         if self._id is None:
-            self._fs.pipe_file(self._path, bytes(self._buf))
+            self._fs.pipe_file(self._path, self._take())
             return
-        self._send(bytes(self._buf))  # the last part may be short
-        self._buf = bytearray()
+        self._send(self._take())  # the last part may be short
         parts = [
             {"PartNumber": i, "ETag": f.result()["ETag"]} for i, f in enumerate(self._parts, 1)
         ]
@@ -919,7 +930,7 @@ class _S3Upload:
         self._fs.invalidate_cache(self._path)
 
     def abort(self) -> None:
-        self._buf = bytearray()
+        self._buf, self._buffered = [], 0
         if self._id is not None:
             for f in self._parts:
                 f.cancel()

@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 REPACK_BELOW = 0.5
 #: a remote read fetches the run of neighbouring blobs around the one asked for, up to this
 #: many bytes, and keeps it for the reads of the others (restic's restorer reads packs so)
-SPAN = 16 * 1024 * 1024
+SPAN = 32 * 1024 * 1024
 #: runs kept per tier once fetched (each at most SPAN bytes), oldest dropped first
 _SPANS_KEPT = 4
 #: packs being written at once per tier (bounds memory: each holds up to ``pack_size``)
