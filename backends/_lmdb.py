@@ -27,6 +27,8 @@ falls back to ``lock=False`` with a warning, which is only safe when no process 
 fsync'ed, content survives power loss; False trades the last transactions on power loss
 for speed, never integrity), ``map_size`` (initial map size, default 1 GiB),
 ``max_size`` (cap on map growth; default none) and ``writemap`` (default True, see below).
+The default map is 64 MiB and grows with the data, so ``data.mdb`` (as long as the map
+under writemap, a sparse file) stays near the size of what the tier holds.
 
 Transactions: every write is one LMDB write transaction, so a blob or a log record is
 either entirely there or not at all, and ``append(record, blobs=...)`` commits blobs and
@@ -44,7 +46,8 @@ less than its size plus 16 MiB is free). Where the file system cannot
 reserve blocks the tier opens without ``writemap`` (option ``writemap=False`` does too).
 
 Map growth: LMDB refuses a write that does not fit in the map (``MapFullError``). The
-tier then doubles the map (``set_mapsize``, which needs every transaction of this process
+tier then grows the map by half, or to what the write needs if that is more, in steps of
+16 MiB (``set_mapsize``, which needs every transaction of this process
 on the environment to be finished: a process-wide read/write gate per environment makes
 growth wait for readers) and retries, up to ``max_size``; past it the write raises
 ``TierFull``. A map grown by another process is adopted on ``MapResizedError``.
@@ -90,7 +93,10 @@ __all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAP_SIZE = 1 << 30
+# The map starts small and grows with the data: with writemap LMDB makes data.mdb as long
+# as the map (sparse), so a large initial map is a large file to every tool that reads
+# apparent sizes (ls, du --apparent-size, a quota on apparent bytes).
+DEFAULT_MAP_SIZE = 64 << 20
 # Bytes of blob data per write transaction in put_many: LMDB (without writemap) holds a
 # transaction's dirty pages in heap memory until commit.
 _BATCH_BYTES = 256 << 20
@@ -482,9 +488,12 @@ class LmdbTier(Tier):
         with e.gate.exclusive():
             e.env.set_mapsize(0)
 
-    def _grow(self, e: _Env, what: str, blob_id: str) -> None:
+    def _grow(self, e: _Env, what: str, blob_id: str, nbytes: int) -> None:
+        """Grow the map for a write of ``nbytes`` that did not fit: by half, or to the
+        pages in use plus the write and its slack if that is more (16 MiB steps)."""
         with e.gate.exclusive():
-            current: int = e.env.info()["map_size"]
+            info = e.env.info()
+            current: int = info["map_size"]
             if self.max_size is not None and current >= self.max_size:
                 raise TierFull(
                     f"LMDB map at {self.path} is at max_size={self.max_size} bytes "
@@ -492,7 +501,9 @@ class LmdbTier(Tier):
                     url=self.url,
                     key=blob_id,
                 )
-            new = current * 2
+            psize: int = e.env.stat()["psize"]
+            need = (info["last_pgno"] + 1) * psize + nbytes + nbytes // 16 + _RESERVE_SLACK
+            new = -(-max(current + current // 2, need) // _RESERVE_STEP) * _RESERVE_STEP
             if self.max_size is not None:
                 new = min(new, self.max_size)
             e.env.set_mapsize(new)
@@ -536,7 +547,7 @@ class LmdbTier(Tier):
                     with e.gate.shared(), e.env.begin(write=True) as txn:
                         return fn(txn, e)
                 except lmdb.MapFullError:
-                    self._grow(e, what, blob_id)  # the failed transaction was aborted
+                    self._grow(e, what, blob_id, nbytes)  # the failed txn was aborted
                 except lmdb.MapResizedError:
                     self._adopt_map_size(e)
                 except lmdb.Error as exc:
