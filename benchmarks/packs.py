@@ -9,11 +9,22 @@ before packs; ``packs``: the default 128 MiB packs), per run, on a fresh bucket:
 
 - a store with a ``memory://`` tier and the S3 tier (bases migrate to it, zstd, as the
   default placement does for an object store) saves the state; ``migrate_s`` is the time
-  from the local commit to the migration's commit on S3 (``wait_migrated``);
+  from the save call to the migration's commit on S3 (``wait_migrated``; the local save
+  into memory, the same for both layouts, is a small part of it);
 - ``restore_s``: a restore from the S3 tier alone into the caller's tensors;
-- ``objects``: objects the tier holds for the base (its marker excluded), ``requests``:
-  HTTP requests by method that the moto server logged during the migration and during the
-  restore (a PUT is a ``PutObject`` or an ``UploadPart``).
+- ``migrate_cpu_s``, ``restore_cpu_s``: CPU seconds of this process (tiercheck and the S3
+  client, every thread) over the same windows: what the layout costs the trainer's host,
+  which the emulator's own costs do not blur; ``*_server_cpu_s``: the moto server's CPU
+  seconds over those windows (what the emulator spent);
+- ``objects``: objects the tier holds for the base (its marker and owner record, one per
+  tier, excluded), ``requests``: HTTP requests by method that the moto server logged during
+  the migration and during the restore (a PUT is a ``PutObject`` or an ``UploadPart``; a
+  ranged read is a GET).
+
+Two costs of moto that S3 does not have weigh on packs only: a ranged GET reads the whole
+object and copies it before slicing (32 ranged 8 MiB GETs of a 256 MiB object: 6.3 s; 32
+GETs of 8 MiB objects: 0.85 s, on this project's machine), and completing a multipart
+upload concatenates its parts in the server process (1.0 s per 256 MiB).
 
 The moto server is a separate process (its own GIL). It is an emulator, so its numbers say
 what the tier and s3fs cost per request on this machine, not what AWS would deliver; the
@@ -48,7 +59,8 @@ from tiercheck.engine.config import TierSpec
 from tiercheck.engine.placement import TierPolicy
 
 MIB = 1 << 20
-_REQUEST = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) ')
+# werkzeug colours some lines (a 206 for a ranged GET among them) with ANSI escapes
+_REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|HEAD|DELETE) ')
 
 
 class _Moto:
@@ -100,6 +112,11 @@ class _Moto:
         with self._lock:
             out, self.counts = dict(self.counts), Counter()
         return out
+
+    def cpu(self) -> float:
+        """CPU seconds the moto server process has used so far (Linux ``/proc``)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     @property
     def options(self) -> dict[str, Any]:
@@ -166,21 +183,29 @@ def one_run(server: _Moto, mib: int, pack_size: str | int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tiercheck-bench-packs-") as tmp:
         ckpt = Checkpointer(Path(tmp) / "store", tiers=tiers, policy=policy)
         try:
+            server.take()  # what opening the tier sent is not counted
+            # from the save call: the migration starts at the local commit, long before
+            # wait() returns for a small state
+            t0, c0, s0 = time.perf_counter(), time.process_time(), server.cpu()
             handle = ckpt.save(0, state)
-            handle.wait()
-            server.take()  # what the local save sent (opening the tier) is not counted
-            t0 = time.perf_counter()
             result = handle.wait_migrated(timeout=1800)
             migrate_s = time.perf_counter() - t0
+            migrate_cpu = time.process_time() - c0
+            migrate_server = server.cpu() - s0
             assert result.tiers["s3"] == "committed", result.tiers
             migrate_requests = server.take()
             back = {k: torch.empty_like(v) for k, v in state.items()}
-            t0 = time.perf_counter()
+            t0, c0, s0 = time.perf_counter(), time.process_time(), server.cpu()
             info = ckpt.restore(back, tiers=["s3"])
             restore_s = time.perf_counter() - t0
+            restore_cpu = time.process_time() - c0
+            restore_server = server.cpu() - s0
             restore_requests = server.take()
             assert info.source == "s3" and all(torch.equal(back[k], v) for k, v in state.items())
-            objects = sum(1 for k in _keys(client, bucket) if not k.endswith("/tier.json"))
+            # the tier's marker and owner record are one per tier, not per base
+            objects = sum(
+                1 for k in _keys(client, bucket) if not k.endswith(("/tier.json", "/owner.json"))
+            )
         finally:
             ckpt.destroy()
     keys = _keys(client, bucket)
@@ -193,6 +218,10 @@ def one_run(server: _Moto, mib: int, pack_size: str | int) -> dict[str, Any]:
         "objects": objects,
         "migrate_s": round(migrate_s, 3),
         "restore_s": round(restore_s, 3),
+        "migrate_cpu_s": round(migrate_cpu, 3),
+        "restore_cpu_s": round(restore_cpu, 3),
+        "migrate_server_cpu_s": round(migrate_server, 3),
+        "restore_server_cpu_s": round(restore_server, 3),
         "migrate_requests": migrate_requests,
         "restore_requests": restore_requests,
     }
@@ -240,6 +269,17 @@ def main() -> None:
                     "migrate_puts": int(statistics.median(puts)),
                     "migrate_s": statistics.median(r["migrate_s"] for r in runs),
                     "restore_s": statistics.median(r["restore_s"] for r in runs),
+                    "migrate_cpu_s": statistics.median(r["migrate_cpu_s"] for r in runs),
+                    "restore_cpu_s": statistics.median(r["restore_cpu_s"] for r in runs),
+                    "migrate_server_cpu_s": statistics.median(
+                        r["migrate_server_cpu_s"] for r in runs
+                    ),
+                    "restore_server_cpu_s": statistics.median(
+                        r["restore_server_cpu_s"] for r in runs
+                    ),
+                    "restore_gets": int(
+                        statistics.median(r["restore_requests"].get("GET", 0) for r in runs)
+                    ),
                     "migrate_gbps": round(
                         mib * MIB / statistics.median(r["migrate_s"] for r in runs) / 1e9, 3
                     ),
@@ -260,6 +300,14 @@ def main() -> None:
                 "puts": round(packs["migrate_puts"] / max(1, loose["migrate_puts"]), 3),
                 "migrate_time": round(packs["migrate_s"] / loose["migrate_s"], 3),
                 "restore_time": round(packs["restore_s"] / loose["restore_s"], 3),
+                "migrate_cpu": round(packs["migrate_cpu_s"] / loose["migrate_cpu_s"], 3),
+                "restore_cpu": round(packs["restore_cpu_s"] / loose["restore_cpu_s"], 3),
+                "migrate_server_cpu": round(
+                    packs["migrate_server_cpu_s"] / loose["migrate_server_cpu_s"], 3
+                ),
+                "restore_server_cpu": round(
+                    packs["restore_server_cpu_s"] / loose["restore_server_cpu_s"], 3
+                ),
             }
             results["sizes"][str(mib)] = row
     results["machine"]["loadavg_end"] = list(os.getloadavg())

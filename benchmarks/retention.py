@@ -15,10 +15,11 @@ bytes of one full version):
 - ``disk``: the allocated blocks of the tier's files (what ``du`` counts; LMDB's
   ``data.mdb`` never shrinks: pages freed by retention are reused, not returned, and its
   blocks are reserved ahead of its pages), ``apparent``: the files' sizes (``data.mdb`` is
-  as large as LMDB's map, mostly a hole), and ``held``: what ``Tier.usage()`` says the
-  tier's blobs take;
-- the versions the tier keeps, by role, and for the remote tier the objects it holds and
-  the objects per base it keeps.
+  as large as LMDB's map, which grows with what it holds), and ``held``: what
+  ``Tier.usage()`` says the tier's blobs take;
+- the versions the tier keeps, by role, and for the remote tier the objects it holds (and
+  their names) and the objects per base it keeps (its marker and owner record, one each
+  per tier, not counted).
 
     python benchmarks/retention.py [--model-mib 12] [--processes 4] [--steps 50]
         [--out benchmarks/results/retention.json]
@@ -60,7 +61,7 @@ def tree_bytes(path: Path) -> int:
 
 def tree_apparent(path: Path) -> int:
     """The sizes of the files under ``path`` (LMDB's ``data.mdb`` is as large as its map,
-    most of it a hole that takes no disk)."""
+    a sparse file)."""
     total = 0
     for dirpath, _, files in os.walk(path):
         for name in files:
@@ -71,8 +72,15 @@ def tree_apparent(path: Path) -> int:
     return total
 
 
-def tree_files(path: Path) -> int:
-    return sum(len(files) for _, _, files in os.walk(path))
+def tree_files(path: Path) -> list[str]:
+    """Every file under ``path``, relative to it, sorted."""
+    return sorted(
+        os.path.relpath(os.path.join(d, f), path) for d, _, files in os.walk(path) for f in files
+    )
+
+
+# one per tier, not per version: the tier's marker and its owner record (SPEC 15)
+PER_TIER = ("tier.json", "owner.json")
 
 
 def model_of(model_mib: float) -> torch.nn.Module:
@@ -139,9 +147,11 @@ def footprint(root: Path) -> dict[str, Any]:
                 "versions": roles,
             }
             if slot.name == "remote" and path is not None:
-                objects = tree_files(Path(path))
-                entry["objects"] = objects
-                entry["objects_per_base"] = objects / max(1, roles.get("base", 0))
+                files = tree_files(Path(path))
+                per_version = [f for f in files if f not in PER_TIER]
+                entry["objects"] = len(files)
+                entry["files"] = files
+                entry["objects_per_base"] = len(per_version) / max(1, roles.get("base", 0))
             out[slot.name] = entry
         out["_steps"] = [v.step for v in history]
     return out
@@ -179,6 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return out
 
         on_disk = sum(e["disk_bytes"] or 0 for n, e in after.items() if n != "shm")
+        apparent = sum(e["apparent_bytes"] or 0 for n, e in after.items() if n != "shm")
         return {
             "benchmark": "retention",
             "machine": platform.node(),
@@ -197,6 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "after_gc": ratios(after),
             "on_disk_bytes": on_disk,
             "on_disk_x": on_disk / state,
+            "apparent_bytes": apparent,
+            "apparent_x": apparent / state,
         }
     finally:
         if root.exists():
@@ -227,6 +240,7 @@ def main() -> None:
     print(
         f"\n{result['saves']} guarded saves of a {result['state_bytes'] / MIB:.0f} MiB state, "
         f"after gc --grace 0: {result['on_disk_x']:.1f}x the state on disk "
+        f"({result['apparent_x']:.1f}x by apparent size) "
         + ", ".join(f"{n} {e['disk_x']:.1f}x" for n, e in a.items() if e["disk_x"] is not None)
         + (
             f"; remote {a['remote']['objects']} objects, "
