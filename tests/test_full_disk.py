@@ -175,13 +175,16 @@ _WRITER = textwrap.dedent(
     for step in range(4):  # every base replaces the last (retention sweeps its blobs)
         g = torch.Generator().manual_seed(step)
         ckpt.save(step, {"w": torch.randn(1 << 18, generator=g), "step": step}).wait()
+    ckpt.close()  # its background sweeps are over: they would take what follows
     # what a writer that died mid-save leaves: blobs no record references
+    from tiercheck.backends import open_tier
     from tiercheck.formats.ids import chunk_id
-    for i in range(5):
-        blob = bytes([i]) * 70000
-        for slot in ckpt.tierset.slots:
-            slot.tier.put(chunk_id(blob), blob)
-    ckpt.close()
+    for url in (lmdb_url, file_url):
+        tier = open_tier(url)
+        for i in range(5):
+            blob = bytes([i]) * 70000
+            tier.put(chunk_id(blob), blob)
+        tier.close()
     """
 )
 
