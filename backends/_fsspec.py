@@ -4,9 +4,10 @@ file system, unlike the native ``memory://`` tier).
 
 Layout under the root (the URL's path)::
 
-    tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1 or 2}
-    owner.json                   the store owning the prefix: {"store_id", "root", "host"}
-                                 (formats/SPEC.md "Store identity"; replaced whole)
+    tier.json                    marker: {"tier": "tiercheck-fsspec", "layout": 1 or 2,
+                                 "owner": the store owning the prefix, {"store_id", "root",
+                                 "host"} (formats/SPEC.md "Store identity"), once recorded};
+                                 replaced whole, one object per tier
     blobs/<id[:2]>/<id>          one object per blob, written once (repairs overwrite)
     packs/<name>.pack            layout 2: many blobs in one object, its index at its end
     packs/<name>.drop            ids deleted from that pack while its bytes stay
@@ -103,7 +104,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, cast
 from urllib.parse import urlsplit
 
 from tiercheck.backends._packs import PackedBlobs
@@ -149,7 +150,6 @@ LAYOUT_VERSION = 2  # 2: blobs may be in packs (packs/), besides loose objects
 DEFAULT_PACK_SIZE = 128 * 1024 * 1024
 _MARKER = "tier.json"
 _MARKER_KIND = "tiercheck-fsspec"
-_OWNER = "owner.json"
 _LOG_NAME_RE = re.compile(r"^(\d{16})\.rec$")
 _CKPT_NAME_RE = re.compile(r"^(\d{16})\.ckpt$")
 _MAX_APPEND_RACES = 1000
@@ -1101,50 +1101,63 @@ class FsspecTier(Tier):
             else:
                 return
             raw = bytes(self._call("open", _MARKER, lambda: self._store.read(path, None)))
-        try:
-            marker = json.loads(raw)
-            kind, layout = marker["tier"], int(marker["layout"])
-        except (ValueError, KeyError, TypeError):
-            raise invalid_url(
-                self.url, f"{_MARKER} under the root is not a tiercheck marker; pick another root"
-            ) from None
-        if kind != _MARKER_KIND:
-            raise invalid_url(self.url, f"the root holds a {kind!r} store, not {_MARKER_KIND!r}")
+        marker = self._parse_marker(raw)
+        layout = int(marker["layout"])
         if layout > LAYOUT_VERSION:
             raise FormatVersionError(
                 f"tier {self.url} has layout {layout}; this tiercheck reads up to "
                 f"{LAYOUT_VERSION}: upgrade tiercheck"
             )
         if layout < want and not self.read_only:
-            self._call(
-                "upgrade marker",
-                _MARKER,
-                lambda: self._store.put(path, (memoryview(body),), if_absent=False),
-            )
+            self._put_marker({**marker, "layout": want}, "upgrade marker")
+
+    def _parse_marker(self, raw: bytes) -> dict[str, Any]:
+        try:
+            marker = json.loads(raw)
+            kind = marker["tier"]
+            int(marker["layout"])
+        except (ValueError, KeyError, TypeError):
+            raise invalid_url(
+                self.url, f"{_MARKER} under the root is not a tiercheck marker; pick another root"
+            ) from None
+        if kind != _MARKER_KIND:
+            raise invalid_url(self.url, f"the root holds a {kind!r} store, not {_MARKER_KIND!r}")
+        return cast(dict[str, Any], marker)
+
+    def _read_marker(self, what: str) -> dict[str, Any] | None:
+        path = self._join(self._root, _MARKER)
+        try:
+            raw = bytes(self._call(what, _MARKER, lambda: self._store.read(path, None)))
+        except NotFound:
+            return None
+        return self._parse_marker(raw)
+
+    def _put_marker(self, marker: dict[str, Any], what: str) -> None:
+        """Replace the marker whole (a temporary file and a rename, or one PUT)."""
+        path = self._join(self._root, _MARKER)
+        body = memoryview(json.dumps(marker).encode())
+        self._call(what, _MARKER, lambda: self._store.put(path, (body,), if_absent=False))
 
     # --- owner ---------------------------------------------------------------------
 
     def read_owner(self) -> StoreOwner | None:
-        """The record in ``owner.json`` under the root (None: none, or not a record)."""
-        path = self._join(self._root, _OWNER)
-        try:
-            raw = bytes(self._call("read the owner", _OWNER, lambda: self._store.read(path, None)))
-        except NotFound:
+        """The ``owner`` the marker records (None: no marker, no owner, or not a record).
+        One object per tier holds both, so a prefix costs one object besides its data."""
+        marker = self._read_marker("read the owner")
+        if marker is None or "owner" not in marker:
             return None
         try:
-            return StoreOwner.from_json(json.loads(raw))
-        except ValueError:
+            return StoreOwner.from_json(marker["owner"])
+        except (ValueError, TypeError):
             return None
 
     def write_owner(self, owner: StoreOwner) -> None:
-        """Replace ``owner.json`` (a whole object: temp file and rename, or one PUT)."""
+        """Record ``owner`` in the marker, which is replaced whole."""
         self._check_writable("record the owner")
-        path = self._join(self._root, _OWNER)
-        body = memoryview(json.dumps(owner.to_json()).encode())
-
-        self._call(
-            "record the owner", _OWNER, lambda: self._store.put(path, [body], if_absent=False)
-        )
+        marker = self._read_marker("record the owner")
+        if marker is None:  # a writable open creates it; gone since: made again
+            marker = {"tier": _MARKER_KIND, "layout": LAYOUT_VERSION if self._packs else 1}
+        self._put_marker({**marker, "owner": owner.to_json()}, "record the owner")
 
     # --- blobs ---------------------------------------------------------------------
 

@@ -679,7 +679,7 @@ def packs_section(results: Path = Path(__file__).parent / "results") -> str:
 `memory://` tier to S3 (a moto server process on loopback) and restored from S3 alone, with
 one object per blob (`loose`, `pack_size=0`, the layout before packs) and with the default
 128 MiB packs (streamed as 8 MiB multipart parts). Objects per base exclude the tier's
-marker and owner record (one each per tier); PUTs are the requests moto logged during the
+marker (one per tier, holding its owner record); PUTs are the requests moto logged during the
 migration (parts included); times are medians; client CPU is the CPU time of the process
 running tiercheck (every thread, the S3 client included), moto CPU the server process's,
 over the same windows. Moto is an emulator with costs S3 does not have, and both fall on
@@ -739,8 +739,8 @@ each tier's files (shm is memory, not counted in the total); blobs are what
 `Tier.usage()` counts. LMDB's `data.mdb` is as large as its map
 ({doc["after_gc"]["lmdb"]["apparent_bytes"] / mib:.0f} MiB), a sparse file; the map starts at
 64 MiB and grows with what the tier holds. On disk: **{doc["on_disk_x"]:.1f}x the state**
-{_apparent(doc)}. Remote objects exclude the tier's marker and owner record (one each per
-tier). Raw data:
+{_apparent(doc)}. Objects per base exclude the remote's marker (one per tier, holding its owner
+record). Raw data:
 `benchmarks/results/retention.json`; the formula is in
 [configuration](configuration.md#footprint-cadence-and-retention).
 

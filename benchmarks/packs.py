@@ -16,10 +16,10 @@ before packs; ``packs``: the default 128 MiB packs), per run, on a fresh bucket:
   client, every thread) over the same windows: what the layout costs the trainer's host,
   which the emulator's own costs do not blur; ``*_server_cpu_s``: the moto server's CPU
   seconds over those windows (what the emulator spent);
-- ``objects``: objects the tier holds for the base (its marker and owner record, one per
-  tier, excluded), ``requests``: HTTP requests by method that the moto server logged during
-  the migration and during the restore (a PUT is a ``PutObject`` or an ``UploadPart``; a
-  ranged read is a GET).
+- ``objects``: objects the tier holds for the base (its marker, one per tier, excluded),
+  ``requests``: HTTP requests by method that the moto server logged during the migration
+  and during the restore (a PUT is a ``PutObject`` or an ``UploadPart``; a ranged read is
+  a GET).
 
 Two costs of moto that S3 does not have weigh on packs only: a ranged GET reads the whole
 object and copies it before slicing (32 ranged 8 MiB GETs of a 256 MiB object: 6.3 s; 32
@@ -202,10 +202,8 @@ def one_run(server: _Moto, mib: int, pack_size: str | int) -> dict[str, Any]:
             restore_server = server.cpu() - s0
             restore_requests = server.take()
             assert info.source == "s3" and all(torch.equal(back[k], v) for k, v in state.items())
-            # the tier's marker and owner record are one per tier, not per base
-            objects = sum(
-                1 for k in _keys(client, bucket) if not k.endswith(("/tier.json", "/owner.json"))
-            )
+            # the tier's marker (holding its owner record) is one per tier, not per base
+            objects = sum(1 for k in _keys(client, bucket) if not k.endswith("/tier.json"))
         finally:
             ckpt.destroy()
     keys = _keys(client, bucket)

@@ -18,8 +18,8 @@ bytes of one full version):
   as large as LMDB's map, which grows with what it holds), and ``held``: what
   ``Tier.usage()`` says the tier's blobs take;
 - the versions the tier keeps, by role, and for the remote tier the objects it holds (and
-  their names) and the objects per base it keeps (its marker and owner record, one each
-  per tier, not counted).
+  their names) and the objects per base it keeps (its marker, one per tier and holding
+  the owner record, not counted).
 
     python benchmarks/retention.py [--model-mib 12] [--processes 4] [--steps 50]
         [--out benchmarks/results/retention.json]
@@ -79,8 +79,8 @@ def tree_files(path: Path) -> list[str]:
     )
 
 
-# one per tier, not per version: the tier's marker and its owner record (SPEC 15)
-PER_TIER = ("tier.json", "owner.json")
+# one per tier, not per version: the tier's marker, which holds its owner record (SPEC 15)
+PER_TIER = ("tier.json",)
 
 
 def model_of(model_mib: float) -> torch.nn.Module:

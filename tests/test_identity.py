@@ -149,7 +149,10 @@ def _forget_owners(root: Path) -> None:
     with env.begin(write=True) as txn:
         assert txn.delete(b"tiercheck.owner")
     env.close()
-    (root / "remote" / "owner.json").unlink()
+    marker_file = root / "remote" / "tier.json"
+    marker = json.loads(marker_file.read_text())
+    del marker["owner"]
+    marker_file.write_text(json.dumps(marker))
 
 
 def test_an_older_store_is_adopted_on_its_first_writable_open(stores: Path) -> None:
