@@ -35,7 +35,7 @@ class TestLmdbTier(TierConformance):
 
 
 class TestLmdbTierNoSyncTinyMap(TierConformance):
-    """The whole suite again with growth from a tiny map on nearly every write."""
+    """The whole suite again with a tiny initial map, grown by the first writes."""
 
     def make_tier(self, tmp_path: Path) -> Tier:
         return open_tier(_url(tmp_path / "store"), sync=False, map_size=64 * 1024)
@@ -75,6 +75,61 @@ def test_map_grows_past_tiny_initial_size(tmp_path: Path) -> None:
         for bid, data in items:
             assert bytes(tier.get(bid)) == data
         assert tier.read_log() == [b"x" * (1 << 20)]
+
+
+def test_default_map_keeps_data_file_near_what_it_holds(tmp_path: Path) -> None:
+    """The default map starts small and grows with the data: under writemap data.mdb is as
+    long as the map, so a fixed 1 GiB map was a 1 GiB file for 8 MiB of blobs."""
+    data_file = tmp_path / "db" / "data.mdb"
+    with _open(tmp_path / "db", sync=False) as tier:
+        tier.put(*blob(8 << 20))
+        assert os.path.getsize(data_file) <= 64 << 20
+        for i in range(24):  # 96 MiB more: the map grows in steps, not to a power of two
+            tier.put(*blob(4 << 20, seed=i + 1))
+        held = tier.usage()
+        assert held >= 104 << 20
+        assert tier.map_size == os.path.getsize(data_file)
+        assert os.path.getsize(data_file) <= held + held // 2 + (32 << 20)
+
+
+GROWER = r"""
+import os, sys
+import blake3
+from tiercheck.backends.registry import open_tier
+
+tier = open_tier(sys.argv[1], sync=False, map_size=1 << 20)
+for i in range(12):  # 24 MiB into a 1 MiB map: it grows
+    data = os.urandom(2 << 20)
+    tier.put(blake3.blake3(data).hexdigest(), data)
+last = os.urandom(1 << 20)
+tier.put(blake3.blake3(last).hexdigest(), last)
+print(blake3.blake3(last).hexdigest(), tier.map_size, flush=True)
+tier.close()
+"""
+
+
+def test_a_reader_adopts_a_map_another_process_grew(tmp_path: Path) -> None:
+    """A read-only open made before a writer in another process grew the map reads what
+    was written after (LMDB's MapResizedError: the reader takes the new size)."""
+    import subprocess
+    import sys
+
+    import blake3
+
+    url = _url(tmp_path / "store")
+    with open_tier(url, sync=False, map_size=1 << 20) as tier:
+        tier.put(*blob(1000))
+    with _open(tmp_path / "store", read_only=True) as reader:
+        start = reader.map_size
+        done = subprocess.run(
+            [sys.executable, "-c", GROWER, url], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        last, grown = done.stdout.split()
+        assert int(grown) > start
+        got = bytes(reader.get(last))
+        assert blake3.blake3(got).hexdigest() == last
+        assert reader.map_size == int(grown)
 
 
 def test_max_size_raises_tier_full(tmp_path: Path) -> None:
