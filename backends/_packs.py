@@ -198,7 +198,7 @@ class PackedBlobs:
         self._remote = remote
         # runs of neighbouring blobs fetched by a remote read: (pack, start) -> the bytes
         # (a future while in flight) and the ids in it not read yet
-        self._spans: OrderedDict[tuple[str, int], Future[bytes]] = OrderedDict()
+        self._spans: OrderedDict[tuple[str, int], Future[memoryview]] = OrderedDict()
         self._unread: dict[tuple[str, int], set[str]] = {}
         self._span_lock = threading.Lock()
         # the pack being streamed (stores that can: S3), and the lock that keeps its bytes
@@ -573,7 +573,7 @@ class PackedBlobs:
                     self._unread.pop(key, None)
                 fut.set_exception(exc)
                 raise
-            fut.set_result(bytes(buf))
+            fut.set_result(buf.toreadonly())  # read-only from here: no copy
             self._trim_spans()
         data = fut.result()
         scatter(memoryview(data)[entry.offset - start : entry.offset - start + entry.length], parts)
