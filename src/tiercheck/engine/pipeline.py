@@ -28,6 +28,7 @@ from tiercheck.backends.base import Tier
 from tiercheck.core.chunking import Layout
 from tiercheck.core.entries import torch_dtype
 from tiercheck.engine.catalog import append_record
+from tiercheck.engine.parallel import map_all
 from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import NotFound, OverBudget, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
@@ -245,12 +246,11 @@ class ShardStream:
         if codec == Codec.RAW:  # a header: queued on the pool it would wait behind writes
             items = [encode(ref) for ref in missing]
         else:
-            items = list(self._pool.map(encode, missing))
+            items = map_all(self._pool, encode, missing)
         if tier.capabilities.atomic_batch:
             tier.put_many_parts(items)
         else:
-            for _ in self._pool.map(lambda item: tier.put_parts(*item), items):
-                pass
+            map_all(self._pool, lambda item: tier.put_parts(*item), items)
         out.chunks_written += len(items)
         out.bytes_written += sum(len(p) for _, parts in items for p in parts)
 
@@ -435,7 +435,7 @@ def place_shard(
                     if not f.cancel():
                         f.exception()
         else:
-            for cid, parts, base_id in pool.map(write, indices):
+            for cid, parts, base_id in map_all(pool, write, indices):
                 note(cid, parts, base_id)
         manifest_blob = b""
         if manifest_id not in present:

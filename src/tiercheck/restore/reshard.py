@@ -22,6 +22,7 @@ from typing import Any
 from tiercheck.core.entries import torch_dtype
 from tiercheck.core.sharded import box_of, is_dtensor
 from tiercheck.engine.fetch import ChunkFetcher
+from tiercheck.engine.parallel import map_all
 from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import CheckpointError, StateError
 from tiercheck.formats.manifest import Entry, ShardManifest, ShardPlacement, VersionInfo
@@ -205,7 +206,7 @@ def gather(
         fetcher.fetch(ref.id, memoryview(buf), order=order, expect=expect)
         g.chunks[item] = buf
 
-    list(pool.map(one, sorted(need)))
+    map_all(pool, one, sorted(need))
     g.bytes_read = sum(len(b) for b in g.chunks.values())
     return g
 

@@ -49,6 +49,7 @@ from tiercheck.core.entries import decode_scalar, is_stateful, torch_dtype
 from tiercheck.core.sharded import is_dtensor
 from tiercheck.engine.catalog import Catalog
 from tiercheck.engine.fetch import ChunkFetcher
+from tiercheck.engine.parallel import map_all
 from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import (
     BlobCorrupt,
@@ -425,7 +426,7 @@ def fetch_stream(
             ref.id, stream[ref.offset : ref.offset + ref.length], order=order, expect=expect
         )
 
-    list(pool.map(one, range(len(manifest.chunks))))
+    map_all(pool, one, range(len(manifest.chunks)))
 
 
 _BIG_COPY = 1 << 20  # torch copies a tensor this large on several threads
