@@ -32,7 +32,7 @@ from tiercheck.errors import (
 )
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.ids import chunk_id
-from tiercheck.testing.faults import FaultPlan, FaultyTier
+from tiercheck.testing.faults import inject
 
 CHUNK = 4096
 EVERY = TierPolicy(keep_bases=None)
@@ -54,15 +54,6 @@ def store(tmp_path: Path, **tiers: TierPolicy) -> Checkpointer:
         tiers=[(name, mem()) for name in tiers],
         policy=Policy(base_every=3, chunk_size=CHUNK, gc_grace_seconds=0, tiers=tiers),
     )
-
-
-def wrap(ckpt: Checkpointer, name: str) -> FaultPlan:
-    """Put tier ``name`` of ``ckpt`` behind a fault plan (a plan cannot go in the config)."""
-    plan = FaultPlan()
-    slot = ckpt.tierset.get(name)
-    assert slot.tier is not None
-    slot.tier = FaultyTier(slot.tier, plan)
-    return plan
 
 
 # --- restore is all or nothing ----------------------------------------------------------
@@ -95,7 +86,7 @@ def test_a_failed_restore_leaves_the_callers_state_untouched(tmp_path: Path) -> 
 
 def test_a_migration_is_retried_by_itself_and_wait_migrated_returns(tmp_path: Path) -> None:
     ckpt = store(tmp_path, fast=EVERY, slow=BASES_ASYNC)
-    plan = wrap(ckpt, "slow")
+    plan = inject(ckpt, "slow")
     try:
         plan.down()
         h = ckpt.save(0, state_of(0))
@@ -157,7 +148,7 @@ def test_a_migration_that_hits_a_bug_fails_on_its_handle_and_the_thread_goes_on(
 def test_close_reports_unfinished_migrations_and_can_abandon_them(tmp_path: Path) -> None:
     for abandon in (False, True):
         ckpt = store(tmp_path / str(abandon), fast=EVERY, slow=BASES_ASYNC)
-        plan = wrap(ckpt, "slow")
+        plan = inject(ckpt, "slow")
         plan.down()
         h = ckpt.save(0, state_of(0))
         h.wait()

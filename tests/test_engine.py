@@ -36,7 +36,7 @@ from tiercheck.errors import (
 from tiercheck.formats.codecs import decode_blob
 from tiercheck.formats.ids import chunk_id
 from tiercheck.history.verify import verify
-from tiercheck.testing.faults import FaultPlan, FaultyTier
+from tiercheck.testing.faults import FaultPlan, inject
 
 CHUNK = 4096
 EVERY_RAW = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None)
@@ -454,9 +454,7 @@ def test_guard_waits_for_staging(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Checkpointer(tmp_path / "s", tiers=[("fast", mem())], policy=small_policy()) as ckpt:
-        slot = ckpt.tierset.get("fast")
-        assert slot.tier is not None
-        slot.tier = FaultyTier(slot.tier, plan)
+        inject(ckpt, "fast", plan)
         remove = ckpt.guard(opt, log=False)
         ckpt.save(0, state_of(0))  # its append waits on the gate: the pipeline is held
         h = ckpt.save(1, {"model": model})

@@ -28,7 +28,7 @@ from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import ConfigError, FormatVersionError, StoreLocked, UnfinishedWork
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.ids import chunk_id
-from tiercheck.testing.faults import FaultEvent, FaultPlan, FaultyTier
+from tiercheck.testing.faults import FaultEvent, FaultPlan, FaultyTier, inject
 
 CHUNK = 4096
 
@@ -214,10 +214,7 @@ def test_an_unexpected_failure_in_maintenance_reaches_close(tmp_path: Path) -> N
             chunk_size=CHUNK, base_every=1, gc_grace_seconds=0, tiers={"fast": TierPolicy()}
         ),
     )
-    plan = FaultPlan()
-    slot = ckpt.tierset.get("fast")
-    assert slot.tier is not None
-    slot.tier = FaultyTier(slot.tier, plan)
+    plan = inject(ckpt, "fast")
 
     def bug_in_maintenance(_: FaultEvent) -> None:
         if threading.current_thread().name.startswith("tiercheck-maint"):

@@ -15,7 +15,7 @@ import torch
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.engine.copying import WRITE_WINDOW
 from tiercheck.engine.executors import Executors
-from tiercheck.testing.faults import FaultEvent, FaultPlan, FaultyTier
+from tiercheck.testing.faults import FaultEvent, FaultPlan, inject
 
 CHUNK = 4096
 
@@ -47,12 +47,8 @@ def open_store(root: Path) -> Checkpointer:
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[tuple[Checkpointer, FaultPlan]]:
     """The store, its remote behind a fault plan that only observes."""
-    plan = FaultPlan()
     ckpt = open_store(tmp_path)
-    slot = ckpt.tierset.get("remote")
-    assert slot.tier is not None
-    slot.tier = FaultyTier(slot.tier, plan)
-    yield ckpt, plan
+    yield ckpt, inject(ckpt, "remote")
     ckpt.close(abandon=True)
 
 

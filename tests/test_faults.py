@@ -35,7 +35,7 @@ from tiercheck.errors import (
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.manifest import CommitRecord, VersionInfo, pack_record
 from tiercheck.testing.conformance import TierConformance, blob, blob_id
-from tiercheck.testing.faults import FaultPlan, FaultyTier, damage_bytes
+from tiercheck.testing.faults import FaultPlan, FaultyTier, damage_bytes, inject
 
 CHUNK = 4096
 EVERY = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None)
@@ -243,9 +243,7 @@ def test_sync_tier_down_lowers_commit_level_then_recovers(tmp_path: Path) -> Non
         ],
         policy=policy(a=EVERY, b=EVERY),
     )
-    slot = ckpt.tierset.get("b")
-    assert slot.tier is not None
-    slot.tier = FaultyTier(slot.tier, plan)
+    inject(ckpt, "b", plan)
     ckpt.save(0, state_of(0)).wait()
     plan.down()
     h = ckpt.save(1, state_of(1))

@@ -23,7 +23,7 @@ import torch
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.engine.parallel import map_all
 from tiercheck.errors import NoRestorableVersion, NotFound, TierFull
-from tiercheck.testing.faults import FaultEvent, FaultPlan, FaultyTier, Op
+from tiercheck.testing.faults import FaultEvent, FaultPlan, Op, inject
 
 CHUNK = 4096
 CHUNKS = 48
@@ -92,11 +92,7 @@ def store(tmp_path: Path) -> Iterator[tuple[Checkpointer, FaultPlan]]:
             },
         ),
     )
-    plan = FaultPlan()
-    slot = ckpt.tierset.get("disk")
-    assert slot.tier is not None
-    slot.tier = FaultyTier(slot.tier, plan)
-    yield ckpt, plan
+    yield ckpt, inject(ckpt, "disk")
     ckpt.close(abandon=True)
 
 

@@ -23,7 +23,7 @@ import tiercheck.engine.pipeline as pipeline
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.engine.fetch import ChunkFetcher
 from tiercheck.errors import CommitAborted, TierUnavailable
-from tiercheck.testing.faults import FaultPlan, FaultyTier
+from tiercheck.testing.faults import FaultPlan, FaultyTier, inject
 
 CHUNK = 4096
 N = 16 * 1024  # floats: 64 KiB, 16 chunks, 4 windows of 4 chunks
@@ -50,9 +50,7 @@ def store(tmp_path: Path) -> Iterator[tuple[Checkpointer, FaultPlan]]:
         tiers=[TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}")],
         policy=Policy(base_every=1, chunk_size=CHUNK, gc_grace_seconds=0, tiers={"lmdb": EVERY}),
     )
-    slot = ckpt.tierset.get("lmdb")
-    assert slot.tier is not None
-    slot.tier = FaultyTier(slot.tier, plan)
+    inject(ckpt, "lmdb", plan)
     yield ckpt, plan
     ckpt.close(abandon=True)
 
@@ -145,7 +143,7 @@ def test_a_crash_mid_stream_leaves_no_version_and_only_unreferenced_blobs(
         import os, signal, torch
         import tiercheck.engine.pipeline as pipeline
         from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
-        from tiercheck.testing.faults import FaultPlan, FaultyTier
+        from tiercheck.testing.faults import inject
 
         def state_of(step):
             g = torch.Generator().manual_seed(step)
@@ -157,10 +155,8 @@ def test_a_crash_mid_stream_leaves_no_version_and_only_unreferenced_blobs(
             tiers=[TierSpec("lmdb", "lmdb://{lmdb}")],
             policy=Policy(base_every=1, chunk_size={CHUNK}, tiers={{"lmdb": every}}))
         ckpt.save(0, state_of(0)).wait()
-        slot = ckpt.tierset.get("lmdb")
-        plan = FaultPlan()
+        plan = inject(ckpt, "lmdb")
         plan.hook(lambda e: os.kill(os.getpid(), signal.SIGKILL), "put", nth=9)
-        slot.tier = FaultyTier(slot.tier, plan)
         ckpt.save(1, state_of(1)).wait()
         print("not killed", flush=True)
     """
@@ -201,9 +197,7 @@ def test_a_failing_tier_drops_out_while_the_others_commit(tmp_path: Path) -> Non
         ),
     )
     try:
-        slot = ckpt.tierset.get("lmdb")
-        assert slot.tier is not None
-        slot.tier = FaultyTier(slot.tier, plan)
+        inject(ckpt, "lmdb", plan)
         plan.fail("put", nth=5, count=1, error=TierUnavailable)
         r = ckpt.save(0, state_of(0)).wait()
         assert r.tiers == {"mem": "committed", "lmdb": "failed"}

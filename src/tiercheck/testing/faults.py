@@ -40,13 +40,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from tiercheck import errors
 from tiercheck.backends.base import Buffer, LogScan, PendingPut, Tier, scatter
 from tiercheck.backends.registry import open_tier, register_tier
 from tiercheck.engine.wrappers import WrapperTier
 from tiercheck.errors import ConfigError, TierError, TierUnavailable
+
+if TYPE_CHECKING:
+    from tiercheck.checkpointer import Checkpointer
 
 __all__ = [
     "ALL_OPS",
@@ -56,6 +59,7 @@ __all__ = [
     "FaultyTier",
     "WrapperTier",
     "damage_bytes",
+    "inject",
     "open_faulty",
     "register_faulty_schemes",
 ]
@@ -613,6 +617,17 @@ def open_faulty(
     elif faults:
         raise ConfigError("pass either plan= or faults=, not both")
     return FaultyTier(inner, plan)
+
+
+def inject(ckpt: Checkpointer, name: str, plan: FaultPlan | None = None) -> FaultPlan:
+    """Put tier ``name`` of the open store ``ckpt`` behind ``plan`` (a new empty plan if
+    None), in place: for a plan that cannot go in a config (hooks). Returns the plan."""
+    plan = plan if plan is not None else FaultPlan()
+    slot = ckpt.tierset.get(name)
+    if slot.tier is None:
+        raise ConfigError(f"tier {name!r} is not open: there is nothing to inject faults into")
+    slot.tier = FaultyTier(slot.tier, plan)
+    return plan
 
 
 DEFAULT_SCHEMES = ("memory", "shm", "lmdb", "peer", "file", "s3", "gs")
