@@ -375,6 +375,19 @@ def _reservable(path: str) -> int | None:
     return fd
 
 
+def _reach(e: _Env, last_pgno: int, nbytes: int) -> int:
+    """How far into data.mdb a write transaction of ``nbytes`` bytes can reach: the pages
+    in use (up to ``last_pgno``), the values, and slack for the tree and free-list pages
+    it rewrites."""
+    psize: int = e.env.stat()["psize"]
+    return (last_pgno + 1) * psize + nbytes + nbytes // 16 + _RESERVE_SLACK
+
+
+def _in_steps(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of ``_RESERVE_STEP``."""
+    return -(-nbytes // _RESERVE_STEP) * _RESERVE_STEP
+
+
 def _reserve(e: _Env, nbytes: int) -> None:
     """Reserve disk blocks for every page a write transaction of ``nbytes`` bytes can
     touch (writemap: a write fault on a hole of a full disk would be SIGBUS). Raises
@@ -382,13 +395,10 @@ def _reserve(e: _Env, nbytes: int) -> None:
     if e.data_fd is None:
         return
     info = e.env.info()
-    psize: int = e.env.stat()["psize"]
-    need = min(
-        (info["last_pgno"] + 1) * psize + nbytes + nbytes // 16 + _RESERVE_SLACK, info["map_size"]
-    )
+    need = min(_reach(e, info["last_pgno"], nbytes), info["map_size"])
     if need <= e.reserved:
         return
-    step = min(-(-need // _RESERVE_STEP) * _RESERVE_STEP, info["map_size"])
+    step = min(_in_steps(need), info["map_size"])
     try:  # ahead in steps: one call per step, not one per transaction
         os.posix_fallocate(e.data_fd, e.reserved, step - e.reserved)
         e.reserved = step
@@ -501,9 +511,7 @@ class LmdbTier(Tier):
                     url=self.url,
                     key=blob_id,
                 )
-            psize: int = e.env.stat()["psize"]
-            need = (info["last_pgno"] + 1) * psize + nbytes + nbytes // 16 + _RESERVE_SLACK
-            new = -(-max(current + current // 2, need) // _RESERVE_STEP) * _RESERVE_STEP
+            new = _in_steps(max(current + current // 2, _reach(e, info["last_pgno"], nbytes)))
             if self.max_size is not None:
                 new = min(new, self.max_size)
             e.env.set_mapsize(new)
