@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -40,11 +41,17 @@ class Net(L.LightningModule):
 
 
 class Crash(Callback):
+    """Every rank SIGKILLs itself at batch ``batch`` of epoch ``epoch``."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        self.epoch, self.batch = epoch, batch
+
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
         if (
-            trainer.current_epoch == CRASH_EPOCH
-            and trainer.fit_loop.epoch_loop.batch_idx == CRASH_BATCH
+            trainer.current_epoch == self.epoch
+            and trainer.fit_loop.epoch_loop.batch_idx == self.batch
         ):
+            trainer.strategy.barrier()  # every rank is here (one rank: no wait): kill them all
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -68,7 +75,7 @@ def job(mode: str, work: Path, out: str | None, async_save: bool) -> None:
         first,
     ]
     if mode == "crash":
-        callbacks.append(Crash())
+        callbacks.append(Crash(CRASH_EPOCH, CRASH_BATCH))
     trainer = L.Trainer(
         max_epochs=EPOCHS,
         accelerator="cpu",
@@ -87,7 +94,8 @@ def job(mode: str, work: Path, out: str | None, async_save: bool) -> None:
     )
 
 
-def main() -> None:
+def main(job: Callable[[str, Path, str | None, bool], None]) -> None:
+    """Run ``job`` as the command line says (the reference run first, with ``--ref-dir``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["run", "crash", "resume"])
     ap.add_argument("--dir", required=True)
@@ -104,4 +112,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(job)

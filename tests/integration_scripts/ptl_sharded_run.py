@@ -7,14 +7,12 @@ Lightning launches the second rank itself. ``run``: train to the end; ``crash``:
 SIGKILLs itself in the middle of epoch 2 (after the checkpoints of epochs 0 and 1), with
 ``--ref-dir`` after an uninterrupted run; ``resume``: ``fit(ckpt_path="last")`` in new
 processes. ``run`` and ``resume`` write the final global weights and optimizer state
-(``full_tensor()`` of every DTensor) to ``--out`` from rank 0.
+(``full_tensor()`` of every DTensor) to ``--out`` from rank 0. The callbacks and the
+command line are ``ptl_run.py``'s.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from ptl_run import Crash, FirstEpoch, main
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -54,41 +53,23 @@ class Net(L.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)]
 
 
-class Crash(Callback):
-    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
-        if (
-            trainer.current_epoch == CRASH_EPOCH
-            and trainer.fit_loop.epoch_loop.batch_idx == CRASH_BATCH
-        ):
-            trainer.strategy.barrier()  # every rank is here: kill them all
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class FirstEpoch(Callback):
-    first: int | None = None
-
-    def on_train_epoch_start(self, trainer: L.Trainer, *_: object) -> None:
-        if self.first is None:
-            self.first = trainer.current_epoch
-
-
 def _full(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def job(mode: str, work: Path, out: str | None) -> None:
+def job(mode: str, work: Path, out: str | None, async_save: bool) -> None:
     L.seed_everything(0)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 3, generator=g))
     loader = DataLoader(data, batch_size=8, shuffle=True)
     first = FirstEpoch()
     callbacks: list[Callback] = [
-        TiercheckIO(work / "store"),
+        TiercheckIO(work / "store", async_save=async_save),
         ModelCheckpoint(dirpath=work / "ckpts", save_last=True, every_n_epochs=1),
         first,
     ]
     if mode == "crash":
-        callbacks.append(Crash())
+        callbacks.append(Crash(CRASH_EPOCH, CRASH_BATCH))
     trainer = L.Trainer(
         max_epochs=EPOCHS,
         accelerator="cpu",
@@ -110,18 +91,5 @@ def job(mode: str, work: Path, out: str | None) -> None:
         torch.save({"model": weights, "optim": state, "first_epoch": first.first}, out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["run", "crash", "resume"])
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--out")
-    ap.add_argument("--ref-dir", help="crash: first do an uninterrupted run there")
-    ap.add_argument("--ref-out")
-    args = ap.parse_args()
-    if args.ref_dir:
-        job("run", Path(args.ref_dir), args.ref_out)
-    job(args.mode, Path(args.dir), args.out)
-
-
 if __name__ == "__main__":
-    main()
+    main(job)
