@@ -234,8 +234,23 @@ def fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+def tree_bytes(root: str | os.PathLike[str], *, apparent: bool = False) -> int:
+    """What the files under ``root`` take: allocated blocks (what a disk or tmpfs charges),
+    or their sizes (``apparent``; a sparse file counts whole). A file deleted meanwhile
+    counts nothing."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            total += st.st_size if apparent else st.st_blocks * 512
+    return total
+
+
 def dir_bytes(root: Path) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+    return tree_bytes(root, apparent=True)
 
 
 # --- plain copies ---------------------------------------------------------------------------

@@ -43,33 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_lib import tree_bytes
 
 MIB = 1 << 20
-
-
-def tree_bytes(path: Path) -> int:
-    """Allocated blocks of the files under ``path`` (what the disk or tmpfs charges)."""
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                continue
-    return total
-
-
-def tree_apparent(path: Path) -> int:
-    """The sizes of the files under ``path`` (LMDB's ``data.mdb`` is as large as its map,
-    a sparse file)."""
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                continue
-    return total
 
 
 def tree_files(path: Path) -> list[str]:
@@ -142,7 +118,10 @@ def footprint(root: Path) -> dict[str, Any]:
                     roles[v.role] = roles.get(v.role, 0) + 1
             entry: dict[str, Any] = {
                 "disk_bytes": tree_bytes(Path(path)) if path is not None else None,
-                "apparent_bytes": tree_apparent(Path(path)) if path is not None else None,
+                # LMDB's data.mdb is as large as its map, a sparse file
+                "apparent_bytes": (
+                    tree_bytes(Path(path), apparent=True) if path is not None else None
+                ),
                 "held_bytes": tier.usage(),
                 "versions": roles,
             }

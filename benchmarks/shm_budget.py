@@ -21,22 +21,9 @@ import time
 from pathlib import Path
 
 import torch
+from bench_lib import tree_bytes
 
 from tiercheck import Checkpointer
-
-
-def tree_bytes(path: str, *, apparent: bool = False) -> int:
-    """Memory the files under ``path`` take: allocated blocks (what tmpfs charges), or
-    their sizes (``apparent``)."""
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            total += st.st_size if apparent else st.st_blocks * 512
-    return total
 
 
 def run(state_mib: int, saves: list[int], work: Path) -> None:
