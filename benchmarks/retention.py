@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from bench_lib import tree_bytes
 
+from tiercheck.engine.lifecycle import shm_root_left_as_found
+
 MIB = 1 << 20
 
 
@@ -210,7 +212,8 @@ def main() -> None:
     if args.child:
         train(Path(args.child), args.model_mib, args.steps, args.seed)
         return
-    result = run(args)
+    with shm_root_left_as_found():  # the stores' shm root, if this run made it
+        result = run(args)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

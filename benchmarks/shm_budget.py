@@ -24,6 +24,7 @@ import torch
 from bench_lib import tree_bytes
 
 from tiercheck import Checkpointer
+from tiercheck.engine.lifecycle import shm_root_left_as_found
 
 
 def run(state_mib: int, saves: list[int], work: Path) -> None:
@@ -60,7 +61,7 @@ def main() -> int:
     p.add_argument("--saves", type=int, nargs="+", default=[12, 50])
     args = p.parse_args()
     print(f"state {args.state_mib} MiB; load average {os.getloadavg()}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, shm_root_left_as_found():
         run(args.state_mib, sorted(args.saves), Path(tmp))
     return 0
 
