@@ -8,11 +8,14 @@ SIGKILLs itself in the middle of epoch 2 (after the checkpoints of epochs 0 and 
 ``--ref-dir`` after an uninterrupted run; ``resume``: ``fit(ckpt_path="last")`` in new
 processes. ``run`` and ``resume`` write the final global weights and optimizer state
 (``full_tensor()`` of every DTensor) to ``--out`` from rank 0. The callbacks and the
-command line are ``ptl_run.py``'s.
+command line are ``ptl_run.py``'s. Each rank ends as the torchrun workers do
+(``tests/dist_scripts/_leave.py``): gloo's teardown at interpreter exit can abort a
+process whose work is done.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from tiercheck.integrations.lightning import TiercheckIO
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "dist_scripts"))
+from _leave import leave
 
 EPOCHS = 4
 CRASH_EPOCH, CRASH_BATCH = 2, 1
@@ -93,3 +99,4 @@ def job(mode: str, work: Path, out: str | None, async_save: bool) -> None:
 
 if __name__ == "__main__":
     main(job)
+    leave(0)
