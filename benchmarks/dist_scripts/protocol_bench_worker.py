@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -25,6 +26,10 @@ import torch.distributed as dist
 
 from tiercheck.engine.coordinator import DistCoordinator, Vote
 from tiercheck.formats.ids import chunk_id
+
+# ends as the tests' torchrun workers do: gloo's teardown at exit can abort a finished rank
+sys.path.insert(0, str(Path(__file__).parents[2] / "tests" / "dist_scripts"))
+from _leave import leave
 
 
 def ids_for(rank: int, version: int, chunks: int, mode: str) -> list[tuple[str, int]]:
@@ -135,4 +140,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

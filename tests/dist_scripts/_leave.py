@@ -6,7 +6,9 @@ aborts the process (``terminate called without an active exception``, SIGABRT) a
 every check passed, and torchrun then reports the run as failed (seen in CI on
 ``dcp_worker.py``; pytorch/pytorch#190489 and #179291 describe the teardown). A worker
 gets here only when its work is done and its stores are closed, so it flushes its
-output and leaves without finalizing the interpreter.
+output and leaves without finalizing the interpreter. The Lightning multi-rank script
+(``tests/integration_scripts/ptl_sharded_run.py``) and the benchmarks' torchrun workers
+(``benchmarks/dist_scripts/``) end here too.
 """
 
 from __future__ import annotations
