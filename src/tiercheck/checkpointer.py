@@ -217,9 +217,10 @@ class Checkpointer:
         return migrations.retry_now() if migrations is not None else 0
 
     def wait_migrations(self, timeout: float | None = None) -> bool:
-        """Block until every migration queued so far has settled (committed, or given up),
-        or ``timeout`` passed; True if none is pending. A tier that stays unreachable keeps
-        its migrations pending (they are retried) until the timeout."""
+        """Block until every migration queued so far has settled (committed, or given up)
+        and the retention and GC they triggered have run, or ``timeout`` passed; True if
+        none is pending. A tier that stays unreachable keeps its migrations pending (they
+        are retried) until the timeout."""
         return self._engine.wait_migrations(timeout)
 
     def pending_migrations(self) -> list[tuple[int, str, str]]:
@@ -341,7 +342,8 @@ class Checkpointer:
 
     def flush(self) -> None:
         """Block until every save submitted so far has finished, and the retention and GC
-        they triggered have run (not migrations: see :meth:`wait_migrations`)."""
+        they triggered have run, as have those of every migration whose handle has settled
+        (it does not wait for migrations: see :meth:`wait_migrations`)."""
         self._engine.flush()
 
     def close(

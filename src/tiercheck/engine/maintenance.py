@@ -123,12 +123,20 @@ class Maintenance:
             run = reporting(self.failures, "maintenance", self._run)
             self._executor.submit(self._as, "maintenance", run)
 
-    def flush(self) -> None:
-        """Block until the maintenance requested so far has run (at once once halted)."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until the maintenance requested so far has run (at once once halted), or
+        ``timeout`` passed; True unless it did."""
         try:
-            self._wait(self._submit("flush", lambda: None), "flush")
+            fut = self._submit("flush", lambda: None)
         except Halted:
-            return
+            return True
+        try:
+            fut.result(timeout)
+        except CancelledError:
+            return True
+        except TimeoutError:
+            return False
+        return True
 
     def collect(self, *, dry_run: bool = False, grace: float | None = None) -> list[GCReport]:
         """Sweep every tier now, on the maintenance thread; ``grace`` overrides the policy's

@@ -95,6 +95,8 @@ class _Job:
     poll: float = _POLL_FIRST
     #: the ids an attempt protected and may have written to ``slot`` (discarded if it fails)
     written: tuple[str, ...] = ()
+    #: how it ended is decided: no longer pending, no longer pins its version
+    settled: bool = False
 
 
 class MigrationService:
@@ -254,7 +256,7 @@ class MigrationService:
     def pinned(self) -> set[int]:
         """Versions retention must keep (and their bases): they are being migrated."""
         with self._cond:
-            jobs = self._jobs()
+            jobs = [j for j in self._jobs() if not j.settled]
         out = {j.info.id for j in jobs}
         out |= {j.info.base for j in jobs if j.info.base is not None}
         return out
@@ -262,7 +264,7 @@ class MigrationService:
     def pending(self) -> list[tuple[int, str, str]]:
         """``(version, tier, last error)`` of every migration not settled yet."""
         with self._cond:
-            return [(j.info.id, j.slot.name, j.error) for j in self._jobs()]
+            return [(j.info.id, j.slot.name, j.error) for j in self._jobs() if not j.settled]
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no migration is pending (or ``timeout``); True if none is."""
@@ -434,13 +436,18 @@ class MigrationService:
         """Give up on ``job``: what it wrote to its tier is deleted unless something else
         references or protects it (a full disk is not kept full by a copy never committed)."""
         log.error("migration of version %d to %s failed: %s", job.info.id, job.slot.name, error)
-        self._settle(job, "failed", error)
-        self.maintenance.discard([job.slot.name], job.written)
+        self._settle(job, "failed", error, discard=True)
 
-    def _settle(self, job: _Job, state: TierState, error: str | None) -> None:
-        """The migration of ``job`` ended: tell its handle, release what it held, and ask
-        for maintenance of the tiers it read from (the version is no longer pinned)."""
+    def _settle(
+        self, job: _Job, state: TierState, error: str | None, *, discard: bool = False
+    ) -> None:
+        """The migration of ``job`` ended: release what it held, ask for maintenance of the
+        tiers (the version is no longer pinned) and, if ``discard``, for the deletion of
+        what it wrote, then tell its handle. In that order: a caller that saw the handle
+        settle and then flushes the store finds that work done, and the job is neither
+        pending nor pinning its version once the handle says it ended."""
         with self._cond:
+            job.settled = True
             last_of_version = not any(
                 j.reservation is job.reservation for j in self._jobs() if j is not job
             )
@@ -452,6 +459,10 @@ class MigrationService:
                 job.info.time,
             ):
                 del self._sent[job.slot.name]
+        if not self._halted:
+            self.maintenance.request(s.name for s in self.tierset.slots)
+        if discard:
+            self.maintenance.discard([job.slot.name], job.written)
         handle = job.handle
         if handle is not None and handle._migration_settled(job.slot.name, state, error):
             states = handle.result_now()
@@ -468,8 +479,6 @@ class MigrationService:
                     rank=self.rank if self.world_size > 1 else None,
                 )
             )
-        if not self._halted:
-            self.maintenance.request(s.name for s in self.tierset.slots)
 
     def _exempt(self, catalog: Catalog, versions: list[int]) -> set[str]:
         """The tiers with a memory budget whose copies of ``versions`` a migration need not

@@ -313,12 +313,15 @@ class Engine:
     # --- migrations and GC ----------------------------------------------------------------
 
     def wait_migrations(self, timeout: float | None) -> bool:
-        """Block until the migrations queued so far settled, or ``timeout`` passed."""
+        """Block until the migrations queued so far settled and the maintenance they asked
+        for ran (retention, the deletion of what a failed one wrote), or ``timeout`` passed."""
         if self.migrations is None or self.closed:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         self.flush()
-        return self.migrations.wait(_left(deadline))
+        if not self.migrations.wait(_left(deadline)):
+            return False
+        return self.maintenance.flush(_left(deadline))
 
     def collect(self, *, dry_run: bool, grace: float | None) -> list[GCReport]:
         """Sweep unreferenced blobs from every tier; see :meth:`tiercheck.Checkpointer.gc`."""
