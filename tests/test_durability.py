@@ -93,6 +93,7 @@ def test_a_migration_is_retried_by_itself_and_wait_migrated_returns(tmp_path: Pa
         h.wait()
         with pytest.raises(WaitTimeout, match="still being retried"):
             h.wait_migrated(timeout=0.2)
+        ckpt.flush()  # the save has queued its migration (after its handle finished)
         assert [(v, t) for v, t, _ in ckpt.pending_migrations()] == [(0, "slow")]
         plan.up()
         r = h.wait_migrated(timeout=120)  # no retry_migrations(): the backoff retries it

@@ -68,6 +68,7 @@ def open_store(tmp_path: Path) -> Checkpointer:
 def test_reused_orphan_delta_keeps_its_base(tmp_path: Path) -> None:
     ckpt = open_store(tmp_path)
     ckpt.save(0, state_at(0)).wait()  # v0, a base: its chunks are zstd blobs
+    ckpt.flush()  # the sweep after opening (grace 0) is done before the orphan is planted
     lmdb = ckpt.tierset.get("lmdb").tier
     assert lmdb is not None
     v0 = ckpt.refresh().versions[0]
@@ -88,6 +89,7 @@ def test_reused_orphan_delta_keeps_its_base(tmp_path: Path) -> None:
     # (grace 0) sweeps what it thinks nothing references.
     for step in range(1, 6):
         ckpt.save(step, state_at(step)).wait()
+    ckpt.flush()  # the retention those saves asked for has run
     tl = ckpt.refresh().logs["lmdb"]
     assert orphan_id not in tl.deltas  # no record names the orphan's base...
     assert 0 not in tl.held()  # ...and the version that did is gone

@@ -46,7 +46,8 @@ def specs(args: argparse.Namespace) -> list[TierSpec]:
         ports = [int(p) for p in args.peer_ports.split(",")]
         rank = dist.get_rank()
         port = ports[(rank + 1) % len(ports)]  # the daemon on the next "node"
-        out.insert(1, TierSpec("peer", f"peer://127.0.0.1:{port}/r{{rank}}", {"timeout": 5.0}))
+        # a loaded machine can stall a peer call for seconds: a dead daemon refuses at once
+        out.insert(1, TierSpec("peer", f"peer://127.0.0.1:{port}/r{{rank}}", {"timeout": 20.0}))
     if args.collective:
         # each rank stands for a node: the partner of rank r is rank r+1 (mod world)
         out.insert(
