@@ -4,7 +4,8 @@ with a static rendezvous on 127.0.0.1, gloo, CPU.
 Each launch is a node: ``GROUP_RANK`` differs, node-local tiers sit under that node's
 directories (``{node}`` in the tier URLs), so wiping node 1's directories loses its shm and
 LMDB for real. Node 1 must then restore from its partner on node 0 (``collective://``, the
-default partner map) and the shared remote tier, bit-exactly.
+default partner map) and the shared remote tier, bit-exactly. Losing node 0 loses the store
+file that rank 0 writes too; the store must still be the same store afterwards.
 """
 
 from __future__ import annotations
@@ -125,3 +126,23 @@ def test_node_lost_restores_from_partner_on_other_node_and_remote(
         else:
             assert e["source"] == "peer", e
             assert set(e["chunks_from"]) <= {"peer", "remote"}, e
+
+
+def test_node_0_lost_with_the_store_file_restores_the_same_store(
+    dirs: tuple[Path, Path],
+) -> None:
+    """Rank 0 writes the store file, in its node's directory: losing node 0 loses the file
+    too. The replacement's rank 0 makes the file again with a new id, takes the store's id
+    back from the shared remote (which records it at this root) instead of refusing it as
+    another store's, and every rank restores the newest version bit-exactly."""
+    root, shm = dirs
+    events = two_nodes(1, "save", root, shm)
+    assert len([e for e in events if e["event"] == "ack"]) == 2 * STEPS
+    assert (root / "node0" / "store" / "tiercheck.toml").is_file()
+    shutil.rmtree(shm / "node0")
+    shutil.rmtree(root / "node0")
+
+    restored = {e["rank"]: e for e in two_nodes(1, "restore", root, shm)}
+    assert sorted(restored) == [0, 1]
+    assert all(e["step"] == STEPS and e["exact"] for e in restored.values()), restored
+    assert restored[0]["source"] == "peer" and restored[1]["source"] == "shm", restored

@@ -121,6 +121,32 @@ def test_a_tier_of_another_store_is_refused_naming_both_roots(stores: Path) -> N
     assert _restored(a) == 1.0
 
 
+def test_a_store_made_again_at_its_root_takes_its_id_back_from_its_tiers(
+    stores: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The node holding a store's root was replaced: the root, its file and its shm are
+    gone; the remote tier (outside the root) survived and records the store's id at this
+    root. Opening the root again draws a new id, then takes the old one back from the
+    remote, and restores from it; another root is still refused."""
+    root, other = stores / "node0", stores / "other"
+    tiers = [
+        TierSpec("shm", "shm://made-again", {"root": str(stores / "shm")}),
+        TierSpec("remote", f"file://{stores / 'remote'}", {"survives": "cluster"}),
+    ]
+    _save(root, 3.0, tiers=tiers)
+    first_id = load_config(root / CONFIG_NAME).store_id
+    shutil.rmtree(root)
+    shutil.rmtree(stores / "shm")
+    with caplog.at_level(logging.WARNING, logger="tiercheck"):
+        assert _restored(root, tiers=tiers) == 3.0
+    assert load_config(root / CONFIG_NAME).store_id == first_id
+    assert f"it takes {first_id} back" in caplog.text
+    _save(root, 4.0, step=2, tiers=tiers)  # and it goes on saving as that store
+    assert _restored(root, tiers=tiers) == 4.0
+    with pytest.raises(ForeignTier, match=str(root.resolve())):
+        Checkpointer(other, tiers=tiers[1:])
+
+
 def test_a_tier_declared_shared_keeps_a_namespace_per_store(stores: Path) -> None:
     a, b = stores / "a", stores / "b"
     tiers = [

@@ -21,6 +21,13 @@ store (:func:`relation`):
   roots, when writing; the tier is unavailable to a read-only open. Two stores never read
   each other's versions.
 
+A store whose root lost its ``tiercheck.toml`` (the node that held it was replaced, or
+the root was wiped) draws a new id when it is opened again at the same root. Its tiers
+that survived (a shared remote, a peer daemon) still record the old id *at this root*: a
+writable open then takes that id back (:func:`recreated_id`) instead of refusing its own
+tiers as another store's. Only the same root counts, and only one recorded id: a copy or
+a move is at another root, and two ids at one root cannot be told apart.
+
 A tier declared shared by stores (option ``shared_by_stores = true``) is opened in a
 namespace of this store's own (:func:`namespaced`): a segment, an LMDB environment or a
 prefix named after the store id, which this store then owns as above.
@@ -31,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -54,9 +62,11 @@ __all__ = [
     "local_path",
     "namespaced",
     "open_identity",
+    "recreated_id",
     "relation",
     "resolve_spec",
     "store_at",
+    "take_back_id",
 ]
 
 log = logging.getLogger("tiercheck")
@@ -91,6 +101,38 @@ def relation(owner: StoreOwner | None, store_id: str, root: Path) -> Relation:
     if owner.root is None or _same_path(owner.root, root):
         return "own"
     return "copy" if store_at(owner.root) == store_id else "moved"
+
+
+def recreated_id(owners: Iterable[StoreOwner | None], store_id: str, root: Path) -> str | None:
+    """The id the store at ``root`` had before its file was lost: the one other id that
+    ``owners`` (the records of the store's tiers) record at this very root; None if they
+    record none, or more than one."""
+    ids = {
+        o.store_id
+        for o in owners
+        if o is not None
+        and o.store_id is not None
+        and o.store_id != store_id
+        and o.root is not None
+        and _same_path(o.root, root)
+    }
+    return ids.pop() if len(ids) == 1 else None
+
+
+def take_back_id(root: Path, old_id: str, new_id: str) -> str:
+    """Give the store file at ``root`` its lost id ``old_id`` back in place of ``new_id``,
+    the id it drew when it was made again; returns the file's id afterwards (another
+    process of the store may have done it first)."""
+    log.warning(
+        "store %s: its tiers record it as store %s, at this root; its file was made again "
+        "(the node or disk that held it was lost) with the new id %s: it takes %s back",
+        root,
+        old_id,
+        new_id,
+        old_id,
+    )
+    found = rewrite_store_file(root / CONFIG_NAME, store_id=old_id)
+    return found or old_id
 
 
 def open_identity(root: Path, *, read_only: bool) -> str | None:
@@ -198,11 +240,20 @@ def _enclosing_store(path: str) -> Path | None:
     return None
 
 
-def claim(tier: Tier, spec: TierSpec, store_id: str, root: Path, *, read_only: bool) -> None:
-    """Check the owner record of ``tier`` (opened from ``spec``) against this store and,
-    when writing, record this store in it. Raises ``ForeignTier`` / ``StoreCopied``
-    (module docstring)."""
-    owner = tier.read_owner()
+def claim(
+    tier: Tier,
+    spec: TierSpec,
+    store_id: str,
+    root: Path,
+    *,
+    read_only: bool,
+    owner: StoreOwner | Literal["unread"] | None = "unread",
+) -> None:
+    """Check the owner record of ``tier`` (opened from ``spec``; ``owner``, if it was read
+    already) against this store and, when writing, record this store in it. Raises
+    ``ForeignTier`` / ``StoreCopied`` (module docstring)."""
+    if owner == "unread":
+        owner = tier.read_owner()
     verdict = relation(owner, store_id, root)
     if verdict == "unowned":
         local = local_path(spec.url)
@@ -222,11 +273,17 @@ def claim(tier: Tier, spec: TierSpec, store_id: str, root: Path, *, read_only: b
         )
     if verdict == "foreign":
         assert owner is not None
+        remedy = (
+            "give this store a namespace of its own in the daemon (the URL's path or the "
+            "tier's `namespace` option)"
+            if spec.url.startswith("peer://")
+            else f"give this store a tier of its own, or declare the tier shared "
+            f"({SHARED_OPTION} = true) so that each store keeps its own namespace in it"
+        )
         raise ForeignTier(
             f"tier {spec.name} ({spec.url}) is owned by another store ({owner.store_id or 'no id'}"
-            f" at {owner.root}), not by the store at {root}: give this store a tier of its "
-            f"own, or declare the tier shared ({SHARED_OPTION} = true) so that each store "
-            "keeps its own namespace in it",
+            f" at {owner.root}{' on ' + owner.host if owner.host else ''}), not by the store "
+            f"at {root}: {remedy}",
             tier=spec.url,
             owner_root=owner.root or "",
             root=str(root),

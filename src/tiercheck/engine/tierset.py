@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tiercheck.backends.base import Tier
+from tiercheck.backends.base import StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.engine import identity
 from tiercheck.engine.config import StoreConfig, TierSpec, resolve_references
@@ -71,8 +71,20 @@ class TierSet:
         try:
             resolved = [identity.resolve_spec(s, root, self.store_id) for s in specs]
             self._open_all(resolved, policy, read_only)
+            owners: dict[str, StoreOwner | None] = {}
+            if root is not None and self.store_id is not None and not read_only:
+                owners = self._owners()
+                old = identity.recreated_id(owners.values(), self.store_id, root)
+                if old is not None:
+                    self.store_id = identity.take_back_id(root, old, self.store_id)
+                    # a tier shared by stores is opened in a namespace named by the id
+                    again = [identity.resolve_spec(s, root, self.store_id) for s in specs]
+                    if again != resolved:
+                        self.close()
+                        self.slots, resolved, owners = [], again, {}
+                        self._open_all(resolved, policy, read_only)
             if root is not None and self.store_id is not None:
-                self._claim(root, self.store_id, read_only)
+                self._claim(root, self.store_id, read_only, owners)
         except BaseException:
             self.close()  # the tiers opened before the one that failed
             raise
@@ -105,12 +117,34 @@ class TierSet:
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
 
-    def _claim(self, root: Path, store_id: str, read_only: bool) -> None:
-        """Check every open tier's owner record (and, writing, record this store)."""
+    def _owners(self) -> dict[str, StoreOwner | None]:
+        """The owner record of every open tier that can be read now, by tier name
+        (:meth:`_claim` reads the others again, and reports them)."""
+        out: dict[str, StoreOwner | None] = {}
         for slot in self.open():
             assert slot.tier is not None
             try:
-                identity.claim(slot.tier, slot.spec, store_id, root, read_only=read_only)
+                out[slot.name] = slot.tier.read_owner()
+            except TierError:
+                continue
+        return out
+
+    def _claim(
+        self, root: Path, store_id: str, read_only: bool, owners: dict[str, StoreOwner | None]
+    ) -> None:
+        """Check every open tier's owner record (``owners``: those read already) and,
+        writing, record this store."""
+        for slot in self.open():
+            assert slot.tier is not None
+            try:
+                identity.claim(
+                    slot.tier,
+                    slot.spec,
+                    store_id,
+                    root,
+                    read_only=read_only,
+                    owner=owners.get(slot.name, "unread"),
+                )
             except ForeignTier as exc:
                 if not read_only:
                     raise
