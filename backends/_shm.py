@@ -91,6 +91,7 @@ from tiercheck.backends.base import (
     invalid_url,
     parse_budget,
 )
+from tiercheck.core.sizes import tree_bytes
 from tiercheck.errors import NotFound, OverBudget, TierError, TierFull, TierLost
 from tiercheck.formats.framing import frame_record, scan_frames, torn_tail
 
@@ -179,17 +180,6 @@ class Segment:
     nbytes: int | None
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                continue
-    return total
-
-
 def read_owner(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The owner record of the segment directory ``path``, or None if it has none."""
     try:
@@ -257,7 +247,7 @@ def list_segments(
                 pid=field("pid", int),
                 created=float(created) if isinstance(created, (int, float)) else None,
                 owned=bool(owner),
-                nbytes=_dir_bytes(path) if sizes else None,
+                nbytes=tree_bytes(path) if sizes else None,
             )
         )
     return out
@@ -273,7 +263,7 @@ def remove_segment(path: str | os.PathLike[str]) -> int:
         return 0
     if not _is_segment(path):
         raise TierError(f"{path} is not a tiercheck shm store; not deleting it")
-    freed = _dir_bytes(path)
+    freed = tree_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
     return freed
 

@@ -27,6 +27,7 @@ import psutil
 import torch
 
 import tiercheck
+from tiercheck.core.sizes import tree_bytes
 from tiercheck.engine.config import TierSpec
 from tiercheck.engine.lifecycle import destroy_store
 
@@ -232,21 +233,6 @@ def fsync_tree(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def tree_bytes(root: str | os.PathLike[str], *, apparent: bool = False) -> int:
-    """What the files under ``root`` take: allocated blocks (what a disk or tmpfs charges),
-    or their sizes (``apparent``; a sparse file counts whole). A file deleted meanwhile
-    counts nothing."""
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            total += st.st_size if apparent else st.st_blocks * 512
-    return total
 
 
 def dir_bytes(root: Path) -> int:

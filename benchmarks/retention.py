@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_lib import tree_bytes
 
+from tiercheck.core.sizes import tree_bytes
 from tiercheck.engine.lifecycle import shm_root_left_as_found
 
 MIB = 1 << 20

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import torch
-from bench_lib import tree_bytes
 
 from tiercheck import Checkpointer
+from tiercheck.core.sizes import tree_bytes
 from tiercheck.engine.lifecycle import shm_root_left_as_found
 
 

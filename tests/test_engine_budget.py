@@ -15,6 +15,7 @@ import torch
 
 from tiercheck import Checkpointer
 from tiercheck.backends._shm import ShmTier
+from tiercheck.core.sizes import tree_bytes
 from tiercheck.engine.budgets import SLACK, default_budget, free_memory, version_bytes
 from tiercheck.engine.catalog import COMPACT_SLACK, read_tier_log
 from tiercheck.engine.config import TierSpec
@@ -23,20 +24,6 @@ from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.peer.server import PeerServer
 
 TOKEN = b"test-token-0123456789"
-
-
-def _segment_bytes(path: str) -> tuple[int, int]:
-    """(file sizes, allocated blocks) of every file under one shm segment."""
-    sizes = blocks = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            sizes += st.st_size
-            blocks += st.st_blocks * 512
-    return sizes, blocks
 
 
 def _pages(n: int) -> int:
@@ -62,7 +49,7 @@ def test_dense_training_stays_within_the_default_budget(tmp_path: Path) -> None:
             ckpt.flush()
             budget = tier.budget
             assert budget is not None
-            sizes, blocks = _segment_bytes(tier.path)
+            sizes, blocks = tree_bytes(tier.path, apparent=True), tree_bytes(tier.path)
             log_bytes = os.path.getsize(os.path.join(tier.path, "log"))
             assert tier.usage() + tier.pool_bytes <= budget
             assert sizes - log_bytes <= budget + 4096  # + owner.json and the like

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy
+from tiercheck.core.sizes import tree_bytes
 from tiercheck.engine.cadence import Cadence, parse_cadence
 from tiercheck.engine.catalog import TierLog
 from tiercheck.engine.config import (
@@ -286,12 +287,6 @@ _TRAINER = textwrap.dedent(
 )
 
 
-def _blocks(path: Path) -> int:
-    return sum(
-        os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path) for f in files
-    )
-
-
 def test_guarded_saves_on_the_default_store_stay_within_the_documented_footprint(
     tmp_path: Path,
 ) -> None:
@@ -348,7 +343,7 @@ def _footprint_within_formula(root: Path) -> None:
     # docs/configuration.md, "Footprint": LMDB's pages <= (keep_bases + 2) x V; its blocks
     # add a reservation of at most the largest write (V) + V/16 + 32 MiB
     assert pages <= 4 * state * 1.05 + (1 << 20)
-    assert _blocks(root / "lmdb") <= pages + state * 17 / 16 + (32 << 20)
-    remote = _blocks(root / "remote")
+    assert tree_bytes(root / "lmdb") <= pages + state * 17 / 16 + (32 << 20)
+    remote = tree_bytes(root / "remote")
     assert remote <= 1 * state * 1.05 + (1 << 20)
     assert (pages + remote) / state < 8

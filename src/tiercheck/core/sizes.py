@@ -1,4 +1,5 @@
-"""Byte sizes written by people: ``"8GiB"``, ``"512MiB"``, ``"1G"``, ``"1GB"``, ``4096``.
+"""Byte sizes written by people: ``"8GiB"``, ``"512MiB"``, ``"1G"``, ``"1GB"``, ``4096``;
+and what a tree of files takes on disk (:func:`tree_bytes`).
 
 One reading everywhere a size is given (tier ``budget`` options, ``tiercheck peer serve
 --memory-limit``): a bare unit letter (``K``, ``M``, ``G``, ``T``, ``P``) and the ``KiB``
@@ -10,11 +11,12 @@ module only maps the spellings people use onto bitmath's unit names (bitmath alo
 
 from __future__ import annotations
 
+import os
 import re
 
 import bitmath
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["format_size", "parse_size", "tree_bytes"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _PREFIXES = "KMGTP"
@@ -66,3 +68,18 @@ def format_size(n: float) -> str:
         return f"{int(n)} B"
     best = bitmath.Byte(n).best_prefix(system=bitmath.NIST)
     return f"{best.value:.1f} {best.unit}"
+
+
+def tree_bytes(root: str | os.PathLike[str], *, apparent: bool = False) -> int:
+    """What the files under ``root`` take: allocated blocks (what a disk or tmpfs charges),
+    or their sizes (``apparent``; a sparse file counts whole). A file deleted meanwhile
+    counts nothing."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            total += st.st_size if apparent else st.st_blocks * 512
+    return total
