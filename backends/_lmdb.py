@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import builtins
 import errno
-import json
 import logging
 import os
 import struct
@@ -832,16 +831,11 @@ class LmdbTier(Tier):
             return None if value is None else bytes(value)
 
         raw = self._read(txn_owner, "read the owner", "")
-        if raw is None:
-            return None
-        try:
-            return StoreOwner.from_json(json.loads(raw))
-        except ValueError:
-            return None  # not a record this version wrote: treated as none
+        return None if raw is None else StoreOwner.from_bytes(raw)
 
     def write_owner(self, owner: StoreOwner) -> None:
         """Record ``owner`` under ``tiercheck.owner`` (one write transaction)."""
-        body = json.dumps(owner.to_json()).encode()
+        body = owner.to_bytes()
 
         def txn_owner(txn: lmdb.Transaction, e: _Env) -> None:
             txn.put(_OWNER_KEY, body)

@@ -20,7 +20,6 @@ daemon, is dropped instead of used.
 from __future__ import annotations
 
 import builtins
-import json
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -411,19 +410,14 @@ class PeerTier(Tier):
         except NotSupported:
             return None
         raw = reply.get("owner")
-        if not isinstance(raw, bytes):
-            return None
-        try:
-            return StoreOwner.from_json(json.loads(raw))
-        except ValueError:
-            return None  # not a record this version wrote: treated as none
+        return StoreOwner.from_bytes(raw) if isinstance(raw, bytes) else None
 
     def write_owner(self, owner: StoreOwner) -> None:
         """Record ``owner`` for this namespace in the daemon (replaced whole, under its
         store lock). A daemon that predates owner records keeps none: logged, not fatal
         (the namespace is then as unguarded as before)."""
         self._check_writable("record the owner")
-        body = json.dumps(owner.to_json()).encode()
+        body = owner.to_bytes()
         try:
             self._request({"op": "set_owner"}, body)
         except NotSupported:

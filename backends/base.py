@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import abc
 import builtins
+import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -192,6 +193,19 @@ class StoreOwner:
         if store_id is None and root is None:
             return None
         return cls(store_id, root, host)
+
+    def to_bytes(self) -> bytes:
+        """The record as a tier that keeps it in bytes stores it: UTF-8 JSON."""
+        return json.dumps(self.to_json()).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> StoreOwner | None:
+        """The record in ``raw`` (:meth:`to_bytes`), or None if it is not one: a record
+        this version did not write is treated as none."""
+        try:
+            return cls.from_json(json.loads(raw))
+        except ValueError:
+            return None
 
 
 def check_blob_id(blob_id: str, url: str = "") -> None:
