@@ -98,9 +98,12 @@ def test_pending_migrations_is_empty_once_the_handle_settled(store: Checkpointer
 def test_a_failed_migrations_blobs_are_gone_after_the_barrier(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, barrier: str
 ) -> None:
-    """A migration to a file tier whose fsync fails from the tenth call: the blobs it had
-    named stay until the deletion of what it wrote (nothing references them), and either
-    barrier returns after that deletion, even with the maintenance thread running late."""
+    """Raw blobs reach a file tier in two steps (written, then fsynced and named on the
+    write threads). A migration whose fsync fails from the tenth call fails; every blob
+    begun and not finished is removed at once, the blobs it did name stay until the
+    deletion of what it wrote (nothing references them), and either barrier returns after
+    that deletion, even with the maintenance thread running late. The next migration
+    completes and restores."""
     from tiercheck.backends import _fsspec
 
     real_discard = Maintenance._discard
@@ -126,9 +129,10 @@ def test_a_failed_migrations_blobs_are_gone_after_the_barrier(
             raise OSError(5, "Input/output error")
         real_fsync(fd)
 
+    w = torch.randn(40 * 16384, generator=torch.Generator().manual_seed(4))  # 40 chunks
     with Checkpointer(tmp_path / "store", tiers=tiers, policy=policy) as ckpt:
         monkeypatch.setattr(_fsspec.os, "fsync", fails_from_the_tenth)
-        handle = ckpt.save(0, {"w": torch.randn(40 * 16384)})  # 40 chunks
+        handle = ckpt.save(0, {"w": w})
         if barrier == "wait_migrations":
             assert ckpt.wait_migrations(120)
         else:
@@ -136,5 +140,10 @@ def test_a_failed_migrations_blobs_are_gone_after_the_barrier(
             ckpt.flush()
         assert handle.result_now().tiers["remote"] == "failed"
         assert calls >= 10
+        assert not [p for p in remote.rglob("*.tmp")]
         assert not [p for p in remote.rglob("*") if p.is_file() and "blobs" in p.parts]
         monkeypatch.setattr(_fsspec.os, "fsync", real_fsync)
+        assert ckpt.save(1, {"w": w + 1}).wait_migrated(timeout=120).tiers["remote"] == "committed"
+        back = {"w": torch.zeros_like(w)}
+        info = ckpt.restore(back, tiers=["remote"])
+    assert info.version == 1 and torch.equal(back["w"], w + 1)
