@@ -20,7 +20,6 @@ daemon, is dropped instead of used.
 from __future__ import annotations
 
 import builtins
-import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -37,7 +36,6 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
-    StoreOwner,
     Tier,
     check_blob_id,
     invalid_url,
@@ -54,8 +52,6 @@ from tiercheck.errors import (
 )
 
 __all__ = ["PeerTier"]
-
-log = logging.getLogger(__name__)
 
 PEER_CAPABILITIES = Capabilities(
     survives=FailureDomain.NODE,
@@ -398,34 +394,6 @@ class PeerTier(Tier):
         if isinstance(limit, int) and isinstance(used, int):
             return max(0, limit - used)
         return None
-
-    # --- identity ---
-
-    def read_owner(self) -> StoreOwner | None:
-        """The owner record the daemon keeps for this namespace (formats/SPEC.md 15.2);
-        None if there is none, if it does not parse, or if the daemon predates owner
-        records."""
-        try:
-            reply, _, _ = self._request({"op": "get_owner"})
-        except NotSupported:
-            return None
-        raw = reply.get("owner")
-        return StoreOwner.from_bytes(raw) if isinstance(raw, bytes) else None
-
-    def write_owner(self, owner: StoreOwner) -> None:
-        """Record ``owner`` for this namespace in the daemon (replaced whole, under its
-        store lock). A daemon that predates owner records keeps none: logged, not fatal
-        (the namespace is then as unguarded as before)."""
-        self._check_writable("record the owner")
-        body = owner.to_bytes()
-        try:
-            self._request({"op": "set_owner"}, body)
-        except NotSupported:
-            log.warning(
-                "%s: the peer daemon keeps no owner records (an older tiercheck): another "
-                "store configured with this namespace would not be refused; upgrade it",
-                self.url,
-            )
 
     # --- extras ---
 

@@ -4,8 +4,6 @@ hostile clients, the memory limit, a killed daemon, and the frame codec. Loopbac
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import os
 import signal
 import socket
@@ -20,11 +18,9 @@ from typing import Any
 
 import msgpack
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercheck import Checkpointer, TierSpec
 from tiercheck.backends._peer import PeerTier
 from tiercheck.backends._peer_protocol import (
     HANDSHAKE_MAX_FRAME,
@@ -35,11 +31,10 @@ from tiercheck.backends._peer_protocol import (
     read_frame,
     send_frame,
 )
-from tiercheck.backends.base import FailureDomain, StoreOwner, Tier
+from tiercheck.backends.base import FailureDomain, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import (
     ConfigError,
-    ForeignTier,
     InvalidURL,
     NotFound,
     NotSupported,
@@ -48,13 +43,7 @@ from tiercheck.errors import (
     TierFull,
     TierUnavailable,
 )
-from tiercheck.peer.server import (
-    MAX_OWNER_RECORD,
-    PeerServer,
-    parse_address,
-    parse_size,
-    peer_status,
-)
+from tiercheck.peer.server import PeerServer, parse_address, parse_size, peer_status
 from tiercheck.testing.conformance import TierConformance, blob
 
 TOKEN = b"test-token-0123456789"
@@ -938,77 +927,3 @@ def test_set_budget_at_run_time(server: PeerServer) -> None:
         assert tier.put(*blob(700_000, seed=2))
     finally:
         tier.close()
-
-
-# --- owner records (formats/SPEC.md 15.2) ----------------------------------------------
-
-
-def test_a_namespace_keeps_one_owner_record_replaced_whole(daemon: Daemon) -> None:
-    tier, other = daemon.tier(), daemon.tier()
-    try:
-        assert tier.read_owner() is None
-        first = StoreOwner("ab" * 16, "/runs/a", "node-a")
-        tier.write_owner(first)
-        assert tier.read_owner() == first
-        assert other.read_owner() is None  # one record per namespace
-        moved = StoreOwner("ab" * 16, "/runs/b", "node-b")
-        tier.write_owner(moved)
-        assert tier.read_owner() == moved
-        mine = tier.stats()["namespaces"][tier.namespace]
-        assert mine["charged"] > len(json.dumps(moved.to_json()))  # held, and counted
-        with pytest.raises(TierError, match="read-only"):
-            daemon.tier(tier.namespace, read_only=True).write_owner(first)
-    finally:
-        tier.close()
-        other.close()
-
-
-def test_an_owner_record_that_does_not_parse_reads_as_none_and_a_huge_one_is_refused(
-    daemon: Daemon,
-) -> None:
-    namespace = uuid.uuid4().hex
-    sock = _raw_authenticated(daemon, namespace)
-    send_frame(sock, {"op": "set_owner"}, b"\xff not json")
-    reply, _ = read_frame(sock, 1 << 20)
-    assert reply["ok"] is True
-    with daemon.tier(namespace) as tier:
-        assert tier.read_owner() is None
-    send_frame(sock, {"op": "set_owner"}, b"x" * (MAX_OWNER_RECORD + 1))
-    _expect_closing_error(sock, "BadRequest")
-
-
-def test_a_second_store_on_the_same_namespace_is_refused(daemon: Daemon, tmp_path: Path) -> None:
-    """Two stores given one peer URL (a copied config): the second fails at open, naming
-    the first, instead of reading or writing the first one's versions."""
-    options = {"token_file": str(daemon.token_file), "timeout": TIMEOUT}
-    tiers = [TierSpec("mem", "memory://"), TierSpec("peer", daemon.url(), options)]
-    with Checkpointer(tmp_path / "a", tiers=tiers) as ckpt:
-        assert ckpt.save(1, {"w": torch.ones(1024)}).wait().tiers["peer"] == "committed"
-    with pytest.raises(ForeignTier, match="namespace of its own") as raised:
-        Checkpointer(tmp_path / "b", tiers=tiers)
-    assert str((tmp_path / "a").resolve()) in str(raised.value)
-    with Checkpointer(tmp_path / "b", tiers=tiers, read_only=True) as ckpt:
-        assert ckpt.tierset.get("peer").tier is None and ckpt.history() == []
-    (tmp_path / "a").rename(tmp_path / "a-moved")  # the same store, moved: still its own
-    with Checkpointer(tmp_path / "a-moved", tiers=tiers) as ckpt:
-        assert [v.step for v in ckpt.history()] == [1]
-
-
-def test_a_daemon_that_keeps_no_owner_records_serves_as_before(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A daemon of an older tiercheck answers the owner requests ``Unsupported``: the
-    namespace has no record, writing one is a warning, and the tier works as before."""
-    with PeerServer(f"{LOOPBACK}:0", memory_limit=1 << 26, token=TOKEN) as older:
-        for op in ("get_owner", "set_owner"):
-            del older._ops[op]
-        tier = open_tier(f"peer://{LOOPBACK}:{older.port}/ns", token=TOKEN, timeout=TIMEOUT)
-        try:
-            assert tier.read_owner() is None
-            with caplog.at_level(logging.WARNING, logger="tiercheck"):
-                tier.write_owner(StoreOwner("ab" * 16, "/runs/a", "node-a"))
-            assert "keeps no owner records" in caplog.text
-            tier.put("cd" * 32, b"still served")
-            assert bytes(tier.get("cd" * 32)) == b"still served"
-        finally:
-            tier.close()

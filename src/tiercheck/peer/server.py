@@ -180,8 +180,6 @@ _POOL_MIN = 1 << 20
 OBJECT_OVERHEAD = 1024
 #: Bytes charged for each log record besides its payload (a bytes object and a list slot).
 RECORD_OVERHEAD = 128
-# An owner record is a short JSON object (a store id, a root path, a host name).
-MAX_OWNER_RECORD = 8192
 #: A frame at least this large reserves its length against the memory limit before its
 #: body is received; smaller ones (requests, handshakes) are bounded by the connection caps.
 RESERVE_MIN = HANDSHAKE_MAX_FRAME
@@ -255,7 +253,6 @@ class _Namespace:
     log_bytes: int = 0
     charged: int = 0  # payload and overhead, against the namespace quota
     budget: int | None = None  # set by the hello of a client that gives one
-    owner: bytes | None = None  # the owner record of the store writing here (opaque)
 
 
 class _Store:
@@ -452,22 +449,6 @@ class _Store:
             self._reserve(len(record) - freed, "log checkpoint", space, extra)
             space.log[:count] = [record]
             space.log_bytes += len(record) - freed
-            space.charged += extra
-            self.used += extra
-
-    def owner(self, ns: str) -> bytes | None:
-        with self._lock:
-            space = self._spaces.get(ns)
-            return space.owner if space else None
-
-    def set_owner(self, ns: str, record: bytes) -> None:
-        """Replace ``ns``'s owner record (charged as a log record is)."""
-        with self._lock:
-            space = self._space(ns)
-            old = 0 if space.owner is None else len(space.owner) + RECORD_OVERHEAD
-            extra = len(record) + RECORD_OVERHEAD - old
-            self._reserve(0, "an owner record", space, extra)
-            space.owner = record
             space.charged += extra
             self.used += extra
 
@@ -678,8 +659,6 @@ class PeerServer:
             "usage": self._op_usage,
             "set_budget": self._op_set_budget,
             "stats": self._op_stats,
-            "get_owner": self._op_get_owner,
-            "set_owner": self._op_set_owner,
         }
 
     # --- lifecycle ---
@@ -1235,21 +1214,6 @@ class PeerServer:
         _not_empty(len(record), "a log record")
         count = _int_arg(req.fields, "count", 0)
         self._store.replace_log_prefix(req.ns, count, record)
-        return _Reply({})
-
-    def _op_get_owner(self, req: _Request) -> _Reply:
-        return _Reply({"owner": self._store.owner(req.ns)})
-
-    def _op_set_owner(self, req: _Request) -> _Reply:
-        record = bytes(_require_data(req.data, "set_owner"))
-        _not_empty(len(record), "an owner record")
-        if len(record) > MAX_OWNER_RECORD:
-            raise _Refused(
-                "BadRequest",
-                f"an owner record of {len(record)} bytes (at most {MAX_OWNER_RECORD})",
-                close=True,
-            )
-        self._store.set_owner(req.ns, record)
         return _Reply({})
 
     def _op_set_budget(self, req: _Request) -> _Reply:
