@@ -273,17 +273,11 @@ def claim(
         )
     if verdict == "foreign":
         assert owner is not None
-        remedy = (
-            "give this store a namespace of its own in the daemon (the URL's path or the "
-            "tier's `namespace` option)"
-            if spec.url.startswith("peer://")
-            else f"give this store a tier of its own, or declare the tier shared "
-            f"({SHARED_OPTION} = true) so that each store keeps its own namespace in it"
-        )
         raise ForeignTier(
             f"tier {spec.name} ({spec.url}) is owned by another store ({owner.store_id or 'no id'}"
             f" at {owner.root}{' on ' + owner.host if owner.host else ''}), not by the store "
-            f"at {root}: {remedy}",
+            f"at {root}: give this store a tier of its own, or declare the tier shared "
+            f"({SHARED_OPTION} = true) so that each store keeps its own namespace in it",
             tier=spec.url,
             owner_root=owner.root or "",
             root=str(root),
