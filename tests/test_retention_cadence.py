@@ -347,3 +347,22 @@ def _footprint_within_formula(root: Path) -> None:
     remote = tree_bytes(root / "remote")
     assert remote <= 1 * state * 1.05 + (1 << 20)
     assert (pages + remote) / state < 8
+
+
+def test_another_process_reads_a_base_the_cadence_deferred_as_missing(tmp_path: Path) -> None:
+    """Seen from a read-only open (the writer's queue is not visible), a base the remote's
+    cadence did not send reads ``missing``, as the writer's handle said: not
+    ``migrating``, which it would read for ever since the writer will never send it."""
+    root = tmp_path / "store"
+    state = {"w": torch.zeros(1024)}
+    with Checkpointer(root, policy=Policy(base_every=1, remote_every=3)) as ckpt:
+        for step in range(1, 6):
+            state["w"] += 1
+            ckpt.save(step, state).wait_migrated()
+    view = Checkpointer(root, read_only=True)
+    try:
+        seen = {v.step: v.tiers["remote"] for v in view.history()}
+        assert seen == {1: "committed", 2: "missing", 3: "missing", 4: "committed", 5: "missing"}
+    finally:
+        view.close()
+        Checkpointer(root).destroy()

@@ -35,6 +35,7 @@ from tiercheck.core.chunking import chunks_of
 from tiercheck.engine.catalog import Catalog, TierLog
 from tiercheck.engine.fetch import ChunkFetcher, FetchStats
 from tiercheck.engine.handles import TierState
+from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import (
     CheckpointError,
     NoRestorableVersion,
@@ -486,6 +487,27 @@ class _Reader:
         return out
 
 
+def _sent_by_cadence(slot: TierSlot, catalog: Catalog) -> set[int]:
+    """The versions after the newest one ``slot`` committed that its migrations would
+    send: those it wants, each due by its cadence after the previous one sent (as
+    :meth:`MigrationService.targets` decides, from the versions' steps and times)."""
+    tl = catalog.logs.get(slot.name)
+    if slot.policy is None or slot.policy.mode != "async" or tl is None:
+        return set()
+    cadence = slot.policy.cadence
+    held = tl.held()
+    newest = max(tl.committed, default=-1)
+    last = (tl.committed[held[-1]].step, tl.committed[held[-1]].time) if held else None
+    out: set[int] = set()
+    for vid, info in catalog.versions.items():
+        if vid <= newest or not slot.policy.wants(info.role):
+            continue
+        if cadence is None or last is None or cadence.due(info.step, info.time, *last):
+            out.add(vid)
+            last = (info.step, info.time)
+    return out
+
+
 def build_history(
     store: StoreView[Version],
     catalog: Catalog,
@@ -497,21 +519,19 @@ def build_history(
 
     Reads no blob. A tier shows ``migrating`` for a version when this process has its
     migration queued (``pending``, ``pinned``), or, seen from another process, when the
-    tier receives such versions asynchronously and holds nothing newer yet (migrations
-    run in commit order).
+    tier receives such versions asynchronously, holds nothing newer yet (migrations run in
+    commit order) and its cadence sends this one (:func:`_sent_by_cadence`).
     """
     pending_set = set(pending)
     pinned_set = set(pinned)
-    infer = store.read_only  # the writer is another process: its queue is not visible
     versions = catalog.versions
     held_by: dict[str, set[int]] = {}
-    newest: dict[str, int] = {}
     for name, tl in catalog.logs.items():
-        held = set(tl.held())
-        held_by[name] = held
-        newest[name] = max(tl.committed, default=-1)
+        held_by[name] = set(tl.held())
     restorable = catalog.restorable_ids
     slots = store.tierset.slots
+    # the writer is another process: its queue is not visible, the tier's log and cadence are
+    inferred = {s.name: _sent_by_cadence(s, catalog) for s in slots} if store.read_only else {}
     out: list[Version] = []
     for vid, info in versions.items():
         tiers: dict[str, TierState] = {}
@@ -529,7 +549,7 @@ def build_history(
                 slot.policy is not None
                 and slot.policy.mode == "async"
                 and slot.policy.wants(info.role)
-                and (vid in pinned_set or (infer and vid > newest[slot.name]))
+                and (vid in pinned_set or vid in inferred.get(slot.name, ()))
             ):
                 tiers[slot.name] = "migrating"
             else:
