@@ -111,7 +111,9 @@ def test_a_parameter_edited_outside_the_optimizer_falls_back_to_the_base(tmp_pat
         ckpt.destroy()
 
 
-def test_without_a_guarded_optimizer_log_versions_are_skipped(tmp_path: Path) -> None:
+def test_log_versions_are_skipped_without_a_guarded_optimizer_and_a_reader_can_guard(
+    tmp_path: Path,
+) -> None:
     t = Trainer()
     ckpt = _store(tmp_path)
     try:
@@ -130,6 +132,17 @@ def test_without_a_guarded_optimizer_log_versions_are_skipped(tmp_path: Path) ->
             assert info.fallback is not None and "guard(optimizer)" in info.fallback
             with pytest.raises(NoRestorableVersion, match="guard"):
                 reader.restore(fresh.state(), version=log_version.version)
+        finally:
+            reader.close()
+        # a read-only store replays into the optimizer it guards (an evaluation job
+        # reading the trainer's newest version): the log version, bit for bit
+        reader = tiercheck.Checkpointer(tmp_path / "s", read_only=True)
+        try:
+            fresh = Trainer(seed=5)
+            reader.guard(fresh.opt)
+            info = reader.restore(fresh.state())
+            assert info.version == log_version.version and info.fallback is None
+            assert_bit_identical(snapshot(fresh), snapshot(t))
         finally:
             reader.close()
     finally:

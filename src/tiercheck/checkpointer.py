@@ -168,15 +168,15 @@ class Checkpointer:
 
         With ``log`` (the default, on a writable store), an update log is attached
         (:mod:`tiercheck.logversions.update_log`): each step's gradients are copied into a
-        reused host buffer, and a save may store the steps since the last full version instead of
-        the state (a *log version*, ``docs/concepts.md``). Pass
-        the ``torch.amp.GradScaler`` that steps this optimizer as ``scaler`` (a step it
-        skips is logged as skipped); ``mirrors`` are ``(master, copy)`` pairs the trainer
-        keeps equal (bf16 copies of fp32 master weights). Restoring a log version replays
-        into the guarded optimizer, which must be part of the state restored: guard it
-        before ``restore()``. One optimizer is logged per store: guarding another one
-        moves the log to it (the next save is then a full version). With several ranks,
-        guard on every rank or on none.
+        reused host buffer, and a save may store the steps since the last full version
+        instead of the state (a *log version*, ``docs/concepts.md``). Pass the
+        ``torch.amp.GradScaler`` that steps this optimizer as ``scaler`` (a step it skips
+        is logged as skipped); ``mirrors`` are ``(master, copy)`` pairs the trainer keeps
+        equal (bf16 copies of fp32 master weights). Restoring a log version replays into
+        the guarded optimizer, which must be part of the state restored: guard it before
+        ``restore()``, on a read-only store too (which logs nothing). One optimizer is
+        logged per store: guarding another one moves the log to it (the next save is then
+        a full version). With several ranks, guard on every rank or on none.
 
         Returns a function that removes the hook and the log. The hook only waits: a
         save's failure is raised by its own handle, never by the optimizer.

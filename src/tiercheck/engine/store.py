@@ -99,6 +99,8 @@ class Engine:
         self._closer: threading.Thread | None = None
         self.migrations: MigrationService | None = None
         self.saves: SaveService | None = None
+        # a read-only store's guarded optimizer: no saves to log for, restores replay into it
+        self._replay_into: LogSource | None = None
         try:
             self._open(config, threads)
         except BaseException:
@@ -295,6 +297,12 @@ class Engine:
                 previous.detach()
             source = LogSource(optimizer, scaler, mirrors)
             saves.logs = source
+        elif log:
+            # read-only: the log stays unusable (no full version is ever saved here), so
+            # its hooks capture nothing; a restore replays log versions into the optimizer
+            if self._replay_into is not None:
+                self._replay_into.detach()
+            source = self._replay_into = LogSource(optimizer, scaler, mirrors)
 
         def remove() -> None:
             handle.remove()
@@ -303,12 +311,15 @@ class Engine:
                     saves.flush()
                 saves.logs = None
                 source.detach()
+            elif source is not None and self._replay_into is source:
+                self._replay_into = None
+                source.detach()
 
         return remove
 
     def logs(self) -> LogSource | None:
         """The guarded optimizer's update log, if one is attached."""
-        return self.saves.logs if self.saves is not None else None
+        return self.saves.logs if self.saves is not None else self._replay_into
 
     # --- migrations and GC ----------------------------------------------------------------
 
