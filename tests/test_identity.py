@@ -114,8 +114,13 @@ def test_a_tier_of_another_store_is_refused_naming_both_roots(stores: Path) -> N
     assert not isinstance(raised.value, StoreCopied)
     message = str(raised.value)
     assert str(a.resolve()) in message and str(b.resolve()) in message
+    # the refused open made no store: the same root opens with tiers of its own
+    assert not (b / CONFIG_NAME).exists()
+    own = [TierSpec("shm", "shm://another-segment", {"root": str(shm_root)})]
+    _save(b, 2.0, tiers=own)
+    assert _restored(b) == 2.0
     # reading: the tier of the other store is unavailable, never read as this store's
-    with Checkpointer(b, read_only=True) as ckpt:
+    with Checkpointer(b, tiers=shared, read_only=True) as ckpt:
         assert ckpt.history() == []
         assert ckpt.tierset.get("shm").tier is None
     assert _restored(a) == 1.0

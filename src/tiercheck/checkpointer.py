@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tiercheck.engine.catalog import Catalog
-from tiercheck.engine.config import StoreConfig, TierSpec
+from tiercheck.engine.config import CONFIG_NAME, StoreConfig, TierSpec
 from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.executors import Executors
 from tiercheck.engine.handles import Failures, SaveHandle, SaveResult
-from tiercheck.engine.leases import StoreLock
 from tiercheck.engine.placement import Policy
 from tiercheck.engine.retention import GCReport
-from tiercheck.engine.store import Engine, default_coordinator, resolve_config, write_config
+from tiercheck.engine.store import Engine, default_coordinator, open_engine, resolve_config
 from tiercheck.engine.tierset import TierSet
 from tiercheck.errors import CheckpointError, ConfigError
 from tiercheck.formats.manifest import Role
@@ -86,34 +85,23 @@ class Checkpointer:
         self.rank = self.coordinator.rank
         self.world_size = self.coordinator.world_size
         self.config: StoreConfig
+        fresh = not (self.root / CONFIG_NAME).exists()
         self.config, write = resolve_config(
             self.root, tiers, policy, config, read_only=read_only, multi_rank=self.world_size > 1
         )
         self.policy = self.config.policy
         if self.world_size > 1 and self.policy.on_busy == "skip":
             raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
-        lock: StoreLock | None = None
-        if not read_only:
-            self.root.mkdir(parents=True, exist_ok=True)
-            lock = StoreLock(self.root, self.rank if self.world_size > 1 else None)
-        try:
-            # under the lock: never under a writer that has the store open; by rank 0 only:
-            # the ranks share the file, and each may pass tiers of its own (a peer per rank)
-            if write and self.rank == 0:
-                write_config(self.root, self.config, rewrite=rewrite_config)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        # from here the engine holds the lock (and releases it if opening fails)
-        self._engine = Engine(
+        self._engine = open_engine(
             self.root,
             self.config,
             self.coordinator,
+            write=write,
+            fresh=fresh,
+            rewrite=rewrite_config,
             read_only=read_only,
             allow_pickle=allow_pickle,
             threads=threads,
-            lock=lock,
         )
         self.tierset: TierSet = self._engine.tierset
         self._restores = RestoreService(

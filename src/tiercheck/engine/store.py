@@ -61,7 +61,7 @@ from tiercheck.logversions.planner import LogSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Engine", "default_coordinator", "resolve_config", "write_config"]
+__all__ = ["Engine", "default_coordinator", "open_engine", "resolve_config", "write_config"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class Engine:
     Opening takes the tiers, reads their logs and starts the threads; ``lock`` (the
     store's writer lock, None when read-only) is the engine's from then on: it is released
     once every thread has ended, by :meth:`close`, or at once if opening fails (then
-    everything opened so far is closed before the error propagates).
+    everything opened so far is closed, and the store file ``made`` by this open removed,
+    before the error propagates).
     """
 
     def __init__(
@@ -85,8 +86,10 @@ class Engine:
         allow_pickle: bool,
         threads: int | None,
         lock: StoreLock | None,
+        made: Path | None = None,
     ) -> None:
         self.root = root
+        self._made = made  # the store file this open created, removed if it fails
         self.policy = config.policy
         self.coordinator = coordinator
         self.rank = coordinator.rank
@@ -202,6 +205,8 @@ class Engine:
                 step()
             except Exception:  # the caller hears of what made the open fail, not of this
                 log.exception("releasing what a failed open of %s took", self.root)
+        if self._made is not None:  # under the lock: no other open has read it
+            self._made.unlink(missing_ok=True)
         self.release_lock()
 
     def release_lock(self) -> None:
@@ -487,6 +492,51 @@ def resolve_config(
     if policy is not None:
         cfg = StoreConfig(cfg.tiers, policy)
     return cfg, not read_only
+
+
+def open_engine(
+    root: Path,
+    config: StoreConfig,
+    coordinator: Coordinator,
+    *,
+    write: bool,
+    fresh: bool,
+    rewrite: bool,
+    read_only: bool,
+    allow_pickle: bool,
+    threads: int | None,
+) -> Engine:
+    """Take the store's writer lock (unless ``read_only``), write its file if ``write``
+    (:func:`write_config`, rank 0 only: the ranks share it, and each may pass tiers of its
+    own, a peer per rank), and open the :class:`Engine`, which holds the lock from then on.
+
+    ``fresh``: there was no store file before this open. If opening then fails (a tier
+    another store owns, say), the file this open wrote is removed before the lock is
+    released: no store was made, and the next open of the root starts a new one instead
+    of finding tiers it never held configured there."""
+    lock: StoreLock | None = None
+    if not read_only:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = StoreLock(root, coordinator.rank if coordinator.world_size > 1 else None)
+    made = root / CONFIG_NAME if fresh and coordinator.rank == 0 and not read_only else None
+    try:
+        # under the lock: never under a writer that has the store open
+        if write and coordinator.rank == 0:
+            write_config(root, config, rewrite=rewrite)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Engine(
+        root,
+        config,
+        coordinator,
+        read_only=read_only,
+        allow_pickle=allow_pickle,
+        threads=threads,
+        lock=lock,
+        made=made,
+    )
 
 
 def write_config(root: Path, config: StoreConfig, *, rewrite: bool) -> None:
