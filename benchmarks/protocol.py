@@ -31,9 +31,9 @@ measured here, in the alpha-beta form:
   average is in ``machine``) the median measures when the ranks were scheduled.
   Each call is a tree, recursive doubling or Bruck all-to-all of ``ceil(log2 N)`` hops:
   what MPI and NCCL run for small messages at scale. gloo's own all-to-all posts its
-  ``N - 1`` messages at once instead; what one message costs apart from the other ranks'
-  contention for this machine's cores cannot be measured here, so the model leaves it out
-  (docs/multi-rank.md says so).
+  ``N - 1`` messages at once instead, and its all-gather is a ring of ``N - 1`` steps;
+  what one message costs apart from the other ranks' contention for this machine's cores
+  cannot be measured here, so the model leaves it out (docs/multi-rank.md says so).
 - ``bytes(N)``: a least-squares line through the measured bytes per rank (it grows by the
   32-byte manifest id and the 4-byte all-to-all count of each rank).
 - ``beta``: loopback bandwidth, a 1 MiB all-gather at 2 ranks.
