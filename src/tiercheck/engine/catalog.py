@@ -126,6 +126,11 @@ class TierLog:
     def held(self) -> list[int]:
         return sorted(v for v in self.committed if v not in self.dropped)
 
+    def newest_held(self) -> VersionInfo | None:
+        """The newest version the tier holds (committed, not dropped), if any."""
+        held = self.held()
+        return self.committed[held[-1]] if held else None
+
     def bytes_written(self, version: int) -> int:
         return sum(r.bytes_written for r in self.prepared.get(version, {}).values())
 

@@ -182,11 +182,8 @@ class MigrationService:
     def _newest_held(self, tier: str) -> tuple[int, float] | None:
         """``(step, time)`` of the newest version ``tier`` holds, as the catalog knows it."""
         tl = self.catalog.snapshot().logs.get(tier)
-        held = tl.held() if tl is not None else []
-        if tl is None or not held:
-            return None
-        newest = tl.committed[held[-1]]
-        return newest.step, newest.time
+        newest = tl.newest_held() if tl is not None else None
+        return (newest.step, newest.time) if newest is not None else None
 
     def reserve(
         self, info: VersionInfo, targets: Sequence[TierSlot], ids: Sequence[str]

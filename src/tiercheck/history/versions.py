@@ -495,9 +495,9 @@ def _sent_by_cadence(slot: TierSlot, catalog: Catalog) -> set[int]:
     if slot.policy is None or slot.policy.mode != "async" or tl is None:
         return set()
     cadence = slot.policy.cadence
-    held = tl.held()
     newest = max(tl.committed, default=-1)
-    last = (tl.committed[held[-1]].step, tl.committed[held[-1]].time) if held else None
+    held = tl.newest_held()
+    last = (held.step, held.time) if held is not None else None
     out: set[int] = set()
     for vid, info in catalog.versions.items():
         if vid <= newest or not slot.policy.wants(info.role):
