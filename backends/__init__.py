@@ -1,7 +1,7 @@
 """Storage tiers. The interface lives in :mod:`tiercheck.backends.base`; one private module
 per built-in tier; :func:`open_tier` opens any of them by URL. The shm tier's segments
 (stores in /dev/shm) are listed and removed with :func:`list_segments` and
-:func:`remove_segment` (used by :mod:`tiercheck.engine.lifecycle`)."""
+:func:`remove_segment` (used by :mod:`tiercheck.store.lifecycle`)."""
 
 from typing import TYPE_CHECKING, Any
 

@@ -75,7 +75,7 @@ anything else          cluster      yes     yes         50          yes
 
 ``compress`` decides the default codec of a shared or cluster-surviving tier: a file system
 mounted here (``file://``, even one declared ``survives="cluster"``) gets raw blobs, an
-object store zstd (see :mod:`tiercheck.engine.placement`).
+object store zstd (see :mod:`tiercheck.store.policy`).
 
 A local path on a shared mount (NFS, Lustre) should be opened with ``shared=True`` (and
 ``survives="cluster"`` if the file system outlives the cluster).

@@ -17,7 +17,7 @@ Ownership: the first writable open writes ``owner.json`` (``{"kind": "tiercheck-
 (:meth:`ShmTier.read_owner` reads them back; formats/SPEC.md, "Store identity"), and
 :meth:`ShmTier.bind_store` the root alone. ``tiercheck gc --orphans`` reads it to find
 segments whose store is gone (:func:`list_segments`, :func:`remove_segment`; see
-:mod:`tiercheck.engine.lifecycle`).
+:mod:`tiercheck.store.lifecycle`).
 
 Privacy: the default root is per user (``/dev/shm/tiercheck-UID``), made mode 0700 and
 refused if another user owns it; a segment's directories are 0700 and its files 0600,

@@ -405,7 +405,7 @@ class Tier(abc.ABC):
         not known from this process (the default: a disk or remote tier, another node).
 
         The engine's default memory budgets take at most half of it
-        (:mod:`tiercheck.engine.budgets`). May raise ``OSError`` or a ``TierError``.
+        (:mod:`tiercheck.store.budgets`). May raise ``OSError`` or a ``TierError``.
         """
         return None
 
@@ -423,7 +423,7 @@ class Tier(abc.ABC):
         """Record that the store at ``root`` owns this tier (called once, before saving).
 
         A tier holding node memory records the owner so that its memory can be reclaimed
-        once that store is deleted (see :mod:`tiercheck.engine.lifecycle`). Default: nothing.
+        once that store is deleted (see :mod:`tiercheck.store.lifecycle`). Default: nothing.
         """
 
     # --- lifecycle -----------------------------------------------------------------

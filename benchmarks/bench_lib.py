@@ -28,8 +28,8 @@ import torch
 
 import tiercheck
 from tiercheck.core.sizes import tree_bytes
-from tiercheck.engine.config import TierSpec
-from tiercheck.engine.lifecycle import destroy_store
+from tiercheck.store.config import TierSpec
+from tiercheck.store.lifecycle import destroy_store
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -508,7 +508,7 @@ def default_store_warmup() -> int:
     save after LMDB's retained bases on, each reuses the pages of the base it dropped, as
     every save of a long training run does."""
     from tiercheck.backends._lmdb import LmdbTier
-    from tiercheck.engine.placement import default_tier_policy
+    from tiercheck.store.policy import default_tier_policy
 
     return (default_tier_policy(LmdbTier.CAPABILITIES).keep_bases or 1) + 1
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import tiercheck
 from tiercheck.cli.demo import GPT, CharLoader, ModelConfig, Training, make_corpus, train_step
-from tiercheck.engine.config import TierSpec
+from tiercheck.store.config import TierSpec
 
 SEED = 7
 

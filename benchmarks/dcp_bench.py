@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-from tiercheck.engine.lifecycle import destroy_store
 from tiercheck.integrations.dcp import TierWriter
+from tiercheck.store.lifecycle import destroy_store
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -54,7 +54,7 @@ from bench_lib import (
 )
 
 import tiercheck
-from tiercheck.engine.lifecycle import shm_root_left_as_found
+from tiercheck.store.lifecycle import shm_root_left_as_found
 
 # name: (tiercheck metric, peer metric)
 COMPARISONS = {

@@ -54,7 +54,7 @@ from update_log import _gpt, make_setup
 
 import tiercheck
 from tiercheck import TierSpec
-from tiercheck.engine.lifecycle import destroy_store
+from tiercheck.store.lifecycle import destroy_store
 
 
 def run(mode: str, tiers: list[TierSpec] | None, scale: float, saves: int) -> dict[str, Any]:

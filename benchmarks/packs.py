@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from tiercheck import Checkpointer, Policy
-from tiercheck.engine.config import TierSpec
-from tiercheck.engine.placement import TierPolicy
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import TierPolicy
 
 MIB = 1 << 20
 # werkzeug colours some lines (a 206 for a ranged GET among them) with ANSI escapes

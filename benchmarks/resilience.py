@@ -1,4 +1,4 @@
-"""What the retry and limit wrappers cost when nothing fails (tiercheck.engine.resilience).
+"""What the retry and limit wrappers cost when nothing fails (tiercheck.backends.resilience).
 
     python benchmarks/resilience.py [--calls 5000] [--state-mib 16] [--runs 3]
         [--out benchmarks/results/resilience.json]
@@ -35,7 +35,7 @@ from tiers_remote import moto_server
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.resilience import DEFAULT_LIMIT, DEFAULT_RETRY, LimitTier, RetryTier
+from tiercheck.backends.resilience import DEFAULT_LIMIT, DEFAULT_RETRY, LimitTier, RetryTier
 
 
 def _median_of(runs: int, fn: Callable[[], float]) -> float:

@@ -21,8 +21,8 @@ import torch
 
 from tiercheck import Checkpointer
 from tiercheck.backends import list_segments, open_tier
-from tiercheck.engine.catalog import append_record, compact_log, read_tier_log
 from tiercheck.formats.manifest import CommitRecord, DropRecord, PrepareRecord, VersionInfo
+from tiercheck.store.catalog import append_record, compact_log, read_tier_log
 
 KEEP = 12
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from tiercheck.core.sizes import tree_bytes
-from tiercheck.engine.lifecycle import shm_root_left_as_found
+from tiercheck.store.lifecycle import shm_root_left_as_found
 
 MIB = 1 << 20
 

@@ -56,7 +56,7 @@ from bench_lib import (
 )
 
 import tiercheck
-from tiercheck.engine.lifecycle import shm_root_left_as_found
+from tiercheck.store.lifecycle import shm_root_left_as_found
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = 1

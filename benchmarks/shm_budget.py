@@ -24,7 +24,7 @@ import torch
 
 from tiercheck import Checkpointer
 from tiercheck.core.sizes import tree_bytes
-from tiercheck.engine.lifecycle import shm_root_left_as_found
+from tiercheck.store.lifecycle import shm_root_left_as_found
 
 
 def run(state_mib: int, saves: list[int], work: Path) -> None:

@@ -179,9 +179,9 @@ def run_blocks(page: Path) -> list[int]:
 
 def destroy_stores(cwd: Path) -> list[Path]:
     """Delete every store configured under ``cwd`` (shm segments, LMDB environments, root)
-    with :func:`tiercheck.engine.lifecycle.destroy_store`; returns their roots."""
-    from tiercheck.engine.config import CONFIG_NAME
-    from tiercheck.engine.lifecycle import destroy_store
+    with :func:`tiercheck.store.lifecycle.destroy_store`; returns their roots."""
+    from tiercheck.store.config import CONFIG_NAME
+    from tiercheck.store.lifecycle import destroy_store
 
     roots = sorted({cfg.parent for cfg in cwd.rglob(CONFIG_NAME)}, key=lambda p: len(p.parts))
     for root in reversed(roots):  # a DCP root's rank stores before anything above them

@@ -50,7 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--soak"):
         os.environ["TIERCHECK_SOAK"] = "1"  # read by the test modules as they are imported
     if not hasattr(config, "workerinput"):  # not in an xdist worker: tests still run there
-        from tiercheck.engine.lifecycle import shm_root_left_as_found
+        from tiercheck.store.lifecycle import shm_root_left_as_found
 
         config.stash[_SHM_ROOT] = shm_root_left_as_found()
         config.stash[_SHM_ROOT].__enter__()
@@ -208,7 +208,7 @@ def _no_leaked_segments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
             "the test left shm segments in /dev/shm (removed now): "
             + ", ".join(f"{s.path} (store {s.store})" for s in leaked)
             + "; delete stores with Checkpointer.destroy() or "
-            + "tiercheck.engine.lifecycle.destroy_store",
+            + "tiercheck.store.lifecycle.destroy_store",
             pytrace=False,
         )
 

@@ -79,20 +79,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import tiercheck.engine.catalog as manifest_log_mod
-import tiercheck.engine.migration as migrating_mod
-import tiercheck.engine.retention as retention_mod
 import tiercheck.engine.saving as saving_mod
-import tiercheck.restore.restoring as restoring_mod
-import tiercheck.restore.service as restore_mod
+import tiercheck.restore.service as restoring_mod
+import tiercheck.restore.steps as restore_mod
+import tiercheck.store.catalog as manifest_log_mod
+import tiercheck.upkeep.migration as migrating_mod
+import tiercheck.upkeep.retention as retention_mod
 from tiercheck import Checkpointer
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.leases import GCFence
-from tiercheck.engine.lifecycle import destroy_store, shm_root_left_as_found
-from tiercheck.engine.maintenance import Maintenance
-from tiercheck.engine.pipeline import ShardStream
+from tiercheck.engine.placing import ShardStream
 from tiercheck.engine.staging import StagingBuffer
 from tiercheck.errors import FormatVersionError, NoRestorableVersion
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.leases import GCFence
+from tiercheck.store.lifecycle import destroy_store, shm_root_left_as_found
+from tiercheck.upkeep.maintenance import Maintenance
 
 MODES = ("dense", "guarded", "dist")
 LIFE_TIMEOUT = float(os.environ.get("TIERCHECK_CRASH_LIFE_TIMEOUT", "60"))

@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy
-from tiercheck.engine.config import TierSpec
-from tiercheck.engine.maintenance import Maintenance
-from tiercheck.engine.placement import TierPolicy
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import TierPolicy
+from tiercheck.upkeep.maintenance import Maintenance
 
 STATE_FLOATS = 64 * 1024  # 256 KiB: several chunks of 64 KiB
 

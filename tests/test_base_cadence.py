@@ -11,7 +11,7 @@ import torch
 
 import tiercheck
 import tiercheck.testing.faults
-from tiercheck.engine.config import TierSpec
+from tiercheck.store.config import TierSpec
 
 
 def test_scalar_growth_keeps_base_cadence(tmp_path: Path) -> None:

@@ -17,13 +17,6 @@ import torch
 from tiercheck import Checkpointer, Policy, TierPolicy
 from tiercheck.backends import open_tier
 from tiercheck.backends.base import Tier
-from tiercheck.engine.catalog import (
-    append_record,
-    compact_log,
-    read_catalog,
-    read_tier_log,
-    should_compact,
-)
 from tiercheck.formats.manifest import (
     AbortRecord,
     CheckpointRecord,
@@ -33,6 +26,13 @@ from tiercheck.formats.manifest import (
     VersionInfo,
     pack_record,
     unpack_record,
+)
+from tiercheck.store.catalog import (
+    append_record,
+    compact_log,
+    read_catalog,
+    read_tier_log,
+    should_compact,
 )
 
 KEEP = 12  # versions a tier keeps in these logs
@@ -212,7 +212,7 @@ CHILD = r"""
 import json, sys
 from tiercheck.backends.registry import open_tier
 from tiercheck.formats.manifest import AbortRecord
-from tiercheck.engine.catalog import append_record, compact_log
+from tiercheck.store.catalog import append_record, compact_log
 
 url, options = json.loads(sys.argv[1])
 tier = open_tier(url, **options)

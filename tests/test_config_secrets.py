@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
-from tiercheck.engine.config import (
+from tiercheck.errors import ConfigError
+from tiercheck.peer.server import PeerServer
+from tiercheck.store.config import (
     CONFIG_NAME,
     StoreConfig,
     is_secret_option,
@@ -19,8 +21,6 @@ from tiercheck.engine.config import (
     resolve_references,
     save_config,
 )
-from tiercheck.errors import ConfigError
-from tiercheck.peer.server import PeerServer
 
 PEER_TOKEN = "peer-secret-7f3a9d"
 S3_SECRET = "s3-secret-c81e44"

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tiercheck.engine.lifecycle import destroy_store
+from tiercheck.store.lifecycle import destroy_store
 
 HARNESS = Path(__file__).with_name("crash_harness.py")
 SOAK = os.environ.get("TIERCHECK_SOAK") == "1"

@@ -7,7 +7,7 @@ tiercheck once) whose working directory is a fresh temporary directory; a block 
 the page, and the message names the block's line and shows the snippet's traceback.
 
 After a page, every store it configured in its directory is deleted with
-``tiercheck.engine.lifecycle.destroy_store`` (the snippets close their stores; their shm segments
+``tiercheck.store.lifecycle.destroy_store`` (the snippets close their stores; their shm segments
 outlive the process by design).
 """
 

@@ -20,10 +20,6 @@ import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.catalog import TierLog
-from tiercheck.engine.config import default_config, load_config, save_config
-from tiercheck.engine.leases import GCFence, TierLeases
-from tiercheck.engine.retention import GCState, collect_garbage
 from tiercheck.errors import (
     DurabilityError,
     NoRestorableVersion,
@@ -32,7 +28,11 @@ from tiercheck.errors import (
 )
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.ids import chunk_id
+from tiercheck.store.catalog import TierLog
+from tiercheck.store.config import default_config, load_config, save_config
+from tiercheck.store.leases import GCFence, TierLeases
 from tiercheck.testing.faults import inject
+from tiercheck.upkeep.retention import GCState, collect_garbage
 
 CHUNK = 4096
 EVERY = TierPolicy(keep_bases=None)
@@ -220,7 +220,7 @@ def shared_tier(tmp_path: Path) -> Any:
 
 
 def sweep(tier: Any, leases: TierLeases) -> Any:
-    from tiercheck.engine.tierset import TierSlot
+    from tiercheck.store.tierset import TierSlot
 
     slot = TierSlot(TierSpec("shared", tier.url), tier, TierPolicy())
     return collect_garbage(
@@ -290,7 +290,7 @@ def test_guarantees_round_trip_through_the_config_file(tmp_path: Path) -> None:
         },
     )
     path = tmp_path / "tiercheck.toml"
-    cfg = tiercheck.engine.config.StoreConfig((TierSpec("a", mem()), TierSpec("b", mem())), policy)
+    cfg = tiercheck.store.config.StoreConfig((TierSpec("a", mem()), TierSpec("b", mem())), policy)
     save_config(path, cfg)
     text = path.read_text()
     assert 'durability = "process"' in text and 'guarantee = "best_effort"' in text

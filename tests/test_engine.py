@@ -19,8 +19,6 @@ import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends import DEFAULT_SHM_ROOT
 from tiercheck.backends._memory import MemoryTier
-from tiercheck.engine.catalog import read_tier_log
-from tiercheck.engine.config import default_config
 from tiercheck.errors import (
     BlobCorrupt,
     CheckpointError,
@@ -36,6 +34,8 @@ from tiercheck.errors import (
 from tiercheck.formats.codecs import decode_blob
 from tiercheck.formats.ids import chunk_id
 from tiercheck.history.verify import verify
+from tiercheck.store.catalog import read_tier_log
+from tiercheck.store.config import default_config
 from tiercheck.testing.faults import FaultPlan, inject
 
 CHUNK = 4096
@@ -198,7 +198,7 @@ def test_lost_shm_restores_base_from_lmdb_and_hides_orphan_diffs(tmp_path: Path)
 
 
 def test_diff_whose_base_was_only_in_a_lost_tier_is_not_offered(tmp_path: Path) -> None:
-    from tiercheck.engine.retention import drop_versions
+    from tiercheck.upkeep.retention import drop_versions
 
     name = uuid.uuid4().hex
     ckpt = two_tier_store(tmp_path, name)
@@ -285,22 +285,22 @@ def test_retention_keeps_newest_base_and_its_diffs_and_gc_frees_blobs(
     tier = store.tierset.get("fast").tier
     assert tier is not None
     log = read_tier_log("fast", tier)
-    from tiercheck.engine.retention import mark
+    from tiercheck.upkeep.retention import mark
 
     live = mark(log, lambda mid: _manifest(store, mid))
     assert set(tier.list()) == live  # nothing unreferenced left behind
 
 
 def _manifest(store: Checkpointer, mid: str) -> Any:
-    from tiercheck.engine.fetch import ChunkFetcher
+    from tiercheck.store.fetch import ChunkFetcher
 
     return ChunkFetcher(store.tierset.by_speed()).manifest(mid)
 
 
 def test_retention_never_drops_a_base_a_kept_diff_needs() -> None:
-    from tiercheck.engine.catalog import TierLog
-    from tiercheck.engine.retention import plan_drops
     from tiercheck.formats.manifest import VersionInfo
+    from tiercheck.store.catalog import TierLog
+    from tiercheck.upkeep.retention import plan_drops
 
     tl = TierLog("t")
     for vid, role, base in [(0, "base", None), (1, "diff", 0), (2, "base", None)]:
@@ -673,7 +673,7 @@ def test_the_first_config_written_wins(
     without hard links on the file system."""
     import os
 
-    from tiercheck.engine.config import load_config, save_config
+    from tiercheck.store.config import load_config, save_config
 
     if not hard_links:
 

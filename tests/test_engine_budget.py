@@ -16,12 +16,12 @@ import torch
 from tiercheck import Checkpointer
 from tiercheck.backends._shm import ShmTier
 from tiercheck.core.sizes import tree_bytes
-from tiercheck.engine.budgets import SLACK, default_budget, free_memory, version_bytes
-from tiercheck.engine.catalog import COMPACT_SLACK, read_tier_log
-from tiercheck.engine.config import TierSpec
-from tiercheck.engine.placement import Policy, TierPolicy
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.peer.server import PeerServer
+from tiercheck.store.budgets import SLACK, default_budget, free_memory, version_bytes
+from tiercheck.store.catalog import COMPACT_SLACK, read_tier_log
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import Policy, TierPolicy
 
 TOKEN = b"test-token-0123456789"
 

@@ -19,16 +19,16 @@ import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.catalog import TierLog
-from tiercheck.engine.config import CONFIG_NAME, coerce_tiers, load_config
-from tiercheck.engine.copying import WRITE_WINDOW
-from tiercheck.engine.leases import TierLeases
-from tiercheck.engine.retention import GCState, collect_garbage
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import ConfigError, FormatVersionError, StoreLocked, UnfinishedWork
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.ids import chunk_id
+from tiercheck.store.catalog import TierLog
+from tiercheck.store.config import CONFIG_NAME, coerce_tiers, load_config
+from tiercheck.store.leases import TierLeases
+from tiercheck.store.tierset import TierSlot
 from tiercheck.testing.faults import FaultEvent, FaultPlan, FaultyTier, inject
+from tiercheck.upkeep.copying import WRITE_WINDOW
+from tiercheck.upkeep.retention import GCState, collect_garbage
 
 CHUNK = 4096
 

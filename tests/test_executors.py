@@ -1,4 +1,4 @@
-"""The engine's thread pools (``tiercheck.engine.executors``): every parallel step runs on a
+"""The engine's thread pools (``tiercheck.runtime.executors``): every parallel step runs on a
 pool the store made when it opened, none on a pool made for the call, and closing the store
 ends every thread it started."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
-from tiercheck.engine.copying import WRITE_WINDOW
-from tiercheck.engine.executors import Executors
+from tiercheck.runtime.executors import Executors
 from tiercheck.testing.faults import FaultEvent, FaultPlan, inject
+from tiercheck.upkeep.copying import WRITE_WINDOW
 
 CHUNK = 4096
 

@@ -22,8 +22,6 @@ from crash_harness import bit_mismatch, check_store
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.retention import drop_versions
 from tiercheck.errors import (
     DurabilityError,
     FormatVersionError,
@@ -34,8 +32,10 @@ from tiercheck.errors import (
 )
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.manifest import CommitRecord, VersionInfo, pack_record
+from tiercheck.store.fetch import ChunkFetcher
 from tiercheck.testing.conformance import TierConformance, blob, blob_id
 from tiercheck.testing.faults import FaultPlan, FaultyTier, damage_bytes, inject
+from tiercheck.upkeep.retention import drop_versions
 
 CHUNK = 4096
 EVERY = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=None)

@@ -15,10 +15,6 @@ import torch
 from tiercheck import Checkpointer, Policy
 from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.config import TierSpec
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.placement import TierPolicy, default_tier_policy
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import BlobCorrupt, NotFound
 from tiercheck.formats.codecs import (
     BLOB_HEADER_SIZE,
@@ -28,6 +24,10 @@ from tiercheck.formats.codecs import (
     raw_payload,
 )
 from tiercheck.formats.ids import chunk_id
+from tiercheck.store.config import TierSpec
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.policy import TierPolicy, default_tier_policy
+from tiercheck.store.tierset import TierSlot
 
 DATA = os.urandom(100_000) + bytes(50_000)  # compressible tail: zstd blobs are smaller
 CID = chunk_id(DATA)

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer
-from tiercheck.engine.config import TierSpec
-from tiercheck.engine.placement import Policy, TierPolicy
 from tiercheck.errors import DurabilityError
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import Policy, TierPolicy
 
 MiB = 1 << 20
 
@@ -161,8 +161,8 @@ _WRITER = textwrap.dedent(
     """
     import sys, torch
     from tiercheck import Checkpointer
-    from tiercheck.engine.config import TierSpec
-    from tiercheck.engine.placement import Policy, TierPolicy
+    from tiercheck.store.config import TierSpec
+    from tiercheck.store.policy import Policy, TierPolicy
 
     root, lmdb_url, file_url = sys.argv[1:4]
     keep1 = TierPolicy(versions="all", mode="sync", keep_bases=1)

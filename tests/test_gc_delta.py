@@ -21,14 +21,14 @@ from crash_harness import bit_mismatch, check_store
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.catalog import TierLog
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.retention import GCState, collect_garbage, mark
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import TierUnavailable
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.formats.manifest import ShardManifest, VersionInfo
+from tiercheck.store.catalog import TierLog
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.tierset import TierSlot
 from tiercheck.testing.conformance import blob_id
+from tiercheck.upkeep.retention import GCState, collect_garbage, mark
 
 CHUNK = 4096
 N = 4 * CHUNK // 4  # float32 elements of "w": four chunks

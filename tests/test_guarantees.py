@@ -24,15 +24,15 @@ from _dense import STATE_NUMEL, state_at
 
 from tiercheck import Checkpointer
 from tiercheck.backends.base import Capabilities, FailureDomain
-from tiercheck.engine.catalog import Catalog, TierLog
-from tiercheck.engine.retention import plan_drops, protection
 from tiercheck.formats.manifest import Role, VersionInfo
+from tiercheck.store.catalog import Catalog, TierLog
+from tiercheck.upkeep.retention import plan_drops, protection
 
 _TRAINER = textwrap.dedent(
     """
     import os, signal, sys
     import torch
-    import tiercheck.engine.maintenance as maintenance
+    import tiercheck.upkeep.maintenance as maintenance
     from tiercheck import Checkpointer
     sys.path.insert(0, {tests!r})
     from _dense import state_at
@@ -127,7 +127,7 @@ def test_the_newest_diff_is_kept_and_its_base_may_go_where_lmdb_keeps_it() -> No
     p = protection(cat, "shm", CAPS)
     assert p.keep == {2} and p.elsewhere == {1}
     assert protection(cat, "lmdb", CAPS).keep == {1}  # LMDB keeps what shm's newest needs
-    from tiercheck.engine.placement import TierPolicy
+    from tiercheck.store.policy import TierPolicy
 
     tight = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1, keep_diffs=0)
     assert plan_drops(cat.logs["shm"], tight, (), p) == []
@@ -139,7 +139,7 @@ def test_making_room_as_a_last_resort_lets_go_of_an_old_base_nothing_needs() -> 
     """shm holds base 1 and diff 3 of base 2 (base 2 went to LMDB only): the tightest
     policy keeps base 1 as shm's newest base, the last resort drops it (seen in a SIGKILL
     run: every other dense diff then skipped shm)."""
-    from tiercheck.engine.placement import TierPolicy
+    from tiercheck.store.policy import TierPolicy
 
     b1, b2, d3 = _info(1), _info(2), _info(3, "diff", 2)
     cat = _catalog({"shm": [b1, d3], "lmdb": [b1, b2]})

@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import tiercheck.engine.maintenance as maintenance_mod
 import tiercheck.engine.saving as saving_mod
+import tiercheck.upkeep.maintenance as maintenance_mod
 from tiercheck import Checkpointer
 from tiercheck.errors import TiercheckError
 
@@ -89,7 +89,7 @@ class _Machine(RuleBasedStateMachine):
         try:
             self.ckpt.destroy()
         except TiercheckError:
-            from tiercheck.engine.lifecycle import destroy_store
+            from tiercheck.store.lifecycle import destroy_store
 
             destroy_store(self.dir / "store")
         shutil.rmtree(self.dir, ignore_errors=True)

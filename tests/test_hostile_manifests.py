@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiercheck import Checkpointer, Policy, TierPolicy
-from tiercheck.engine.catalog import append_record
 from tiercheck.errors import BlobCorrupt, TiercheckError
 from tiercheck.formats.codecs import Codec, decode_blob, encode_blob
 from tiercheck.formats.ids import chunk_id
@@ -35,7 +34,8 @@ from tiercheck.formats.manifest import (
     pack_manifest,
     unpack_manifest,
 )
-from tiercheck.restore.service import check_stream
+from tiercheck.restore.steps import check_stream
+from tiercheck.store.catalog import append_record
 
 Mutation = Callable[[ShardManifest], ShardManifest]
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tiercheck import Policy, TierSpec
-from tiercheck.engine.config import (
+from tiercheck.store.config import (
     CONFIG_NAME,
     StoreConfig,
     is_secret_option,

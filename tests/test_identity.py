@@ -21,9 +21,9 @@ import torch
 from tiercheck import Checkpointer, TierSpec
 from tiercheck.backends import DEFAULT_SHM_ROOT, open_tier
 from tiercheck.backends._shm import read_owner
-from tiercheck.engine.config import CONFIG_NAME, load_config
-from tiercheck.engine.lifecycle import adopt_store, destroy_store, find_orphans
 from tiercheck.errors import ForeignTier, StoreCopied, StoreLocked
+from tiercheck.store.config import CONFIG_NAME, load_config
+from tiercheck.store.lifecycle import adopt_store, destroy_store, find_orphans
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
@@ -396,7 +396,7 @@ def test_the_orphan_warning_is_given_once_per_process(
         gone = stores / f"gone-{shm_root.name}"
         _save(gone, 1.0, tiers=[TierSpec("shm", "shm://left", {"root": str(shm_root)})])
         shutil.rmtree(gone)
-    monkeypatch.setattr("tiercheck.engine.lifecycle._warned", False)  # a fresh process
+    monkeypatch.setattr("tiercheck.store.lifecycle._warned", False)  # a fresh process
     with caplog.at_level(logging.WARNING, logger="tiercheck"):
         for shm_root in (shm_a, shm_b):
             tiers = [TierSpec("shm", "shm://alive", {"root": str(shm_root)})]

@@ -132,7 +132,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     source.write_text(
         "from typing import TYPE_CHECKING\n"
         "import tiercheck.errors\n"
-        "from tiercheck.engine import catalog\n"
+        "from tiercheck.store import catalog\n"
         "from . import chunking\n"
         "if TYPE_CHECKING:\n"
         "    from tiercheck.checkpointer import Checkpointer\n"
@@ -142,7 +142,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     names = imported_names("tiercheck.core.probe", source)
     assert {_owner(n) for n in names} == {
         "tiercheck.errors",
-        "tiercheck.engine.catalog",
+        "tiercheck.store.catalog",
         "tiercheck.core.chunking",
         "tiercheck.checkpointer",
         "tiercheck.history.versions",

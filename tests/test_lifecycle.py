@@ -18,9 +18,9 @@ import torch
 from tiercheck import Checkpointer, TierSpec
 from tiercheck.backends import DEFAULT_SHM_ROOT, list_segments
 from tiercheck.backends._shm import OWNER_FILE, read_owner
-from tiercheck.engine.config import CONFIG_NAME, load_config
-from tiercheck.engine.lifecycle import destroy_store, find_orphans, remove_orphans, warn_orphans
 from tiercheck.errors import StoreLocked
+from tiercheck.store.config import CONFIG_NAME, load_config
+from tiercheck.store.lifecycle import destroy_store, find_orphans, remove_orphans, warn_orphans
 
 STATE = {"w": torch.arange(50_000, dtype=torch.float32)}
 
@@ -172,7 +172,7 @@ def test_opening_a_store_warns_about_orphans(
     with Checkpointer(gone, tiers=spec) as ckpt:
         ckpt.save(1, STATE).wait()
     shutil.rmtree(gone)
-    monkeypatch.setattr("tiercheck.engine.lifecycle._warned", False)  # a fresh process
+    monkeypatch.setattr("tiercheck.store.lifecycle._warned", False)  # a fresh process
     with caplog.at_level(logging.WARNING, logger="tiercheck"):
         other = [TierSpec("shm", "shm://other", {"root": str(shm_root)})]
         with Checkpointer(tmp_path / "other", tiers=other):
@@ -214,7 +214,7 @@ def test_rm_holds_the_writer_lock_while_deleting(tmp_path: Path) -> None:
 def test_shm_root_left_as_found(tmp_path: Path) -> None:
     """A program that made the shm root removes it when it is done with it and it is empty;
     a root that was there before, or that still holds a segment, stays."""
-    from tiercheck.engine.lifecycle import shm_root_left_as_found
+    from tiercheck.store.lifecycle import shm_root_left_as_found
 
     root = tmp_path / "shm-root"
     with shm_root_left_as_found(root):

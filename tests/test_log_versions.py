@@ -20,9 +20,9 @@ from _models import Trainer, assert_bit_identical, snapshot
 from update_log_run import AFTER, Run
 
 import tiercheck
-from tiercheck.engine.config import TierSpec
 from tiercheck.errors import NoRestorableVersion
 from tiercheck.logversions.planner import choose
+from tiercheck.store.config import TierSpec
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,4 +1,4 @@
-"""A failed parallel step leaves no call of it running (``tiercheck.engine.parallel``).
+"""A failed parallel step leaves no call of it running (``tiercheck.runtime.parallel``).
 
 When one chunk of a save's placement or of a restore's fetch fails, the other chunks of
 that step must not go on after the step has failed: a save's chunks would land after the
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
-from tiercheck.engine.parallel import map_all
 from tiercheck.errors import NoRestorableVersion, NotFound, TierFull
+from tiercheck.runtime.parallel import map_all
 from tiercheck.testing.faults import FaultEvent, FaultPlan, Op, inject
 
 CHUNK = 4096

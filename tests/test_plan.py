@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from tiercheck.cli.main import main
-from tiercheck.engine.config import load_config
 from tiercheck.errors import ConfigError
 from tiercheck.planning.failure_model import (
     DEFAULT_FAILURE_MODEL,
@@ -45,6 +44,7 @@ from tiercheck.planning.tier_costs import (
     save_hardware,
     tier_rates,
 )
+from tiercheck.store.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from tiercheck import Checkpointer, Policy
-from tiercheck.engine.config import TierSpec
-from tiercheck.engine.placement import TierPolicy
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import TierPolicy
 
 
 def _state(seed: int, numel: int) -> dict[str, torch.Tensor]:

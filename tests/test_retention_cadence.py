@@ -22,9 +22,11 @@ import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy
 from tiercheck.core.sizes import tree_bytes
-from tiercheck.engine.cadence import Cadence, parse_cadence
-from tiercheck.engine.catalog import TierLog
-from tiercheck.engine.config import (
+from tiercheck.errors import ConfigError
+from tiercheck.formats.manifest import Role, VersionInfo
+from tiercheck.store.cadence import Cadence, parse_cadence
+from tiercheck.store.catalog import TierLog
+from tiercheck.store.config import (
     CONFIG_NAME,
     TierSpec,
     default_config,
@@ -32,10 +34,8 @@ from tiercheck.engine.config import (
     load_config,
     save_config,
 )
-from tiercheck.engine.placement import default_tier_policy
-from tiercheck.engine.retention import Protection, milestones, plan_drops
-from tiercheck.errors import ConfigError
-from tiercheck.formats.manifest import Role, VersionInfo
+from tiercheck.store.policy import default_tier_policy
+from tiercheck.upkeep.retention import Protection, milestones, plan_drops
 
 # --- configuration ------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Retry with backoff and connection limits as tier wrappers (tiercheck.engine.resilience),
+"""Retry with backoff and connection limits as tier wrappers (tiercheck.backends.resilience),
 against a flaky S3 endpoint: moto's server behind a proxy on loopback that answers some
 requests with 503 (tests/_flaky_s3.py). The wrappers and the S3 tier are the real ones; the
 faults come from the endpoint."""
@@ -17,7 +17,7 @@ from _flaky_s3 import FlakyS3
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.resilience import DEFAULT_RETRY, LimitTier, RetryPolicy, RetryTier, wrapping
+from tiercheck.backends.resilience import DEFAULT_RETRY, LimitTier, RetryPolicy, RetryTier, wrapping
 from tiercheck.errors import ConfigError, DurabilityError, NotFound, TierUnavailable
 from tiercheck.formats.ids import chunk_id
 

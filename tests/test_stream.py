@@ -1,5 +1,5 @@
 """The streamed save pipeline: blobs go to the synchronous tiers while the shard is still
-being hashed (``tiercheck.engine.pipeline.ShardStream``), and the two-phase commit holds as before:
+being hashed (``tiercheck.engine.placing.ShardStream``), and the two-phase commit holds as before:
 a save that fails or dies in the middle leaves no committed version and only unreferenced
 blobs (which GC removes), and a save of data the tiers hold writes nothing."""
 
@@ -19,10 +19,10 @@ import pytest
 import torch
 from crash_harness import bit_mismatch, check_store
 
-import tiercheck.engine.pipeline as pipeline
+import tiercheck.engine.placing as pipeline
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
-from tiercheck.engine.fetch import ChunkFetcher
 from tiercheck.errors import CommitAborted, TierUnavailable
+from tiercheck.store.fetch import ChunkFetcher
 from tiercheck.testing.faults import FaultPlan, FaultyTier, inject
 
 CHUNK = 4096
@@ -141,7 +141,7 @@ def test_a_crash_mid_stream_leaves_no_version_and_only_unreferenced_blobs(
     lmdb = tmp_path / "lmdb"
     code = f"""
         import os, signal, torch
-        import tiercheck.engine.pipeline as pipeline
+        import tiercheck.engine.placing as pipeline
         from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
         from tiercheck.testing.faults import inject
 

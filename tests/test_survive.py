@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer
-from tiercheck.engine.lifecycle import destroy_store
 from tiercheck.errors import TierLost
 from tiercheck.formats.framing import scan_frames
+from tiercheck.store.lifecycle import destroy_store
 
 N = 40_000
 

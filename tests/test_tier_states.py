@@ -12,7 +12,7 @@ import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.cli.main import main as cli
-from tiercheck.engine.handles import TierState
+from tiercheck.runtime.handles import TierState
 
 
 def test_the_vocabulary_is_one_list() -> None:

@@ -542,8 +542,8 @@ def test_replayed_leaves_are_found_by_storage() -> None:
 
 def test_a_log_version_is_restorable_where_its_base_is() -> None:
     """SPEC.md section 12.1: a log version needs its base (a base or a diff) like a diff."""
-    from tiercheck.engine.catalog import Catalog, TierLog
     from tiercheck.formats.manifest import VersionInfo
+    from tiercheck.store.catalog import Catalog, TierLog
 
     def info(vid: int, role: Any, base: int | None) -> VersionInfo:
         return VersionInfo(vid, vid, role, base, 1, (chunk_id(b"x"),), 0.0, 0)

@@ -28,10 +28,10 @@ if TYPE_CHECKING:
         VersionSummary,
     )
     from tiercheck.core.rng import rng_state, set_rng_state
-    from tiercheck.engine.config import TierSpec
-    from tiercheck.engine.placement import Policy, TierPolicy
     from tiercheck.history.diff import Diff
     from tiercheck.history.versions import Version
+    from tiercheck.store.config import TierSpec
+    from tiercheck.store.policy import Policy, TierPolicy
 
 __version__ = "0.1.0"
 
@@ -41,11 +41,11 @@ _LAZY = {
     "SaveHandle": "tiercheck.checkpointer",
     "SaveResult": "tiercheck.checkpointer",
     "VersionSummary": "tiercheck.checkpointer",
-    "TierSpec": "tiercheck.engine.config",
+    "TierSpec": "tiercheck.store.config",
     "Diff": "tiercheck.history.diff",
     "Version": "tiercheck.history.versions",
-    "Policy": "tiercheck.engine.placement",
-    "TierPolicy": "tiercheck.engine.placement",
+    "Policy": "tiercheck.store.policy",
+    "TierPolicy": "tiercheck.store.policy",
     "rng_state": "tiercheck.core.rng",
     "set_rng_state": "tiercheck.core.rng",
 }

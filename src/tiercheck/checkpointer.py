@@ -3,15 +3,15 @@
 A ``Checkpointer`` is the front of the library, and it only delegates:
 
 - saving, migrations, GC and the store's threads to the engine
-  (:class:`~tiercheck.engine.store.Engine`, which owns the tiers, the catalog, the executors,
+  (:class:`~tiercheck.assembly.Engine`, which owns the tiers, the catalog, the executors,
   the staging buffer and the services: :class:`~tiercheck.engine.saving.SaveService`,
-  :class:`~tiercheck.engine.migration.MigrationService`,
-  :class:`~tiercheck.engine.maintenance.Maintenance`);
-- restoring to :class:`~tiercheck.restore.restoring.RestoreService`;
+  :class:`~tiercheck.upkeep.migration.MigrationService`,
+  :class:`~tiercheck.upkeep.maintenance.Maintenance`);
+- restoring to :class:`~tiercheck.restore.service.RestoreService`;
 - browsing history to :mod:`tiercheck.history`.
 
 ``docs/architecture.md`` draws the two pipelines. What each call promises is written in
-:mod:`tiercheck.engine.guarantees` and in ``docs/concepts.md`` ("Guarantees").
+:mod:`tiercheck.store.guarantees` and in ``docs/concepts.md`` ("Guarantees").
 """
 
 from __future__ import annotations
@@ -21,22 +21,22 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from tiercheck.engine.catalog import Catalog
-from tiercheck.engine.config import CONFIG_NAME, StoreConfig, TierSpec
+from tiercheck.assembly import Engine, default_coordinator, open_engine, resolve_config
 from tiercheck.engine.coordinator import Coordinator
-from tiercheck.engine.executors import Executors
-from tiercheck.engine.handles import Failures, SaveHandle, SaveResult
-from tiercheck.engine.placement import Policy
-from tiercheck.engine.retention import GCReport
-from tiercheck.engine.store import Engine, default_coordinator, open_engine, resolve_config
-from tiercheck.engine.tierset import TierSet
 from tiercheck.errors import CheckpointError, ConfigError
 from tiercheck.formats.manifest import Role
 from tiercheck.history.diff import Diff
 from tiercheck.history.diff import diff as diff_versions
 from tiercheck.history.versions import Version, VersionSummary, build_history, open_version
-from tiercheck.restore.restoring import RestoreService
-from tiercheck.restore.service import RestoreInfo
+from tiercheck.restore.service import RestoreService
+from tiercheck.restore.steps import RestoreInfo
+from tiercheck.runtime.executors import Executors
+from tiercheck.runtime.handles import Failures, SaveHandle, SaveResult
+from tiercheck.store.catalog import Catalog
+from tiercheck.store.config import CONFIG_NAME, StoreConfig, TierSpec
+from tiercheck.store.policy import Policy
+from tiercheck.store.tierset import TierSet
+from tiercheck.upkeep.retention import GCReport
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +127,7 @@ class Checkpointer:
     def failures(self) -> Failures:
         """Failures nobody has seen yet, which :meth:`close` raises. An integration that
         runs work of its own on a thread records its failures here too
-        (:func:`tiercheck.engine.background.reporting`)."""
+        (:func:`tiercheck.runtime.background.reporting`)."""
         return self._engine.failures
 
     @property
@@ -140,7 +140,7 @@ class Checkpointer:
 
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Allocate the staging buffer for ``state`` now, so the first save pays nothing;
-        the default memory budgets (:mod:`tiercheck.engine.budgets`) are set for its size too."""
+        the default memory budgets (:mod:`tiercheck.store.budgets`) are set for its size too."""
         self._engine.prepare(state)
 
     def guard(
@@ -366,8 +366,8 @@ class Checkpointer:
 
     def destroy(self) -> None:
         """Close, then delete this store: its root, shm segments and LMDB environments
-        (see :func:`tiercheck.engine.lifecycle.destroy_store`; remote tiers are kept)."""
-        from tiercheck.engine.lifecycle import destroy_store
+        (see :func:`tiercheck.store.lifecycle.destroy_store`; remote tiers are kept)."""
+        from tiercheck.store.lifecycle import destroy_store
 
         self.close()
         destroy_store(self.root)

@@ -13,7 +13,7 @@ import pytest
 from tiercheck.backends._memory import MemoryTier
 from tiercheck.backends.base import Capabilities, FailureDomain, StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.wrappers import WrapperTier
+from tiercheck.backends.wrappers import WrapperTier
 from tiercheck.testing.conformance import TierConformance, blob
 from tiercheck.testing.faults import FaultyTier
 
@@ -182,8 +182,8 @@ def test_a_budget_set_through_a_wrapper_bounds_the_inner_tier(
 ) -> None:
     """What the engine does with a memory tier (set its default budget, compare usage with
     it) works through any wrapper, FaultyTier included."""
-    from tiercheck.engine.budgets import budget_of
     from tiercheck.errors import OverBudget
+    from tiercheck.store.budgets import budget_of
 
     tier = wrapper(open_tier("memory://"))
     tier.set_budget(1000)
@@ -198,7 +198,7 @@ def test_the_default_budget_sees_the_memory_behind_a_wrapped_tier() -> None:
     """The default budget's free-memory term is the wrapped tier's (it was unknown through
     a wrapper, so a wrapped shm tier got 2 x V + 1 MiB whatever /dev/shm had free)."""
     from tiercheck.backends import remove_segment
-    from tiercheck.engine.budgets import free_memory
+    from tiercheck.store.budgets import free_memory
 
     tier = open_tier(f"shm://wrapped-{uuid.uuid4().hex[:12]}")
     try:

@@ -22,8 +22,8 @@ from _leave import leave
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.engine.coordinator import DistCoordinator
-from tiercheck.engine.leases import TierLeases
 from tiercheck.formats import Codec, chunk_id, encode_blob
+from tiercheck.store.leases import TierLeases
 
 REPLICA = 256 * 1024  # floats: 1 MiB, 16 chunks of 64 KiB
 

@@ -99,7 +99,7 @@ def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
         )
     console = make_console()
     console.print(table)
-    from tiercheck.engine.guarantees import describe_survival
+    from tiercheck.store.guarantees import describe_survival
 
     for s in ckpt.tierset.slots:  # what each column's copies survive
         if s.tier is None:

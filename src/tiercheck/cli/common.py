@@ -137,7 +137,7 @@ def progress_bar(enabled: bool, description: str) -> Iterator[history.Progress |
 def dcp_ranks(root: str) -> list[Path]:
     """The per-rank stores of a DCP root (``TierWriter(root)`` makes ``root/rank{r}``), or
     ``[]`` when ``root`` is not one."""
-    from tiercheck.engine.config import CONFIG_NAME
+    from tiercheck.store.config import CONFIG_NAME
 
     path = Path(root).expanduser()
     if "://" in root or not path.is_dir() or (path / CONFIG_NAME).is_file():
@@ -162,8 +162,8 @@ def open_store(root: str, *, write: bool = False) -> Any:
     ``migrate --to URL`` copied versions): the tier alone is opened, read-only.
     """
     from tiercheck.checkpointer import Checkpointer
-    from tiercheck.engine.config import CONFIG_NAME
     from tiercheck.engine.coordinator import LocalCoordinator
+    from tiercheck.store.config import CONFIG_NAME
 
     if "://" in root:
         if write:
@@ -232,7 +232,7 @@ def tier_names(ckpt: Any, wanted: Sequence[str] | None) -> list[str] | None:
 
 
 def tiers_json(ckpt: Any) -> list[dict[str, Any]]:
-    from tiercheck.engine.guarantees import describe_survival
+    from tiercheck.store.guarantees import describe_survival
 
     out = []
     for slot in ckpt.tierset.slots:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiercheck
-from tiercheck.engine.lifecycle import destroy_store, shm_root_left_as_found
+from tiercheck.store.lifecycle import destroy_store, shm_root_left_as_found
 
 __all__ = [
     "GPT",

@@ -24,7 +24,7 @@ from tiercheck.errors import (
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from tiercheck.engine.lifecycle import destroy_store
+    from tiercheck.store.lifecycle import destroy_store
 
     try:
         report = destroy_store(args.root, dry_run=args.dry_run)
@@ -59,7 +59,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
-    from tiercheck.engine.lifecycle import adopt_store
+    from tiercheck.store.lifecycle import adopt_store
 
     try:
         report = adopt_store(args.root)
@@ -91,7 +91,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 def cmd_gc_orphans(args: argparse.Namespace) -> int:
     from tiercheck.backends import DEFAULT_SHM_ROOT
-    from tiercheck.engine.lifecycle import find_orphans, remove_orphans
+    from tiercheck.store.lifecycle import find_orphans, remove_orphans
 
     roots = args.shm_root or [DEFAULT_SHM_ROOT]
     orphans = find_orphans(roots)

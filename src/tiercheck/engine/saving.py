@@ -12,10 +12,10 @@ thread then runs each save in order:
    is sent instead, so every rank aborts the version at once);
 4. **place** the shard in every synchronous tier in parallel (:func:`place_shard`), after
    making room in each tier with a memory budget, or skipping the tier for this version
-   when it cannot fit (:mod:`tiercheck.engine.budgets`);
+   when it cannot fit (:mod:`tiercheck.store.budgets`);
 5. **vote** once one tier holds it, then record the decision in each tier as it finishes;
 6. **confirm** across ranks (commits in shared tiers, guarantees for every rank);
-7. judge the store's guarantees (:mod:`tiercheck.engine.guarantees`), deliver the outcome on the
+7. judge the store's guarantees (:mod:`tiercheck.store.guarantees`), deliver the outcome on the
    save's handle, queue the migrations and request maintenance of the tiers written.
 
 The service owns the version planner (ids, roles, the base each diff follows), the
@@ -26,7 +26,7 @@ staging until every tier write that reads it has ended, tier calls included: a r
 in-flight list and is never held while a tier is called. Each save's outcome travels in
 return values to its handle, nowhere else.
 
-Once ``close()`` halts the store (:class:`~tiercheck.engine.background.Halt`), the saves queued
+Once ``close()`` halts the store (:class:`~tiercheck.runtime.background.Halt`), the saves queued
 are cancelled (their handles fail with :class:`~tiercheck.errors.Halted`), and the save
 running starts no new placement or commit.
 
@@ -58,17 +58,8 @@ import msgpack
 
 from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.core.entries import Leaf, encode_scalar, flatten
-from tiercheck.engine import guarantees
-from tiercheck.engine.background import Halt, reporting
-from tiercheck.engine.budgets import Budgets, budget_of, bytes_needed, version_bytes
-from tiercheck.engine.catalog import LiveCatalog, append_record
 from tiercheck.engine.coordinator import Coordinator, Vote
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.handles import Failures, SaveHandle, TierState
-from tiercheck.engine.leases import GCFence, TierLeases
-from tiercheck.engine.maintenance import Maintenance
-from tiercheck.engine.migration import MigrationService
-from tiercheck.engine.pipeline import (
+from tiercheck.engine.placing import (
     PlaceResult,
     ShardStream,
     build_manifest,
@@ -76,9 +67,8 @@ from tiercheck.engine.pipeline import (
     place_shard,
     streamable,
 )
-from tiercheck.engine.placement import Policy
+from tiercheck.engine.ports import Migrations, Upkeep
 from tiercheck.engine.staging import StagingBuffer, ready_events
-from tiercheck.engine.tierset import TierSet, TierSlot
 from tiercheck.errors import (
     CheckpointError,
     CommitAborted,
@@ -89,6 +79,15 @@ from tiercheck.errors import (
 )
 from tiercheck.formats.manifest import MAX_INT, AbortRecord, ChunkRef, Role, VersionInfo
 from tiercheck.logversions.planner import LogProposal, LogSource, build, with_fingerprints
+from tiercheck.runtime.background import Halt, reporting
+from tiercheck.runtime.handles import Failures, SaveHandle, TierState
+from tiercheck.store import guarantees
+from tiercheck.store.budgets import Budgets, budget_of, bytes_needed, version_bytes
+from tiercheck.store.catalog import LiveCatalog, append_record
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.leases import GCFence, TierLeases
+from tiercheck.store.policy import Policy
+from tiercheck.store.tierset import TierSet, TierSlot
 
 __all__ = ["SaveService"]
 
@@ -148,8 +147,8 @@ class SaveService:
         staging: StagingBuffer,
         pool: Executor,
         hashing: Executor,
-        migrations: MigrationService,
-        maintenance: Maintenance,
+        migrations: Migrations,
+        maintenance: Upkeep,
         failures: Failures,
         allow_pickle: bool,
         next_id: int,
@@ -592,7 +591,7 @@ class SaveService:
     def _encodes_deltas(self, role: Role) -> bool:
         """Whether a synchronous tier that takes versions of ``role`` stores deltas (then
         an in-flight diff reads its base's chunks, and a sweep must leave them; otherwise a
-        tier over its budget may free them: :func:`tiercheck.engine.retention.protection`)."""
+        tier over its budget may free them: :func:`tiercheck.upkeep.retention.protection`)."""
         return any(
             s.policy is not None
             and s.policy.mode == "sync"
@@ -685,7 +684,7 @@ class SaveService:
         """The synchronous tiers that take ``job`` within their memory budgets.
 
         Sets the default budgets for this version's size, then makes room in each tier with
-        a budget the version would overflow (:meth:`Maintenance.make_room`). A tier it still
+        a budget the version would overflow (:meth:`Upkeep.make_room`). A tier it still
         does not fit is skipped for this version: its state is ``"missing"`` with the
         reason, and a warning names the tier, the sizes and the fix. If that leaves the
         version no synchronous tier, the fastest other synchronous tier without a budget

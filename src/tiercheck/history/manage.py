@@ -9,13 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine.catalog import append_record, read_tier_log
-from tiercheck.engine.config import TierSpec
-from tiercheck.engine.copying import migrate_shard
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.resilience import wrapping
-from tiercheck.engine.retention import GCReport
-from tiercheck.engine.tierset import TierSlot
+from tiercheck.backends.resilience import wrapping
 from tiercheck.errors import (
     CheckpointError,
     NoRestorableVersion,
@@ -27,6 +21,12 @@ from tiercheck.formats.manifest import (
 )
 from tiercheck.history.versions import Progress, Version
 from tiercheck.history.view import StoreView
+from tiercheck.store.catalog import append_record, read_tier_log
+from tiercheck.store.config import TierSpec
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.tierset import TierSlot
+from tiercheck.upkeep.copying import migrate_shard
+from tiercheck.upkeep.retention import GCReport
 
 __all__ = ["MigrateReport", "collect", "migrate"]
 
@@ -34,13 +34,13 @@ __all__ = ["MigrateReport", "collect", "migrate"]
 def collect(
     store: StoreView[Version], *, dry_run: bool = False, grace: float | None = None
 ) -> list[GCReport]:
-    """Sweep each tier's unreferenced blobs (see :mod:`tiercheck.engine.retention`).
+    """Sweep each tier's unreferenced blobs (see :mod:`tiercheck.upkeep.retention`).
 
     With ``grace=None`` this is :meth:`Checkpointer.gc` (the policy's grace period, on this
     process's grace clock). An explicit ``grace`` uses a fresh clock. Either way a blob's age
     counts from when it was written where its tier says (``Tier.written_at``), else from
     when the clock first saw it; blobs of saves and migrations in flight are safe
-    (:mod:`tiercheck.engine.leases`).
+    (:mod:`tiercheck.store.leases`).
     """
     return store.gc(dry_run=dry_run, grace=grace)
 

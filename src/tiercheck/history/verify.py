@@ -9,9 +9,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercheck.engine.catalog import TierLog
-from tiercheck.engine.fetch import ChunkFetcher, repair_codec
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import (
     BlobCorrupt,
     CheckpointError,
@@ -23,6 +20,9 @@ from tiercheck.errors import (
 from tiercheck.formats.codecs import decode_blob, encode_blob
 from tiercheck.history.versions import ProblemKind, Progress, Version
 from tiercheck.history.view import StoreView
+from tiercheck.store.catalog import TierLog
+from tiercheck.store.fetch import ChunkFetcher, repair_codec
+from tiercheck.store.tierset import TierSlot
 
 __all__ = ["BlobProblem", "TierVerify", "VerifyReport", "verify"]
 

@@ -32,10 +32,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from tiercheck.core.chunking import chunks_of
-from tiercheck.engine.catalog import Catalog, TierLog
-from tiercheck.engine.fetch import ChunkFetcher, FetchStats
-from tiercheck.engine.handles import TierState
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import (
     CheckpointError,
     NoRestorableVersion,
@@ -49,6 +45,10 @@ from tiercheck.formats.manifest import (
     VersionInfo,
 )
 from tiercheck.history.view import StoreView
+from tiercheck.runtime.handles import TierState
+from tiercheck.store.catalog import Catalog, TierLog
+from tiercheck.store.fetch import ChunkFetcher, FetchStats
+from tiercheck.store.tierset import TierSlot
 
 # torch (and tiercheck.core.entries, which imports it) is imported only where an entry's value
 # is made or compared, so that browsing a store (`tiercheck ls`, `show`) need not import it.

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from tiercheck.engine.catalog import Catalog
-from tiercheck.engine.executors import Executors
-from tiercheck.engine.placement import Policy
-from tiercheck.engine.retention import GCReport
-from tiercheck.engine.tierset import TierSet
+from tiercheck.runtime.executors import Executors
+from tiercheck.store.catalog import Catalog
+from tiercheck.store.policy import Policy
+from tiercheck.store.tierset import TierSet
+from tiercheck.upkeep.retention import GCReport
 
 __all__ = ["StoreView"]
 

@@ -99,9 +99,7 @@ from torch.futures import Future
 
 from tiercheck.checkpointer import Checkpointer
 from tiercheck.core.entries import torch_dtype
-from tiercheck.engine.config import TierSpec
 from tiercheck.engine.coordinator import LocalCoordinator
-from tiercheck.engine.placement import Policy
 from tiercheck.errors import (
     CheckpointError,
     ConfigError,
@@ -111,6 +109,8 @@ from tiercheck.errors import (
 )
 from tiercheck.formats.manifest import VersionInfo
 from tiercheck.history.versions import EntryInfo, Version
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import Policy
 
 __all__ = [
     "CheckpointRef",

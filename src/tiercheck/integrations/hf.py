@@ -45,11 +45,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from tiercheck.checkpointer import Checkpointer
 from tiercheck.core.rng import rng_state, set_rng_state
-from tiercheck.engine.config import TierSpec
 from tiercheck.engine.coordinator import LocalCoordinator
-from tiercheck.engine.placement import Policy
 from tiercheck.errors import CheckpointError
 from tiercheck.integrations._pointer import Pointer, read_pointer, write_pointer
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import Policy
 
 __all__ = ["POINTER_NAME", "TiercheckCallback"]
 

@@ -69,12 +69,12 @@ from lightning.pytorch.callbacks import Callback
 
 from tiercheck.checkpointer import Checkpointer
 from tiercheck.core.rng import rng_state, set_rng_state
-from tiercheck.engine.background import reporting
-from tiercheck.engine.config import TierSpec
 from tiercheck.engine.coordinator import LocalCoordinator
-from tiercheck.engine.placement import Policy
 from tiercheck.errors import CheckpointError, ConfigError, NoRestorableVersion
 from tiercheck.integrations._pointer import Pointer, read_pointer, write_pointer
+from tiercheck.runtime.background import reporting
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import Policy
 
 __all__ = ["DCP_KEY", "RNG_KEY", "TiercheckIO", "escape_keys", "load", "unescape_keys"]
 

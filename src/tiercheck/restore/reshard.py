@@ -21,11 +21,11 @@ from typing import Any
 
 from tiercheck.core.entries import torch_dtype
 from tiercheck.core.sharded import box_of, is_dtensor
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.parallel import map_all
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import CheckpointError, StateError
 from tiercheck.formats.manifest import Entry, ShardManifest, ShardPlacement, VersionInfo
+from tiercheck.runtime.parallel import map_all
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.tierset import TierSlot
 
 __all__ = [
     "Gathered",

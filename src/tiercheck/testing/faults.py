@@ -1,8 +1,8 @@
 """Fault injection: a tier wrapper that fails, stalls, damages and loses writes on purpose.
 
 :class:`FaultyTier` wraps any :class:`~tiercheck.backends.base.Tier` (it is a
-:class:`~tiercheck.engine.wrappers.WrapperTier`: every call of the tier interface reaches the inner
-tier) and consults a :class:`FaultPlan` on every call of the operations a plan names.
+:class:`~tiercheck.backends.wrappers.WrapperTier`: every call of the tier interface reaches
+the inner tier) and consults a :class:`FaultPlan` on every call of the operations a plan names.
 A plan is a list of :class:`Fault` rules; each names the operations it applies to
 (``put``, ``get``, ``has``, ``delete``, ``list``, ``append``, ``read_log``), the calls
 it fires on (the ``nth`` call of those operations on this tier, counted from 1, and
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from tiercheck import errors
 from tiercheck.backends.base import Buffer, LogScan, PendingPut, Tier, scatter
 from tiercheck.backends.registry import open_tier, register_tier
-from tiercheck.engine.wrappers import WrapperTier
+from tiercheck.backends.wrappers import WrapperTier
 from tiercheck.errors import ConfigError, TierError, TierUnavailable
 
 if TYPE_CHECKING:
@@ -317,7 +317,7 @@ def damage_bytes(data: Buffer, how: Literal["corrupt", "truncate"], rng: random.
 class FaultyTier(WrapperTier):
     """``inner`` with the faults of ``plan`` injected. Capabilities are the inner tier's.
 
-    A :class:`~tiercheck.engine.wrappers.WrapperTier`: every call of the tier interface reaches
+    A :class:`~tiercheck.backends.wrappers.WrapperTier`: every call of the tier interface reaches
     the inner tier (budgets, ``usage``, vectored and batched writes, log compaction
     included); the calls of the seven operations a plan names pass through the faults
     first. ``put_parts``, ``begin_put``, ``put_many`` and ``put_many_parts`` count as one

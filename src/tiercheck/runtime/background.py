@@ -4,7 +4,7 @@ them.
 Every function the engine runs on a thread of its own whose outcome nobody waits for (the
 save pipeline, the migration thread, maintenance requested by a commit, the Lightning IO's
 writer) is entered through :func:`reporting`: an exception it lets escape is logged and
-recorded in the store's :class:`~tiercheck.engine.handles.Failures`, which ``close()`` raises in
+recorded in the store's :class:`~tiercheck.runtime.handles.Failures`, which ``close()`` raises in
 its :class:`~tiercheck.errors.UnfinishedWork`. None is lost in a future nobody reads.
 
 :class:`Halt` is how ``close()`` stops them. Once it is set, a background thread starts no
@@ -22,8 +22,8 @@ import threading
 from collections.abc import Callable
 from typing import ParamSpec
 
-from tiercheck.engine.handles import Failures
 from tiercheck.errors import Halted
+from tiercheck.runtime.handles import Failures
 
 __all__ = ["Halt", "reporting"]
 

@@ -42,7 +42,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,11 +52,13 @@ import psutil
 from tiercheck.backends.base import Tier
 from tiercheck.errors import NotFound, StoreLocked, TierError, TierUnavailable
 from tiercheck.formats.ids import chunk_id
+from tiercheck.store.tierset import TierSlot
 
 __all__ = [
     "LEASE_PREFIX",
     "GCFence",
     "Lease",
+    "Reservation",
     "StoreLock",
     "TierLeases",
     "is_lease_id",
@@ -444,3 +446,14 @@ class TierLeases:
             tier.delete([SWEEP_LEASE_ID])
         except TierError as exc:
             log.warning("%s: could not remove the sweep lease: %s", tier.url, exc)
+
+
+@dataclass
+class Reservation:
+    """What rank 0 holds for a version's migrations to shared tiers from the save on: its
+    own ids protected, every blob of each shared target held from its own sweeps (the
+    other ranks' ids are theirs alone), and a write lease in each shared target."""
+
+    protected: list[str] = field(default_factory=list)
+    held: list[tuple[str | None, str]] = field(default_factory=list)
+    leased: list[TierSlot] = field(default_factory=list)

@@ -26,8 +26,8 @@ state: it is set again when a version grows, or shrinks by more than an eighth.
 what the tier must take (:func:`bytes_needed`: the chunks it lacks, each with its blob
 header, and the manifest) and, if ``usage() + needed`` exceeds the budget, the maintenance
 service drops versions by a tightened retention and sweeps the tier at once
-(:meth:`tiercheck.engine.maintenance.Maintenance.make_room`), never the tier's newest restorable
-version or what it needs (:func:`tiercheck.engine.retention.protection`: nothing acknowledged is
+(:meth:`tiercheck.upkeep.maintenance.Maintenance.make_room`), never the tier's newest restorable
+version or what it needs (:func:`tiercheck.upkeep.retention.protection`: nothing acknowledged is
 lost); a base that LMDB also holds may go, so that dense diffs fit two copies of the state.
 A version that still does not fit is *skipped* on that tier (see ``docs/concepts.md``,
 "Guarantees"): the tier takes no memory for it, the save goes on with the other tiers.
@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 from tiercheck.backends.base import FailureDomain, Tier
 from tiercheck.core.sizes import format_size
-from tiercheck.engine.tierset import TierSet
 from tiercheck.errors import NotSupported, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.formats.manifest import ChunkRef
+from tiercheck.store.tierset import TierSet
 
 __all__ = [
     "SLACK",

@@ -1,7 +1,7 @@
 """The opened tiers of a store, with their names, specs and placement, in restore order.
 
 Each tier is opened inside the wrappers its options ask for (retry with backoff, a
-connection limit: :mod:`tiercheck.engine.resilience`), so every caller (save, migration,
+connection limit: :mod:`tiercheck.backends.resilience`), so every caller (save, migration,
 restore, GC, the CLI) goes through them."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from tiercheck.backends.base import StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine import identity
-from tiercheck.engine.config import StoreConfig, TierSpec, resolve_references
-from tiercheck.engine.placement import Policy, TierPolicy
-from tiercheck.engine.resilience import open_wrapped, split_options, wrapping
+from tiercheck.backends.resilience import open_wrapped, split_options, wrapping
 from tiercheck.errors import ConfigError, ForeignTier, InvalidURL, TierError
+from tiercheck.store import identity
+from tiercheck.store.config import StoreConfig, TierSpec, resolve_references
+from tiercheck.store.policy import Policy, TierPolicy
 
 __all__ = ["TierSet", "TierSlot"]
 
@@ -58,7 +58,7 @@ class TierSet:
     ):
         """``owner``: the root of the store these tiers belong to. ``{root}`` in a spec
         stands for it; each tier's owner record is checked against the store
-        (:mod:`tiercheck.engine.identity`: a tier of another store raises ``ForeignTier``
+        (:mod:`tiercheck.store.identity`: a tier of another store raises ``ForeignTier``
         when writing, and is unavailable when reading) and, when writing, records it, so
         that its node memory can be reclaimed once the store is deleted; orphans of
         deleted stores on this node are warned about."""
@@ -159,7 +159,7 @@ class TierSet:
                 slot.tier, slot.policy, slot.error = None, None, f"owner record: {exc}"
 
     def _bind(self, owner: str, specs: Sequence[TierSpec]) -> None:
-        from tiercheck.engine import lifecycle
+        from tiercheck.store import lifecycle
 
         for slot in self.open():
             assert slot.tier is not None

@@ -4,12 +4,12 @@ Every parallel step of the engine runs on one of these, never on a pool made for
 
 - ``io`` (``tiercheck-io``): reads, verifies and encodes chunks (migration, restore, the
   reads of history and verify) and places a save's shard in its tiers;
-- ``writes`` (``tiercheck-write``, :data:`~tiercheck.engine.copying.WRITE_WINDOW` threads):
+- ``writes`` (``tiercheck-write``, :data:`WRITE_WINDOW` threads):
   a migration's writes to its target, overlapped with the encoding of the next chunks;
 - ``hashing`` (``tiercheck-hash``): slices of a save's small chunks hashed in parallel
   (:func:`tiercheck.formats.ids.chunk_ids`; blake3 releases the GIL);
 - ``logs`` (``tiercheck-log``): every tier's log read at once (:func:`read_catalog
-  <tiercheck.engine.catalog.read_catalog>`), at open and at each refresh.
+  <tiercheck.store.catalog.read_catalog>`), at open and at each refresh.
 
 The single-threaded services keep their own thread, since they order work: the save
 pipeline (:class:`~tiercheck.engine.saving.SaveService`), the migration thread and the
@@ -23,10 +23,9 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tiercheck.engine.copying import WRITE_WINDOW
+__all__ = ["WRITE_WINDOW", "Executors"]
 
-__all__ = ["Executors"]
-
+WRITE_WINDOW = 16  # blobs in flight to a target tier at once, per migration
 LOG_READERS = 8  # tiers whose logs are read at once
 
 

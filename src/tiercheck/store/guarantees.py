@@ -2,7 +2,7 @@
 
 A version is **committed** as soon as one tier holds its commit record: from then on it is
 restorable from that tier. What the caller is *told* depends on the store's promises,
-which the placement policy states (:mod:`tiercheck.engine.placement`):
+which the placement policy states (:mod:`tiercheck.store.policy`):
 
 - ``wait()`` returns only if every **required** synchronous tier that wants the version
   committed it, and, when ``Policy.durability`` is set, some tier that committed it
@@ -18,7 +18,7 @@ the configuration says so explicitly (a ``TierPolicy`` with ``mode="sync"`` or
 ``guarantee="required"``), since without opening it its default placement is unknown.
 
 A tier **skipped** for a version because the version does not fit its memory budget
-(:mod:`tiercheck.engine.budgets`; state ``"missing"``, the reason in ``errors``) is not a
+(:mod:`tiercheck.store.budgets`; state ``"missing"``, the reason in ``errors``) is not a
 failed required tier: the budget is the bound the store was given, and keeping inside it
 is the promise that wins (a budget skip never fails a save). ``durability`` is still
 judged on the tiers that did commit the version: a store that asked for a failure domain
@@ -31,9 +31,9 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from tiercheck.backends.base import Capabilities, FailureDomain
-from tiercheck.engine.placement import Durability, Policy
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import DurabilityError
+from tiercheck.store.policy import Durability, Policy
+from tiercheck.store.tierset import TierSlot
 
 __all__ = ["Phase", "check", "describe_survival", "survives"]
 

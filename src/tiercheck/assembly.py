@@ -2,16 +2,16 @@
 
 :class:`Engine` opens what a :class:`~tiercheck.Checkpointer` runs on and closes it again:
 
-- the tiers (:class:`~tiercheck.engine.tierset.TierSet`) and the merged view of their logs
-  (:class:`~tiercheck.engine.catalog.LiveCatalog`);
-- the executors (:class:`~tiercheck.engine.executors.Executors`): the thread pools every
+- the tiers (:class:`~tiercheck.store.tierset.TierSet`) and the merged view of their logs
+  (:class:`~tiercheck.store.catalog.LiveCatalog`);
+- the executors (:class:`~tiercheck.runtime.executors.Executors`): the thread pools every
   service reads, hashes and writes on, shut down when the store closes;
 - the staging buffer, reused by every save and restore;
-- the GC fence and the leases in shared tiers (:mod:`tiercheck.engine.leases`);
+- the GC fence and the leases in shared tiers (:mod:`tiercheck.store.leases`);
 - the services: :class:`~tiercheck.engine.saving.SaveService` (its pipeline thread),
-  :class:`~tiercheck.engine.migration.MigrationService` (its own thread, with retries) and
-  :class:`~tiercheck.engine.maintenance.Maintenance` (retention and GC, its own thread);
-- :class:`~tiercheck.engine.handles.Failures`: failures nobody has seen yet, for ``close()``.
+  :class:`~tiercheck.upkeep.migration.MigrationService` (its own thread, with retries) and
+  :class:`~tiercheck.upkeep.maintenance.Maintenance` (retention and GC, its own thread);
+- :class:`~tiercheck.runtime.handles.Failures`: failures nobody has seen yet, for ``close()``.
 
 A save commits, then queues migrations and requests maintenance; a migration requests
 maintenance; maintenance asks the saves and migrations which versions they still need
@@ -32,9 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 from tiercheck.core.chunking import plan_layout
 from tiercheck.core.entries import flatten
-from tiercheck.engine.background import Halt
-from tiercheck.engine.catalog import Catalog, LiveCatalog, read_catalog
-from tiercheck.engine.config import (
+from tiercheck.engine.coordinator import Coordinator, DistCoordinator, LocalCoordinator
+from tiercheck.engine.saving import SaveService
+from tiercheck.engine.staging import StagingBuffer, cuda_devices
+from tiercheck.errors import CheckpointError, ConfigError, UnfinishedWork
+from tiercheck.logversions.planner import LogSource
+from tiercheck.runtime.background import Halt
+from tiercheck.runtime.executors import Executors
+from tiercheck.runtime.handles import Failures
+from tiercheck.store.catalog import Catalog, LiveCatalog, read_catalog
+from tiercheck.store.config import (
     CONFIG_NAME,
     StoreConfig,
     TierSpec,
@@ -44,19 +51,12 @@ from tiercheck.engine.config import (
     load_config,
     save_config,
 )
-from tiercheck.engine.coordinator import Coordinator, DistCoordinator, LocalCoordinator
-from tiercheck.engine.executors import Executors
-from tiercheck.engine.handles import Failures
-from tiercheck.engine.leases import GCFence, StoreLock, TierLeases
-from tiercheck.engine.maintenance import Maintenance
-from tiercheck.engine.migration import MigrationService
-from tiercheck.engine.placement import Policy
-from tiercheck.engine.retention import GCReport
-from tiercheck.engine.saving import SaveService
-from tiercheck.engine.staging import StagingBuffer, cuda_devices
-from tiercheck.engine.tierset import TierSet
-from tiercheck.errors import CheckpointError, ConfigError, UnfinishedWork
-from tiercheck.logversions.planner import LogSource
+from tiercheck.store.leases import GCFence, StoreLock, TierLeases
+from tiercheck.store.policy import Policy
+from tiercheck.store.tierset import TierSet
+from tiercheck.upkeep.maintenance import Maintenance
+from tiercheck.upkeep.migration import MigrationService
+from tiercheck.upkeep.retention import GCReport
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ store (:func:`relation`):
 - ``copy``: this store's id at another root that still holds a store with this id: the
   root was copied (``cp -r``, or its ``tiercheck.toml`` copied to a new root). A writable
   open raises :class:`~tiercheck.errors.StoreCopied`; a read-only one reads;
-  ``tiercheck adopt ROOT`` (:func:`tiercheck.engine.lifecycle.adopt_store`) makes the copy a
+  ``tiercheck adopt ROOT`` (:func:`tiercheck.store.lifecycle.adopt_store`) makes the copy a
   store of its own;
 - ``foreign``: another store's id: :class:`~tiercheck.errors.ForeignTier`, naming both
   roots, when writing; the tier is unavailable to a read-only open. Two stores never read
@@ -44,7 +44,8 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from tiercheck.backends.base import StoreOwner, Tier
-from tiercheck.engine.config import (
+from tiercheck.errors import ConfigError, ForeignTier, StoreCopied
+from tiercheck.store.config import (
     CONFIG_NAME,
     TierSpec,
     expand_root,
@@ -54,7 +55,6 @@ from tiercheck.engine.config import (
     relative_defaults,
     rewrite_store_file,
 )
-from tiercheck.errors import ConfigError, ForeignTier, StoreCopied
 
 __all__ = [
     "SHARED_OPTION",

@@ -8,18 +8,18 @@ runs from two threads and never blocks a save. :meth:`Maintenance.maintain_tier`
 one place a per-tier step is added. Failures are logged per tier and the thread goes on;
 an unexpected one is also recorded for ``close()`` to report.
 
-Log compaction (:func:`~tiercheck.engine.catalog.compact_log`) runs once a tier's log holds
-:data:`~tiercheck.engine.catalog.COMPACT_SLACK` more records than a checkpoint of it would,
+Log compaction (:func:`~tiercheck.store.catalog.compact_log`) runs once a tier's log holds
+:data:`~tiercheck.store.catalog.COMPACT_SLACK` more records than a checkpoint of it would,
 and its result replaces that tier's log in the live catalog. A tier that cannot compact
 (``NotSupported``, or a record this version cannot summarise) is not asked again by this
 process: each attempt reads the whole log.
 
-Once ``close()`` halts it (:class:`~tiercheck.engine.background.Halt`), no request is taken, the
+Once ``close()`` halts it (:class:`~tiercheck.runtime.background.Halt`), no request is taken, the
 work queued is cancelled and no further tier is maintained; a request's unexpected failure
-is recorded by :func:`~tiercheck.engine.background.reporting` for ``close()`` to raise.
+is recorded by :func:`~tiercheck.runtime.background.reporting` for ``close()`` to raise.
 
 :meth:`Maintenance.make_room` runs on the same thread, so retention, GC and eviction never
-race on a tier (see :mod:`tiercheck.engine.budgets`).
+race on a tier (see :mod:`tiercheck.store.budgets`).
 
 :meth:`Maintenance.discard` sweeps, at once, what a save or a migration that was given up
 wrote to a tier: the ids it had protected, once released, that no version the tier holds
@@ -36,9 +36,11 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from tiercheck.engine.background import Halt, reporting
-from tiercheck.engine.budgets import Shortfall, budget_of
-from tiercheck.engine.catalog import (
+from tiercheck.errors import Halted, TiercheckError
+from tiercheck.runtime.background import Halt, reporting
+from tiercheck.runtime.handles import Failures
+from tiercheck.store.budgets import Shortfall, budget_of
+from tiercheck.store.catalog import (
     Catalog,
     LiveCatalog,
     TierLog,
@@ -46,11 +48,11 @@ from tiercheck.engine.catalog import (
     read_tier_log,
     should_compact,
 )
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.handles import Failures
-from tiercheck.engine.leases import GCFence, TierLeases
-from tiercheck.engine.placement import Policy, TierPolicy
-from tiercheck.engine.retention import (
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.leases import GCFence, TierLeases
+from tiercheck.store.policy import Policy, TierPolicy
+from tiercheck.store.tierset import TierSet, TierSlot
+from tiercheck.upkeep.retention import (
     GCReport,
     GCState,
     Protection,
@@ -59,8 +61,6 @@ from tiercheck.engine.retention import (
     plan_drops,
     protection,
 )
-from tiercheck.engine.tierset import TierSet, TierSlot
-from tiercheck.errors import Halted, TiercheckError
 
 __all__ = ["Maintenance"]
 
@@ -152,7 +152,7 @@ class Maintenance:
         a newer one needs that a more durable tier keeps: a diff's base that LMDB holds) and
         the tier is swept after each step: at once (grace 0) where no other process writes
         to it, with the policy's grace in a shared tier. Never dropped: what the tier must
-        keep (:func:`tiercheck.engine.retention.protection`: its newest restorable version and
+        keep (:func:`tiercheck.upkeep.retention.protection`: its newest restorable version and
         what that needs, until a newer one is committed here or somewhere at least as
         durable), a pinned version (a migration still reads it, an in-flight diff follows
         it) unless a more durable tier keeps it. What still does not fit is the *new*
@@ -372,7 +372,7 @@ class Maintenance:
         return self.policy.gc_grace_seconds if slot.tier.capabilities.shared else 0.0
 
     def _protection(self, slot: TierSlot) -> Protection:
-        """What ``slot``'s tier must keep now (:func:`tiercheck.engine.retention.protection`)."""
+        """What ``slot``'s tier must keep now (:func:`tiercheck.upkeep.retention.protection`)."""
         self._log_of(slot)  # the rule reads this tier's whole log
         caps = {s.name: s.tier.capabilities for s in self.tierset.slots if s.tier is not None}
         return protection(self.catalog.snapshot(), slot.name, caps)

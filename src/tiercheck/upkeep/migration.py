@@ -2,13 +2,13 @@
 
 A committed version that an asynchronous tier wants is queued here for that tier. One
 thread works through the queue in order of when each migration is due; copying is
-:func:`tiercheck.engine.copying.migrate_shard`. A migration that fails is retried with
+:func:`tiercheck.upkeep.copying.migrate_shard`. A migration that fails is retried with
 exponential backoff (1 s doubling to 60 s, with jitter): without end while the tier is
 unreachable (:class:`~tiercheck.errors.TierUnavailable`), at most
 :data:`MAX_ATTEMPTS` times for any other tier error. A retry's backoff is no sleep: the
 thread waits on its queue until the next migration is due or a new one arrives. (Writing to
 a shared tier that another process is sweeping, it does poll until the sweep ends, see
-:meth:`~tiercheck.engine.leases.TierLeases.acquire_write`.)
+:meth:`~tiercheck.store.leases.TierLeases.acquire_write`.)
 
 The outcome of each migration is delivered on the handle of the save it belongs to (its
 tier's state, and what ``wait_migrated()`` raises), never elsewhere. A version is pinned
@@ -17,7 +17,7 @@ settle. An exception that is not a tiercheck error fails that migration, is logg
 reported by ``close()``; the thread goes on. A target that refuses the version for its
 memory budget (:class:`~tiercheck.errors.OverBudget`) is *skipped* for it, not retried.
 ``stop`` drains or abandons the queue and returns what was left unfinished; once
-``close()`` halts the store (:class:`~tiercheck.engine.background.Halt`), the migration running
+``close()`` halts the store (:class:`~tiercheck.runtime.background.Halt`), the migration running
 starts no further tier call and settles as abandoned, and :meth:`MigrationService.join`
 waits for the thread to end.
 
@@ -39,21 +39,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tiercheck.engine import guarantees
-from tiercheck.engine.background import Halt, reporting
-from tiercheck.engine.budgets import budget_of
-from tiercheck.engine.catalog import Catalog, LiveCatalog, append_record, read_tier_log
-from tiercheck.engine.copying import migrate_shard
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.handles import Failures, SaveHandle, TierState
-from tiercheck.engine.leases import GCFence, TierLeases
-from tiercheck.engine.maintenance import Maintenance
-from tiercheck.engine.placement import Policy
-from tiercheck.engine.tierset import TierSet, TierSlot
 from tiercheck.errors import Halted, NotFound, OverBudget, TiercheckError, TierUnavailable
 from tiercheck.formats.manifest import CommitRecord, VersionInfo
+from tiercheck.runtime.background import Halt, reporting
+from tiercheck.runtime.handles import Failures, SaveHandle, TierState
+from tiercheck.store import guarantees
+from tiercheck.store.budgets import budget_of
+from tiercheck.store.catalog import Catalog, LiveCatalog, append_record, read_tier_log
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.leases import GCFence, Reservation, TierLeases
+from tiercheck.store.policy import Policy
+from tiercheck.store.tierset import TierSet, TierSlot
+from tiercheck.upkeep.copying import migrate_shard
+from tiercheck.upkeep.maintenance import Maintenance
 
 __all__ = ["MAX_ATTEMPTS", "MigrationService", "Reservation"]
 
@@ -68,17 +68,6 @@ _POLL_MAX = 2.0
 
 class _NotYet(Exception):
     """Rank 0 prepared its shard in a shared tier; other ranks have not yet."""
-
-
-@dataclass
-class Reservation:
-    """What rank 0 holds for a version's migrations to shared tiers from the save on: its
-    own ids protected, every blob of each shared target held from its own sweeps (the
-    other ranks' ids are theirs alone), and a write lease in each shared target."""
-
-    protected: list[str] = field(default_factory=list)
-    held: list[tuple[str | None, str]] = field(default_factory=list)
-    leased: list[TierSlot] = field(default_factory=list)
 
 
 @dataclass(eq=False)

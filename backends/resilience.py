@@ -1,6 +1,6 @@
 """Retry with backoff and connection limits, as tier wrappers (restic's retry and limiter
 backends): :class:`RetryTier` and :class:`LimitTier` forward the whole tier interface
-(:class:`~tiercheck.engine.wrappers.WrapperTier`), so save, migration, restore and GC reach
+(:class:`~tiercheck.backends.wrappers.WrapperTier`), so save, migration, restore and GC reach
 a tier through them without knowing they are there.
 
 **What is retried.** Only :class:`~tiercheck.errors.TierUnavailable`, the one error the tier
@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import tenacity
 
 from tiercheck.backends.base import Buffer, LogScan, PendingPut, StoreOwner, Tier
-from tiercheck.engine.wrappers import WrapperTier
+from tiercheck.backends.wrappers import WrapperTier
 from tiercheck.errors import ConfigError, TierUnavailable
 
 __all__ = [

@@ -21,7 +21,7 @@ on this node: a local disk, NFS, Lustre) gets ``raw`` instead of ``zstd``.
 ``codec="delta"`` stores a diff version's changed chunks as deltas against the base's chunk
 where that pays (and zstd otherwise); base versions are always stored with zstd there.
 
-What a save promises is decided here too (:mod:`tiercheck.engine.guarantees` enforces it): each
+What a save promises is decided here too (:mod:`tiercheck.store.guarantees` enforces it): each
 tier is ``required`` or ``best_effort`` for the versions it wants (by default a synchronous
 tier is required, an asynchronous one best effort), and the store may ask for a failure
 domain (``Policy.durability`` for ``wait()``, ``Policy.migrated_durability`` for
@@ -36,8 +36,8 @@ from typing import Literal
 
 from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.core.chunking import DEFAULT_CHUNK_SIZE
-from tiercheck.engine.cadence import Cadence, CadenceValue, parse_cadence
 from tiercheck.errors import ConfigError
+from tiercheck.store.cadence import Cadence, CadenceValue, parse_cadence
 
 __all__ = ["Durability", "Guarantee", "Policy", "TierPolicy", "default_tier_policy"]
 
@@ -65,7 +65,7 @@ class TierPolicy:
       asynchronous one) or ``"best_effort"`` (a failure lowers the commit level and is
       reported in the result, nothing more). ``None``: required if ``mode="sync"``,
       best effort if ``mode="async"``.
-    - ``every``: a cadence (:mod:`tiercheck.engine.cadence`: ``500`` steps, ``"30min"``)
+    - ``every``: a cadence (:mod:`tiercheck.store.cadence`: ``500`` steps, ``"30min"``)
       for an asynchronous tier: a version is migrated to it only once this much has passed
       since the newest version it holds or was sent; ``None`` (or ``0``): every version it
       wants. The default placement of a remote tier sets it to ``Policy.remote_every``.

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiercheck.backends.base import Tier
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import (
     BlobCorrupt,
     FormatVersionError,
@@ -33,6 +32,7 @@ from tiercheck.formats.codecs import (
 )
 from tiercheck.formats.ids import as_byte_view
 from tiercheck.formats.manifest import ShardManifest, unpack_manifest
+from tiercheck.store.tierset import TierSlot
 
 __all__ = ["ChunkFetcher", "FetchStats", "repair_codec"]
 

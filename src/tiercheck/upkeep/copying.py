@@ -24,19 +24,18 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
 from tiercheck.backends.base import PendingPut
-from tiercheck.engine.background import Halt
-from tiercheck.engine.catalog import append_record
-from tiercheck.engine.fetch import ChunkFetcher
-from tiercheck.engine.pipeline import elem_size, held_bases
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import CheckpointError, NotFound, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
 from tiercheck.formats.ids import Buffer
 from tiercheck.formats.manifest import CommitRecord, PrepareRecord, VersionInfo, unpack_manifest
+from tiercheck.runtime.background import Halt
+from tiercheck.runtime.executors import WRITE_WINDOW
+from tiercheck.store.catalog import append_record
+from tiercheck.store.deltas import elem_size, held_bases
+from tiercheck.store.fetch import ChunkFetcher
+from tiercheck.store.tierset import TierSlot
 
-__all__ = ["WRITE_WINDOW", "MigrationResult", "migrate_shard"]
-
-WRITE_WINDOW = 16  # blobs in flight to the target tier at once
+__all__ = ["MigrationResult", "migrate_shard"]
 
 
 @dataclass

@@ -24,19 +24,13 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercheck.backends.base import Tier
 from tiercheck.core.chunking import Layout
-from tiercheck.core.entries import torch_dtype
-from tiercheck.engine.catalog import append_record
-from tiercheck.engine.parallel import map_all
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import NotFound, OverBudget, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
 from tiercheck.formats.ids import Buffer, chunk_id, chunk_ids
 from tiercheck.formats.manifest import (
     ChunkRef,
     CommitRecord,
-    Entry,
     PrepareRecord,
     ReplayLog,
     Role,
@@ -44,6 +38,10 @@ from tiercheck.formats.manifest import (
     VersionInfo,
     pack_manifest,
 )
+from tiercheck.runtime.parallel import map_all
+from tiercheck.store.catalog import append_record
+from tiercheck.store.deltas import elem_size, held_bases
+from tiercheck.store.tierset import TierSlot
 
 __all__ = [
     "PlaceResult",
@@ -51,9 +49,7 @@ __all__ = [
     "Streamed",
     "build_manifest",
     "commit_on",
-    "elem_size",
     "hash_stream",
-    "held_bases",
     "place_shard",
     "streamable",
 ]
@@ -297,29 +293,6 @@ class PlaceResult:
     deltas: dict[str, str] = field(default_factory=dict)
 
 
-def elem_size(entries: Sequence[Entry], offset: int) -> int:
-    """Element size of the entry holding byte ``offset`` (for the delta byte-shuffle)."""
-    import torch
-
-    for e in entries:
-        if e.offset <= offset < e.offset + e.nbytes:
-            if e.kind == "tensor":
-                return torch.empty((), dtype=torch_dtype(e.dtype)).element_size()
-            if e.kind == "ndarray":
-                import numpy as np
-
-                return int(np.dtype(e.dtype).itemsize)
-            return 1
-    return 1
-
-
-def held_bases(tier: Tier, base_chunks: Sequence[ChunkRef]) -> set[str]:
-    """The base chunk ids ``tier`` holds: the only ones a delta on it may be encoded
-    against (a delta is only as safe as its base, and GC keeps a base the tier holds while
-    the delta lives; a copy held elsewhere only may be dropped there)."""
-    return tier.has(list({c.id for c in base_chunks}))
-
-
 def place_shard(
     slot: TierSlot,
     *,
@@ -459,7 +432,7 @@ def place_shard(
     except Exception as exc:  # a failing tier lowers the commit level; reported, not raised
         result.error = f"{type(exc).__name__}: {exc}"
         result.exception = exc
-        if isinstance(exc, OverBudget):  # a skip, not a failure (engine/budgets.py)
+        if isinstance(exc, OverBudget):  # a skip, not a failure (store/budgets.py)
             log.warning(
                 "tier %s skipped version %s: it does not fit the memory budget: %s",
                 slot.name,

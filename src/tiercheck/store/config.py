@@ -29,7 +29,7 @@ plain TOML so people can read and edit it::
 
 ``store_id`` names the store (formats/SPEC.md, "Store identity"): every tier the store
 owns records it, and a tier recording another store's id is refused
-(:mod:`tiercheck.engine.identity`). It belongs to the file at the root: :func:`save_config`
+(:mod:`tiercheck.store.identity`). It belongs to the file at the root: :func:`save_config`
 keeps the id of the file it replaces, or draws a new one for a new file, so a
 configuration used as a template (``config=``) never gives a new store another's id. A
 file without one (written before stores had ids) gets one at the first writable open.
@@ -75,8 +75,8 @@ from typing import Any
 import blake3
 import tomli_w
 
-from tiercheck.engine.placement import Policy, TierPolicy
 from tiercheck.errors import ConfigError
+from tiercheck.store.policy import Policy, TierPolicy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -134,7 +134,7 @@ class StoreConfig:
     policy: Policy
     store_id: str | None = None
     #: the root the store's file was last written or opened at (``root`` in the file):
-    #: another path means the root was moved, or copied (:mod:`tiercheck.engine.identity`)
+    #: another path means the root was moved, or copied (:mod:`tiercheck.store.identity`)
     recorded_root: str | None = None
 
 
@@ -508,7 +508,7 @@ def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> 
     """Write ``config`` to ``path`` atomically (temp file + fsync + rename).
 
     The store id and root written are those of the file it replaces (the root a store was
-    moved or copied from is :mod:`tiercheck.engine.identity`'s to judge), or a new id and
+    moved or copied from is :mod:`tiercheck.store.identity`'s to judge), or a new id and
     the file's directory (never ``config.store_id``: a configuration read elsewhere does
     not carry its store's id to another root). ``exclusive``: only if ``path`` does not
     exist yet (a hard link, which fails on an existing name, instead of the rename);

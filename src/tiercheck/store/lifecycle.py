@@ -3,7 +3,7 @@ adopting a copied root as a store of its own.
 
 A store's shm tier lives in /dev/shm, outside the store root, so deleting the root alone
 would leave the segment behind for good. Every shm segment, LMDB environment and fsspec
-prefix records its owner (the store id and root: :mod:`tiercheck.engine.identity`; a
+prefix records its owner (the store id and root: :mod:`tiercheck.store.identity`; a
 segment also the node, the creating process and time in ``owner.json``), which lets this
 module:
 
@@ -44,8 +44,9 @@ from urllib.parse import unquote, urlsplit
 from tiercheck.backends import DEFAULT_SHM_ROOT, Segment, list_segments, remove_segment
 from tiercheck.backends.base import StoreOwner
 from tiercheck.backends.registry import open_tier
-from tiercheck.engine import identity
-from tiercheck.engine.config import (
+from tiercheck.errors import ConfigError, StoreLocked, TierError
+from tiercheck.store import identity
+from tiercheck.store.config import (
     CONFIG_NAME,
     StoreConfig,
     TierSpec,
@@ -54,7 +55,6 @@ from tiercheck.engine.config import (
     resolve_references,
     rewrite_store_file,
 )
-from tiercheck.errors import ConfigError, StoreLocked, TierError
 
 __all__ = [
     "AdoptReport",

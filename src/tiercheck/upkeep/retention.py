@@ -9,7 +9,7 @@ are never dropped, and neither is a base that a kept diff needs.
 GC is mark-and-sweep per tier: the mark set is every chunk and manifest of every version
 the tier holds, every delta base those chunks need, and every id a save or migration in
 flight references. Saves and migrations in flight are fenced off by construction, not by
-a timer (:mod:`tiercheck.engine.leases`): in this process their ids are protected before a tier is
+a timer (:mod:`tiercheck.store.leases`): in this process their ids are protected before a tier is
 asked what it has, and a sweep deletes only what was unprotected when it claimed it; in a
 tier shared by several processes a sweep runs only while no other process holds a write
 lease there. A blob outside the mark is deleted once it has been seen unreferenced for
@@ -43,13 +43,13 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tiercheck.backends.base import Capabilities, Tier
-from tiercheck.engine.catalog import Catalog, TierLog, append_record
-from tiercheck.engine.leases import GCFence, TierLeases, is_lease_id
-from tiercheck.engine.placement import TierPolicy
-from tiercheck.engine.tierset import TierSlot
 from tiercheck.errors import BlobCorrupt, FormatVersionError, NotFound, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE, BLOB_MAGIC, read_header
 from tiercheck.formats.manifest import DropRecord, ShardManifest, VersionInfo
+from tiercheck.store.catalog import Catalog, TierLog, append_record
+from tiercheck.store.leases import GCFence, TierLeases, is_lease_id
+from tiercheck.store.policy import TierPolicy
+from tiercheck.store.tierset import TierSlot
 
 __all__ = [
     "GCReport",
@@ -77,7 +77,7 @@ class Protection:
     needs (its base, its log chain) of which this tier is the most durable holder.
     ``elsewhere``: versions a newest version needs that this tier holds but a more durable
     tier keeps; only making room under a budget may drop them here (the last resort of
-    :meth:`tiercheck.engine.maintenance.Maintenance.make_room`).
+    :meth:`tiercheck.upkeep.maintenance.Maintenance.make_room`).
     """
 
     keep: frozenset[int] = frozenset()
@@ -337,7 +337,7 @@ def collect_garbage(
     up wrote).
 
     ``tl`` is the tier's log, or a function that reads it: with a ``fence`` (this
-    process's protected ids, :class:`~tiercheck.engine.leases.GCFence`) it is called after the
+    process's protected ids, :class:`~tiercheck.store.leases.GCFence`) it is called after the
     sweep has begun, so that a version committed meanwhile is either in it or still
     protected. ``leases`` (a tier shared by several processes) takes the tier's sweep lease
     first and skips the sweep while another process holds a write lease there; the report's
