@@ -178,15 +178,116 @@ def test_nothing_imports_the_cli() -> None:
     assert not importers, f"modules importing the CLI: {importers}"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("tiercheck.engine.")))
+ROOMS_REACHING_TIERS = (
+    "tiercheck.store",
+    "tiercheck.runtime",
+    "tiercheck.engine",
+    "tiercheck.upkeep",
+)
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(
+        m
+        for m in MODULES
+        if m.startswith(tuple(f"{r}." for r in ROOMS_REACHING_TIERS)) or m == "tiercheck.assembly"
+    ),
+)
 def test_the_engine_reaches_tiers_through_their_interface(module: str) -> None:
-    """The engine names no concrete backend: tiers are opened by URL through the registry
-    and used through ``backends.base`` (the package's own public names, which lifecycle
-    uses to list the shm segments of a deleted store, count as the interface)."""
-    allowed = {"tiercheck.backends", "tiercheck.backends.base", "tiercheck.backends.registry"}
+    """Store, runtime, engine, upkeep and the assembly name no concrete backend: tiers are
+    opened by URL through the registry and used through ``backends.base`` (the package's
+    own public names, which lifecycle uses to list the shm segments of a deleted store,
+    count as the interface) and the forwarding wrappers that sit beside the backends."""
+    allowed = {
+        "tiercheck.backends",
+        "tiercheck.backends.base",
+        "tiercheck.backends.registry",
+        "tiercheck.backends.wrappers",
+        "tiercheck.backends.resilience",
+    }
     used = {
         t
         for t in (_owner(n) for n in imported_names(module, MODULES[module]))
         if t is not None and (t == "tiercheck.backends" or t.startswith("tiercheck.backends."))
     }
     assert used <= allowed, f"{module} imports {sorted(used - allowed)}"
+
+
+# The rooms of issue 30, from the lowest to the highest: each may import the ones before it,
+# never one after it. ``store`` opens and reads a store and starts no thread; ``runtime`` is
+# the plumbing the threads run on; ``engine`` is the save pipeline and the commit protocol;
+# ``upkeep`` is the work after the commit. ``engine`` sees upkeep only through the protocols
+# of ``engine.ports``; the assembly (``tiercheck.assembly``) wires them.
+ROOMS = {
+    "tiercheck.store": {"tiercheck.runtime", "tiercheck.engine", "tiercheck.upkeep"},
+    "tiercheck.runtime": {"tiercheck.store", "tiercheck.engine", "tiercheck.upkeep"},
+    "tiercheck.engine": {"tiercheck.upkeep"},
+    "tiercheck.upkeep": {"tiercheck.engine"},
+}
+# rooms above the assembly's parts: nothing below imports them
+ABOVE = {"tiercheck.assembly", "tiercheck.checkpointer", "tiercheck.restore", "tiercheck.history"}
+MAX_MODULE_LINES = 900
+LONG_MODULES_ALLOWED = {"tiercheck.formats.manifest"}  # the format's reference schema
+MAX_PACKAGE_MODULES = 15
+
+
+def _room(module: str) -> str | None:
+    for room in (*ROOMS, *ABOVE):
+        if module == room or module.startswith(room + "."):
+            return room
+    return None
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_each_room_imports_only_the_rooms_below_it(room: str) -> None:
+    graph = import_graph()
+    forbidden = ROOMS[room] | ABOVE
+    wrong = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if _room(m) == room
+        for t in targets
+        if _room(t) in forbidden
+    )
+    assert not wrong, f"{room} reaches up: {wrong}"
+
+
+def test_no_module_is_over_900_lines() -> None:
+    long = {
+        m: n
+        for m, path in MODULES.items()
+        if m not in LONG_MODULES_ALLOWED
+        and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
+
+
+def test_no_package_holds_over_15_modules() -> None:
+    counts: dict[str, int] = {}
+    for path in MODULES.values():
+        counts[str(path.parent)] = counts.get(str(path.parent), 0) + 1
+    big = {p: n for p, n in counts.items() if n > MAX_PACKAGE_MODULES}
+    assert not big, f"packages over {MAX_PACKAGE_MODULES} modules: {big}"
+
+
+def test_no_module_is_a_compatibility_shim() -> None:
+    """A module whose whole body is imports (re-exporting another module under an old
+    name) is a shim; package ``__init__`` files that gather public names are not."""
+    shims = []
+    for m, path in MODULES.items():
+        if path.name == "__init__.py":
+            continue
+        body = ast.parse(path.read_text()).body
+        stmts = [
+            s
+            for s in body
+            if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+            and not (
+                isinstance(s, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in s.targets)
+            )
+        ]
+        if stmts and all(isinstance(s, ast.Import | ast.ImportFrom) for s in stmts):
+            shims.append(m)
+    assert not shims, f"modules that only re-export: {shims}"
