@@ -80,8 +80,8 @@ import torch.distributed as dist
 from torch import nn
 
 import tiercheck.engine.saving as saving_mod
+import tiercheck.restore.loading as restore_mod
 import tiercheck.restore.service as restoring_mod
-import tiercheck.restore.steps as restore_mod
 import tiercheck.store.catalog as manifest_log_mod
 import tiercheck.upkeep.migration as migrating_mod
 import tiercheck.upkeep.retention as retention_mod

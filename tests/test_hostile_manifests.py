@@ -34,7 +34,7 @@ from tiercheck.formats.manifest import (
     pack_manifest,
     unpack_manifest,
 )
-from tiercheck.restore.steps import check_stream
+from tiercheck.restore.binding import check_stream
 from tiercheck.store.catalog import append_record
 
 Mutation = Callable[[ShardManifest], ShardManifest]

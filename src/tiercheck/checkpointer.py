@@ -29,7 +29,7 @@ from tiercheck.history.diff import Diff
 from tiercheck.history.diff import diff as diff_versions
 from tiercheck.history.versions import Version, VersionSummary, build_history, open_version
 from tiercheck.restore.service import RestoreService
-from tiercheck.restore.steps import RestoreInfo
+from tiercheck.restore.info import RestoreInfo
 from tiercheck.runtime.executors import Executors
 from tiercheck.runtime.handles import Failures, SaveHandle, SaveResult
 from tiercheck.store.catalog import Catalog
@@ -116,6 +116,7 @@ class Checkpointer:
             version=lambda vid, rank: self.version(vid, rank=rank),
             read_only=read_only,
             allow_pickle=allow_pickle,
+            root=self.root,
         )
 
     @property

@@ -17,7 +17,7 @@ save pipeline (hash, 2PC, every tier) is the one of any version.
 
 **Restoring.** :func:`replay_version` runs a log version's steps on the guarded optimizer,
 which holds its base version's state, and verifies the fingerprints; the restore then
-loads the log version's own leaves (:func:`tiercheck.restore.steps.materialize` with the
+loads the log version's own leaves (:func:`tiercheck.restore.loading.materialize` with the
 replayed tensors). A log version of DTensor state saved by another number of ranks is
 replayed on the layout that saved it, one rank's log at a time over copies of that rank's
 pieces of the base, and the verified pieces are resharded into the guarded optimizer's

@@ -1,10 +1,10 @@
 """The restore service: the orchestration of a restore, symmetric to the save service.
 
-:class:`RestoreService` runs the steps of :mod:`tiercheck.restore.steps` in order: it picks
+:class:`RestoreService` runs the steps of :mod:`tiercheck.restore` in order: it picks
 the candidates (the newest restorable version, or the one asked for, skipping log versions
 when no guarded optimizer is in the state), agrees with every rank on one of them, reads and
 verifies it into the staging buffer (:meth:`RestoreService._read_version`), and only then
-binds it into the caller's state, all or nothing (:class:`~tiercheck.restore.steps.Undo`).
+binds it into the caller's state, all or nothing (:class:`~tiercheck.restore.undo.Undo`).
 A version that cannot be read makes every rank try an older one; a log version is its base
 plus its own shard, the steps replayed into the guarded optimizer
 (:meth:`RestoreService._load_log`). :class:`tiercheck.Checkpointer` only delegates here.
@@ -41,18 +41,12 @@ from tiercheck.logversions.planner import (
     replay_version,
     replay_version_resharded,
 )
+from tiercheck.restore.binding import Binding, bind
+from tiercheck.restore.choose import choose_version, nothing_restorable
+from tiercheck.restore.info import RestoreInfo
+from tiercheck.restore.loading import fetch_stream, load_stream, materialize
 from tiercheck.restore.reshard import Gathered, gather
-from tiercheck.restore.steps import (
-    Binding,
-    RestoreInfo,
-    Undo,
-    bind,
-    choose_version,
-    fetch_stream,
-    load_stream,
-    materialize,
-    nothing_restorable,
-)
+from tiercheck.restore.undo import Undo
 from tiercheck.store.catalog import Catalog
 from tiercheck.store.fetch import ChunkFetcher
 from tiercheck.store.policy import Policy
@@ -117,7 +111,7 @@ class RestoreService:
     ) -> RestoreInfo | None:
         """Restore the newest restorable version (or ``version``/``step``) into ``state``;
         see :meth:`tiercheck.Checkpointer.restore` (None: an empty store and
-        ``missing_ok``, :func:`~tiercheck.restore.steps.nothing_restorable`)."""
+        ``missing_ok``, :func:`~tiercheck.restore.choose.nothing_restorable`)."""
         t0 = time.perf_counter()
         self._flush()
         catalog = self._refresh()
