@@ -31,28 +31,42 @@ version or what it needs (:func:`tiercheck.upkeep.retention.protection`: nothing
 lost); a base that LMDB also holds may go, so that dense diffs fit two copies of the state.
 A version that still does not fit is *skipped* on that tier (see ``docs/concepts.md``,
 "Guarantees"): the tier takes no memory for it, the save goes on with the other tiers.
+
+**A diff that would leave no room.** The rule of two copies holds for bases. A diff needs
+its base, so a tier that keeps a diff keeps its base with it, unless a tier at least as
+durable holds that base (LMDB, in the default store): with dense training (every chunk
+changes) base and diff are two copies, and the next version, a third, could never fit
+without dropping the newest restorable version, which nothing may do. A store whose
+only synchronous tier is shm (or whose LMDB is lost) would then stop saving. So a diff
+whose own chunks (those its base lacks) would leave such a tier less than a full version
+of room once committed is saved as a *base* instead (:func:`diff_leaves_no_room`): in a
+raw memory tier it takes the same memory (chunks are written once, whatever the role),
+and once committed it lets the versions before it go.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tiercheck.backends.base import FailureDomain, Tier
+from tiercheck.backends.base import Capabilities, FailureDomain, Tier
 from tiercheck.core.sizes import format_size
 from tiercheck.errors import NotSupported, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.formats.manifest import ChunkRef
-from tiercheck.store.tierset import TierSet
+from tiercheck.store.catalog import Catalog
+from tiercheck.store.tierset import TierSet, TierSlot
 
 __all__ = [
     "SLACK",
     "Budgets",
     "Shortfall",
+    "at_least_as_durable",
     "budget_of",
     "bytes_needed",
     "default_budget",
+    "diff_leaves_no_room",
     "free_memory",
     "is_memory_tier",
     "version_bytes",
@@ -171,6 +185,58 @@ class Budgets:
                 format_size(budget),
                 format_size(version),
             )
+
+
+def at_least_as_durable(a: Capabilities, b: Capabilities) -> bool:
+    """Whether what ``a`` holds survives every failure that what ``b`` holds survives."""
+    return a.survives.order >= b.survives.order and (a.persistent or not b.persistent)
+
+
+def diff_leaves_no_room(
+    slots: Sequence[TierSlot],
+    *,
+    chunks: Sequence[ChunkRef],
+    base_chunks: Sequence[ChunkRef],
+    base: int,
+    manifest_bytes: int,
+    version: int,
+    catalog: Catalog,
+    tierset: TierSet,
+) -> str | None:
+    """Why a diff of ``base`` with ``chunks`` must be saved as a base instead (the module
+    docstring), or None. ``slots``: the synchronous tiers that would take the diff;
+    ``version``: the bytes of one full version (:func:`version_bytes`).
+
+    A tier with a budget that must keep ``base`` itself (no other reachable tier at least as
+    durable holds it) would keep the base (about ``version``) and the diff's own chunks;
+    if that and a full next version exceed the budget, the diff would be the last version
+    the tier could take."""
+    base_ids = {c.id for c in base_chunks}
+    own: dict[str, int] = {}
+    for ref in chunks:
+        if ref.id not in base_ids:
+            own.setdefault(ref.id, ref.length)
+    keeps = sum(n + BLOB_HEADER_SIZE for n in own.values()) + manifest_bytes + BLOB_HEADER_SIZE
+    caps = {s.name: s.tier.capabilities for s in tierset.slots if s.tier is not None}
+    for slot in slots:
+        budget = budget_of(slot.tier)
+        if budget is None or slot.name not in caps:
+            continue
+        elsewhere = any(
+            name != slot.name
+            and at_least_as_durable(c, caps[slot.name])
+            and name in catalog.logs
+            and catalog.logs[name].holds(base)
+            for name, c in caps.items()
+        )
+        if elsewhere or version + keeps + version <= budget:
+            continue
+        return (
+            f"tier {slot.name} keeps its base alone, and the base ({format_size(version)}), "
+            f"this diff's own chunks ({format_size(keeps)}) and a next version would not fit "
+            f"its budget of {format_size(budget)}"
+        )
+    return None
 
 
 def budget_of(tier: Tier | None) -> int | None:

@@ -46,6 +46,7 @@ from tiercheck.backends.base import Capabilities, Tier
 from tiercheck.errors import BlobCorrupt, FormatVersionError, NotFound, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE, BLOB_MAGIC, read_header
 from tiercheck.formats.manifest import DropRecord, ShardManifest, VersionInfo
+from tiercheck.store.budgets import at_least_as_durable
 from tiercheck.store.catalog import Catalog, TierLog, append_record
 from tiercheck.store.leases import GCFence, TierLeases, is_lease_id
 from tiercheck.store.policy import TierPolicy
@@ -82,11 +83,6 @@ class Protection:
 
     keep: frozenset[int] = frozenset()
     elsewhere: frozenset[int] = frozenset()
-
-
-def at_least_as_durable(a: Capabilities, b: Capabilities) -> bool:
-    """Whether what ``a`` holds survives every failure that what ``b`` holds survives."""
-    return a.survives.order >= b.survives.order and (a.persistent or not b.persistent)
 
 
 def protection(catalog: Catalog, tier: str, caps: Mapping[str, Capabilities]) -> Protection:

@@ -1,0 +1,204 @@
+"""Saving never stops for lack of room (issue 33, item 2): every configuration
+docs/configuration.md shows, and the default store with any one of its tiers lost, saves
+for ever under the default memory budgets, without breaking *nothing acknowledged is lost*.
+
+A model of what was acknowledged walks each store through a few dozen saves of a state
+whose every byte changes at most saves (dense training; now and then one chunk only),
+across a close and reopen with the tier lost between the two runs. After every save:
+``wait()`` returned (the version is committed), every memory tier holds at most its
+budget, and the newest acknowledged version is restorable; at the end of each run the
+newest acknowledged state restores bit for bit. Real tiers: shm in /dev/shm, LMDB, a
+``file://`` remote, ``memory://``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiercheck import Checkpointer
+from tiercheck.errors import DurabilityError
+from tiercheck.store.budgets import budget_of, is_memory_tier
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import Policy, TierPolicy
+
+NUMEL = 1 << 19  # 2 MiB of fp32: a version is larger than the default budget's 1 MiB slack
+RUNS = (4, 26)  # saves before the tier is lost, and after
+
+
+def _default(root: Path, name: str) -> Checkpointer:
+    return Checkpointer(root)
+
+
+def _shm_only(root: Path, name: str) -> Checkpointer:
+    return Checkpointer(root, tiers=[f"shm://{name}"])
+
+
+def _memory_only(root: Path, name: str) -> Checkpointer:
+    return Checkpointer(root, tiers=[TierSpec("mem", f"memory://{name}")])
+
+
+def _shm_lmdb(root: Path, name: str) -> Checkpointer:  # "Overriding it", without the budget
+    return Checkpointer(
+        root, tiers=[TierSpec("shm", f"shm://{name}"), TierSpec("lmdb", f"lmdb://{root}/lmdb")]
+    )
+
+
+def _the_file(root: Path, name: str) -> Checkpointer:  # "The file", its remote on file://
+    policy = Policy(
+        tiers={
+            "lmdb": TierPolicy(versions="base", keep_bases=2),
+            "remote": TierPolicy(
+                versions="base",
+                mode="async",
+                codec="zstd",
+                keep_bases=2,
+                every="1h",
+                milestones="1d",
+                guarantee="required",
+            ),
+        }
+    )
+    tiers = [
+        TierSpec("shm", f"shm://{name}"),
+        TierSpec("lmdb", f"lmdb://{root}/lmdb"),
+        TierSpec("remote", f"file://{root}/remote"),
+    ]
+    return Checkpointer(root, tiers=tiers, policy=policy)
+
+
+CONFIGS: dict[str, Callable[[Path, str], Checkpointer]] = {
+    "default": _default,
+    "shm": _shm_only,
+    "memory": _memory_only,
+    "shm+lmdb": _shm_lmdb,
+    "the-file": _the_file,
+}
+
+# (configuration, the tier lost between the two runs, how)
+CASES = [
+    ("default", None),
+    ("default", "shm-wiped"),  # a reboot: the segment is gone, a new one is made
+    ("default", "shm-blocked"),  # the segment cannot be opened: the tier is unreachable
+    ("default", "lmdb-damaged"),
+    ("default", "remote-broken"),
+    ("shm", None),
+    ("shm", "shm-wiped"),
+    ("memory", None),
+    ("shm+lmdb", None),
+    ("shm+lmdb", "lmdb-damaged"),
+    ("shm+lmdb", "shm-blocked"),
+    ("the-file", None),
+    ("the-file", "lmdb-damaged"),
+]
+
+
+@pytest.fixture
+def shm_paths() -> Iterator[list[str]]:
+    """Paths under /dev/shm a case blocked with a file (destroy() leaves those)."""
+    paths: list[str] = []
+    yield paths
+    for p in paths:
+        if os.path.isfile(p):
+            os.unlink(p)
+        elif os.path.isdir(p):
+            shutil.rmtree(p)
+
+
+def _lose(how: str, ckpt: Checkpointer, root: Path, blocked: list[str]) -> None:
+    """Lose a tier of the closed store ``ckpt`` at ``root``."""
+    if how.startswith("shm"):
+        tier = ckpt.tierset.get("shm").tier
+        assert tier is not None
+        path = str(getattr(tier, "path"))  # noqa: B009 (ShmTier.path)
+        shutil.rmtree(path)
+        if how == "shm-blocked":
+            Path(path).write_text("not a segment")
+            blocked.append(path)
+    elif how == "lmdb-damaged":
+        data = root / "lmdb" / "data.mdb"
+        with open(data, "r+b") as f:
+            f.write(os.urandom(1 << 16))  # the meta pages and more
+    elif how == "remote-broken":
+        shutil.rmtree(root / "remote")
+        (root / "remote").write_text("not a directory")
+    else:
+        raise AssertionError(how)
+
+
+def _check_budgets(ckpt: Checkpointer) -> None:
+    for slot in ckpt.tierset.open():
+        assert slot.tier is not None
+        budget = budget_of(slot.tier)
+        if budget is not None and is_memory_tier(slot.tier):
+            held = slot.tier.usage()
+            assert held is not None and held <= budget, (slot.name, held, budget)
+
+
+def _run(
+    ckpt: Checkpointer,
+    steps: range,
+    state: dict[str, torch.Tensor],
+    rng: random.Random,
+    lost: str | None = None,
+) -> int:
+    """Save at each step, changing every byte at most saves; return the last step.
+    ``wait()`` may raise ``DurabilityError`` only where a tier was ``lost`` (a tier whose
+    policy is written out is required: the version is committed all the same)."""
+    acked: int | None = None
+    for step in steps:
+        if rng.random() < 0.8:
+            state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
+        else:  # a sparse change: one chunk
+            i = rng.randrange(NUMEL - 1024)
+            state["w"][i : i + 1024] += 1.0
+        state["step"].fill_(step)
+        h = ckpt.save(step, state)
+        try:
+            res = h.wait()  # committed: a skip never fails a save, saving never stops
+        except DurabilityError as exc:  # a lost tier its policy requires: still committed
+            assert lost is not None and exc.committed, exc
+        else:
+            assert res.committed_tiers, res
+        acked = h.version
+        _check_budgets(ckpt)
+        # nothing acknowledged is lost: the newest acknowledged version stays restorable
+        assert acked is not None and ckpt.refresh().restorable(acked), (step, res)
+    out = {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+    info = ckpt.restore(out)
+    assert info.step == steps[-1]
+    assert torch.equal(out["w"], state["w"]) and int(out["step"]) == steps[-1]
+    return steps[-1]
+
+
+@pytest.mark.parametrize(("config", "loss"), CASES, ids=[f"{c}-{lo}" for c, lo in CASES])
+def test_saving_never_stops(
+    tmp_path: Path, shm_paths: list[str], config: str, loss: str | None
+) -> None:
+    root = tmp_path / "store"
+    name = f"tc-never-{uuid.uuid4().hex[:10]}"
+    rng = random.Random(f"{config}-{loss}")
+    state = {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+    open_ = CONFIGS[config]
+    ckpt = open_(root, name)
+    try:
+        last = _run(ckpt, range(RUNS[0]), state, rng)
+    finally:
+        ckpt.close()
+    if loss is not None:
+        _lose(loss, ckpt, root, shm_paths)
+    if config == "memory":  # a memory:// store lives as long as the process: start afresh
+        name = f"tc-never-{uuid.uuid4().hex[:10]}"
+        shutil.rmtree(root)
+    ckpt = open_(root, name) if config != "default" else Checkpointer(root)
+    try:
+        _run(ckpt, range(last + 1, last + 1 + RUNS[1]), state, rng, loss)
+    finally:
+        ckpt.destroy()
