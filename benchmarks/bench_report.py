@@ -573,7 +573,7 @@ def peer_abuse_section(
     return f"""## Peer daemon under abuse
 
 `python benchmarks/peer_abuse.py --connections {doc["connections"]}`: a
-`tiercheck.peer.server` process on 127.0.0.1, `--memory-limit
+`tiercheck.peer.daemon` process on 127.0.0.1, `--memory-limit
 {doc["memory_limit"] // mib}MiB`, {doc["deadline_s"]:g} s handshake and frame deadlines, a
 namespace quota of a quarter of the limit; {doc["connections"]} hostile connections of each
 kind from 127.0.0.2 (the authenticated ones one tenant's, with its namespace token) while a
@@ -803,7 +803,7 @@ clipping, random tokens), saved after each of {setup["saves"]} steps, side by si
 optimizer guarded with `log=False` (before log versions: bases and chunk-dedup diffs) and
 guarded by default (log versions). Stores: the default store (`Checkpointer(root)`, no
 configuration: shm and LMDB synchronous, bases migrated to a `file://` remote) and shm +
-a peer tier (a real `tiercheck.peer.server` daemon on loopback; default placement: every
+a peer tier (a real `tiercheck.peer.daemon` daemon on loopback; default placement: every
 version, delta codec). Bytes are what each synchronous tier's write stored
 (`SaveResult.bytes_written`), as a multiple of the state; roles `b`ase, `d`iff, `l`og.
 Raw data: `benchmarks/results/log_versions.json`.

@@ -10,7 +10,7 @@ without cross-rank dedup.
 - ``peer``: every rank saves a warm-up version and then ``--saves`` timed versions to one
   synchronous peer tier (``TierPolicy(versions="all", mode="sync", codec="raw")``, every
   version a base, every byte changed between saves, 4 MiB chunks), so each save moves the
-  whole shard. ``tcp``: a ``python -m tiercheck.peer.server`` daemon per rank (token auth
+  whole shard. ``tcp``: a ``python -m tiercheck.peer.daemon`` daemon per rank (token auth
   on); rank ``r`` replicates to daemon ``r+1``. ``collective``: ``collective://`` with
   ``ranks_per_node=1``, so rank ``r``'s partner is rank ``r+1``. Per save, across ranks:
   ``committed`` is the handle timing ``committed:peer`` (seconds from the ``save()`` call
@@ -146,7 +146,7 @@ def start_daemon(token: str, limit: str) -> tuple[subprocess.Popen[str], int]:
         [
             sys.executable,
             "-m",
-            "tiercheck.peer.server",
+            "tiercheck.peer.daemon",
             "--listen",
             "127.0.0.1:0",
             "--memory-limit",

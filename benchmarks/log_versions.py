@@ -9,7 +9,7 @@ by side in one run:
 - ``logs``: ``ckpt.guard(opt)``, the default: saves may be log versions.
 
 Two stores for each: the default store (``Checkpointer(root)``, no configuration: shm,
-LMDB, a ``file://`` remote), and shm + a peer tier (a real ``tiercheck.peer.server``
+LMDB, a ``file://`` remote), and shm + a peer tier (a real ``tiercheck.peer.daemon``
 daemon on loopback, default placement: every version, delta codec). Per version it
 records the role and the bytes each tier's write stored (``SaveResult.bytes_written``),
 and then the time to restore the newest version from shm (a log version: its base, the

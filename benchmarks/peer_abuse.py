@@ -4,7 +4,7 @@ client's latency and the daemon's RSS are measured.
     python benchmarks/peer_abuse.py [--connections 1000] [--memory-limit 64MiB]
                                     [--out benchmarks/results/peer_abuse.json]
 
-A real ``python -m tiercheck.peer.server`` subprocess on 127.0.0.1 (token auth on, short
+A real ``python -m tiercheck.peer.daemon`` subprocess on 127.0.0.1 (token auth on, short
 deadlines: ``--handshake-timeout 2 --frame-timeout 2 --min-rate 64MiB``, and
 ``--namespace-quota`` a quarter of the memory limit). Each phase opens ``connections``
 hostile connections from 127.0.0.2 (so the per-address cap on unauthenticated connections
@@ -51,11 +51,11 @@ from typing import Any
 from tiercheck.backends._peer import PeerTier
 from tiercheck.backends._peer_protocol import PeerConnection, _encode_parts
 from tiercheck.core.sizes import parse_size
+from tiercheck.peer.daemon import peer_status
 from tiercheck.peer.server import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_UNAUTHENTICATED,
     namespace_token,
-    peer_status,
 )
 
 TOKEN = b"peer-abuse-benchmark-token"
@@ -73,7 +73,7 @@ def _frame(fields: dict[str, Any], data: bytes | None = None) -> bytes:
 
 @dataclass
 class Daemon:
-    """``python -m tiercheck.peer.server`` on 127.0.0.1, token auth on."""
+    """``python -m tiercheck.peer.daemon`` on 127.0.0.1, token auth on."""
 
     memory_limit: int
     args: list[str] = field(default_factory=list)
@@ -90,7 +90,7 @@ class Daemon:
             cmd = [
                 sys.executable,
                 "-m",
-                "tiercheck.peer.server",
+                "tiercheck.peer.daemon",
                 "--listen",
                 f"{GOOD}:0",
                 "--memory-limit",

@@ -6,7 +6,7 @@ One client thread, 64 random 4 MiB blobs, median of 3 runs (each preceded by not
 first run pays the daemon's first-touch allocation too). Rates are GB/s (10^9 bytes per
 second) of blob bytes:
 
-- ``peer_put``: ``PeerTier.put`` of every blob to a ``python -m tiercheck.peer.server``
+- ``peer_put``: ``PeerTier.put`` of every blob to a ``python -m tiercheck.peer.daemon``
   subprocess (token auth on), one request/response per blob; the blobs are deleted
   between runs;
 - ``peer_get``: every blob back with ``get(id, out=buffer)`` into one preallocated buffer;
@@ -107,7 +107,7 @@ def bench_peer(blobs: list[tuple[str, bytes]], runs: int) -> dict[str, list[floa
             [
                 sys.executable,
                 "-m",
-                "tiercheck.peer.server",
+                "tiercheck.peer.daemon",
                 "--listen",
                 "127.0.0.1:0",
                 "--memory-limit",

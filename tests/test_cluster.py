@@ -131,7 +131,7 @@ def start_daemon(token: str) -> tuple[subprocess.Popen[str], int]:
         [
             sys.executable,
             "-m",
-            "tiercheck.peer.server",
+            "tiercheck.peer.daemon",
             "--listen",
             "127.0.0.1:0",
             "--memory-limit",

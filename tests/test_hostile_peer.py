@@ -1,7 +1,7 @@
 """The peer daemon under hostile clients: unauthenticated connections capped apart (and per
 address) from authenticated ones, the memory limit charging per-object overhead and
 frames in flight, empty objects refused, per-namespace quotas and stats; and a small run
-of the load test (benchmarks/peer_abuse.py) against a real ``tiercheck.peer.server``
+of the load test (benchmarks/peer_abuse.py) against a real ``tiercheck.peer.daemon``
 process on loopback: slow-loris hellos, trickled frames, zero-byte blobs and big partial
 frames are all cut or refused while a good client keeps working, and the daemon's RSS
 stays within its memory limit plus the documented overhead."""
@@ -23,7 +23,8 @@ import pytest
 from tiercheck.backends._peer import PeerTier
 from tiercheck.backends._peer_protocol import _encode_parts, read_frame
 from tiercheck.errors import NotSupported, TierFull
-from tiercheck.peer.server import OBJECT_OVERHEAD, PeerServer, namespace_token
+from tiercheck.peer.memory import OBJECT_OVERHEAD
+from tiercheck.peer.server import PeerServer, namespace_token
 
 TOKEN = b"hostile-test-token"
 REPO = Path(__file__).resolve().parents[1]

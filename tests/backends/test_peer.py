@@ -33,6 +33,7 @@ from tiercheck.backends._peer_protocol import (
 )
 from tiercheck.backends.base import FailureDomain, Tier
 from tiercheck.backends.registry import open_tier
+from tiercheck.core.sizes import parse_size
 from tiercheck.errors import (
     ConfigError,
     InvalidURL,
@@ -43,7 +44,8 @@ from tiercheck.errors import (
     TierFull,
     TierUnavailable,
 )
-from tiercheck.peer.server import PeerServer, parse_address, parse_size, peer_status
+from tiercheck.peer.daemon import peer_status
+from tiercheck.peer.server import PeerServer, parse_address
 from tiercheck.testing.conformance import TierConformance, blob
 
 TOKEN = b"test-token-0123456789"
@@ -57,7 +59,7 @@ TIMEOUT = 20.0
 
 @dataclass
 class Daemon:
-    """A ``python -m tiercheck.peer.server`` process on loopback."""
+    """A ``python -m tiercheck.peer.daemon`` process on loopback."""
 
     proc: subprocess.Popen[str]
     port: int
@@ -96,7 +98,7 @@ def run_daemon(tmp_path: Path, *args: str, memory_limit: str = "512MiB") -> Iter
             [
                 sys.executable,
                 "-m",
-                "tiercheck.peer.server",
+                "tiercheck.peer.daemon",
                 "--listen",
                 f"{LOOPBACK}:0",
                 "--memory-limit",
@@ -470,7 +472,7 @@ def test_status_command(daemon: Daemon) -> None:
         [
             sys.executable,
             "-m",
-            "tiercheck.peer.server",
+            "tiercheck.peer.daemon",
             "status",
             daemon.address,
             "--token-file",
@@ -571,7 +573,7 @@ def test_silent_server_times_out() -> None:
 
 def test_daemon_requires_token_or_explicit_insecure(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TIERCHECK_PEER_TOKEN"}
-    cmd = [sys.executable, "-m", "tiercheck.peer.server", "--listen", f"{LOOPBACK}:0"]
+    cmd = [sys.executable, "-m", "tiercheck.peer.daemon", "--listen", f"{LOOPBACK}:0"]
     out = subprocess.run(
         [*cmd, "--memory-limit", "1MiB"], capture_output=True, text=True, env=env, timeout=60
     )
@@ -720,10 +722,10 @@ def test_deleted_blob_buffers_are_recycled(server: PeerServer) -> None:
 
 
 def test_pinned_buffer_is_not_recycled_until_sent() -> None:
-    from tiercheck.peer.server import _BufferPool, _Store
+    from tiercheck.peer.memory import BufferPool, MemoryStore
 
-    pool = _BufferPool(1 << 30)
-    store = _Store(1 << 30, pool)
+    pool = BufferPool(1 << 30)
+    store = MemoryStore(1 << 30, pool)
     body = pool.take((1 << 20) + 100)
     body[:3] = b"abc"
     bid = "a" * 64

@@ -304,7 +304,7 @@ def positive_float(text: str) -> float:
 
 
 def parse_size(text: str) -> int:
-    from tiercheck.peer.server import parse_size
+    from tiercheck.core.sizes import parse_size
 
     try:
         value = parse_size(text)

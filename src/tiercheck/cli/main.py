@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The peer-memory daemon that serves peer:// tiers.",
     )
     peer = p.add_subparsers(dest="peer_command", metavar="COMMAND", required=True)
-    from tiercheck.peer import server as peer_server
+    from tiercheck.peer import daemon as peer_daemon
 
     ps = peer.add_parser(
         "serve",
@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the peer-memory daemon until SIGTERM/SIGINT; prints the bound "
         "address once clients can connect.",
     )
-    peer_server.add_serve_arguments(ps)
+    peer_daemon.add_serve_arguments(ps)
     ps.set_defaults(func=cmd_peer_serve)
     pq = peer.add_parser(
         "status",
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask the daemon at HOST:PORT for its statistics. Exit status 1 if it "
         "cannot be reached.",
     )
-    peer_server.add_status_arguments(pq)
+    peer_daemon.add_status_arguments(pq)
     pq.set_defaults(func=cmd_peer_status)
     pt = peer.add_parser(
         "token",

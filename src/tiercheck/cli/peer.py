@@ -16,14 +16,14 @@ from tiercheck.errors import (
 
 def cmd_peer_serve(args: argparse.Namespace) -> int:
     from tiercheck.backends._peer_protocol import load_token_file, token_from_env
-    from tiercheck.peer import server as peer_server
+    from tiercheck.peer import daemon as peer_daemon
 
     if not args.json:
-        return peer_server.run_serve(args)
+        return peer_daemon.run_serve(args)
     logging.basicConfig(level=str(args.log_level).upper(), stream=sys.stderr)
     try:
         token = load_token_file(args.token_file) if args.token_file else token_from_env()
-        peer_server.serve(
+        peer_daemon.serve(
             args.listen,
             memory_limit=args.memory_limit,
             token=None if args.insecure_no_auth and not args.token_file else token,
@@ -40,10 +40,10 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_peer_status(args: argparse.Namespace) -> int:
-    from tiercheck.peer import server as peer_server
+    from tiercheck.peer import daemon as peer_daemon
 
     try:
-        stats = peer_server.peer_status(
+        stats = peer_daemon.peer_status(
             args.address, token_file=args.token_file, timeout=args.timeout
         )
     except InvalidURL as exc:
