@@ -37,6 +37,7 @@ from tiercheck.engine.saving import SaveService
 from tiercheck.engine.staging import StagingBuffer, cuda_devices
 from tiercheck.errors import CheckpointError, ConfigError, UnfinishedWork
 from tiercheck.logversions.planner import LogSource
+from tiercheck.restore.losses import AckLedger
 from tiercheck.runtime.background import Halt
 from tiercheck.runtime.executors import Executors
 from tiercheck.runtime.handles import Failures
@@ -178,6 +179,7 @@ class Engine:
                 self.catalog.snapshot().restorable_versions()
             ),
         )
+        self.saves.acknowledged = AckLedger(self.root, self.tierset, self.rank).note
         # sweep once after opening: what a crashed writer left behind
         self.maintenance.request(s.name for s in self.tierset.slots)
 

@@ -51,20 +51,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _ls_one(ckpt: Any, args: argparse.Namespace) -> dict[str, Any]:
     """List one store (as a table unless ``--json``); returns its JSON document."""
+    from tiercheck.history.versions import dropped_summary
+
     versions = ckpt.history()
+    dropped = dropped_summary(versions, ckpt.refresh())
     if args.limit is not None:
         versions = versions[-args.limit :] if args.limit > 0 else []
     data = {
         "root": label(ckpt),
         "tiers": tiers_json(ckpt),
         "versions": [v.to_json() for v in versions],
+        "not_listed": dropped,
     }
     if not args.json:
-        _ls_table(ckpt, versions)
+        _ls_table(ckpt, versions, dropped)
     return data
 
 
-def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
+def _ls_table(ckpt: Any, versions: list[history.Version], dropped: str | None = None) -> None:
     from rich.table import Table
 
     names = [s.name for s in ckpt.tierset.slots]
@@ -83,7 +87,7 @@ def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
     now = time.time()
     for v in versions:
         role = _role(v)
-        mark = "" if v.restorable else " [red](not restorable)[/red]"
+        mark = "" if v.restorable else f" [red]({v.gone or 'not restorable'})[/red]"
         cells = [
             f"[{STATE_STYLE.get(v.tiers[n], '')}]{v.tiers[n]}[/]" if v.tiers[n] else ""
             for n in names
@@ -106,6 +110,15 @@ def _ls_table(ckpt: Any, versions: list[history.Version]) -> None:
             console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
         else:
             console.print(f"{s.name}: survives {describe_survival(s.tier.capabilities)}")
+    if dropped is not None:
+        console.print(dropped)
+    lost = [v for v in versions if v.gone is not None]
+    if lost:
+        console.print(
+            f"[red]{len(lost)} acknowledged version(s) {lost[0].gone} (steps "
+            f"{', '.join(str(v.step) for v in lost[:8])}{', ...' if len(lost) > 8 else ''}): "
+            "a restore resumes from the newest restorable version[/red]"
+        )
     if not versions:
         console.print("no committed versions")
     elif any(v.role == "log" for v in versions):

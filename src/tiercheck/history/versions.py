@@ -61,6 +61,7 @@ __all__ = [
     "Version",
     "VersionSummary",
     "build_history",
+    "dropped_summary",
     "open_version",
     "parse_version_spec",
     "resolve_version",
@@ -168,6 +169,11 @@ class Version:
     info: VersionInfo = field(repr=False, compare=False)
     survives: str | None = None
     rank: int = field(default=0, repr=False, compare=False)
+    gone: str | None = None
+    """Why no tier holds this version although its save was acknowledged: ``"lost with
+    tier shm"`` (the ack ledger names it, the tier that held it lost it, e.g. in a
+    reboot); None for a version a tier holds or held. Such a row has only its id, step,
+    role and time; reading it raises :class:`~tiercheck.errors.NoRestorableVersion`."""
     _store: StoreView[Version] | None = field(default=None, repr=False, compare=False)
 
     # --- log facts ----------------------------------------------------------------------
@@ -192,6 +198,13 @@ class Version:
     # --- lazy content -------------------------------------------------------------------
 
     def _require_store(self) -> StoreView[Version]:
+        if self.gone is not None or not self.holders:
+            held = ", ".join(f"{n}: {s}" for n, s in self.tiers.items())
+            raise NoRestorableVersion(
+                f"version {self.id} (step {self.step}) cannot be read: "
+                f"{self.gone or 'no tier holds it'} ({held}); pick a version that "
+                "`tiercheck ls` lists as restorable"
+            )
         store = self._store
         if store is None:
             raise CheckpointError(f"version {self.id} is detached from its store")
@@ -323,6 +336,7 @@ class Version:
             "restorable": self.restorable,
             "survives": self.survives,
             "world_size": self.info.world_size,
+            "gone": self.gone,
         }
 
 
@@ -578,7 +592,77 @@ def build_history(
                 _store=store,
             )
         )
+    out += _lost_rows(store, catalog, slots)
     return out
+
+
+def _lost_rows(
+    store: StoreView[Version], catalog: Catalog, slots: Sequence[TierSlot]
+) -> list[Version]:
+    """History rows for the acknowledged versions the ack ledger names and no tier holds
+    any more (:mod:`tiercheck.restore.losses`), after the rows of the versions held."""
+    from tiercheck.restore.losses import ledger_path, lost_versions, read_ledger
+
+    root = getattr(store, "root", None)
+    if root is None:
+        return []
+    acked = read_ledger(ledger_path(root, store.rank), store.tierset.store_id)
+    rows = []
+    for a in lost_versions(acked, catalog):
+        if a.id in catalog.versions:
+            continue
+        gone = f"lost with tier {', '.join(a.tiers)}"
+        role: Role = a.role if a.role in ("base", "diff", "log") else "base"  # type: ignore[assignment]
+        info = VersionInfo(a.id, a.step, role, None, 1, (), a.time, 0)
+        tiers: dict[str, TierState] = {s.name: "missing" for s in slots}
+        rows.append(
+            Version(
+                id=a.id,
+                step=a.step,
+                role=role,
+                base=None,
+                time=a.time,
+                metadata={},
+                logical_bytes=0,
+                stored_bytes=0,
+                tiers=tiers,
+                restorable=False,
+                info=info,
+                rank=store.rank,
+                _store=store,
+                gone=gone,
+            )
+        )
+    return rows
+
+
+def dropped_summary(versions: Sequence[Version], catalog: Catalog) -> str | None:
+    """One line for the versions ``versions`` does not list because retention dropped them
+    (ids below the newest listed that no log names, aborted ones aside); None if none."""
+    if not versions:
+        return None
+    listed = {v.id for v in versions}
+    aborted = set().union(*(tl.aborted for tl in catalog.logs.values()))
+    newest = max(listed)
+    missing = [i for i in range(newest) if i not in listed and i not in aborted]
+    if not missing:
+        return None
+    return (
+        f"{len(missing)} older version(s) not listed: dropped by retention (ids {_ranges(missing)})"
+    )
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    out: list[str] = []
+    start = prev = ids[0]
+    for i in [*ids[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)
 
 
 def parse_version_spec(spec: int | str) -> tuple[str, int | None]:
@@ -603,6 +687,21 @@ def parse_version_spec(spec: int | str) -> tuple[str, int | None]:
 def resolve_version(
     versions: Sequence[Version], spec: int | str | None = None, *, step: int | None = None
 ) -> Version:
+    """Pick the version ``spec`` names (see :func:`_resolve`). Raises
+    :class:`NoRestorableVersion` when there is no such version, or when it was lost (its
+    row says with which tier)."""
+    v = _resolve(versions, spec, step=step)
+    if v.gone is not None:
+        raise NoRestorableVersion(
+            f"version {v.id} (step {v.step}) was acknowledged, then {v.gone}: no tier holds "
+            "it; `tiercheck ls` shows the versions that can be restored"
+        )
+    return v
+
+
+def _resolve(
+    versions: Sequence[Version], spec: int | str | None = None, *, step: int | None = None
+) -> Version:
     """Pick the version ``spec`` names (an id, ``"latest"``, ``"step:N"``) or of ``step``.
 
     ``latest`` is the newest restorable version (the newest committed one if none is).
@@ -615,7 +714,7 @@ def resolve_version(
         raise NoRestorableVersion("the store has no committed version")
     if kind == "latest":
         restorable = [v for v in versions if v.restorable]
-        return (restorable or list(versions))[-1]
+        return (restorable or [v for v in versions if v.gone is None] or list(versions))[-1]
     if kind == "step":
         matches = [v for v in versions if v.step == num]
         if not matches:
@@ -625,6 +724,12 @@ def resolve_version(
         if v.id == num:
             return v
     ids = [v.id for v in versions]
+    if 0 <= num < ids[-1]:  # type: ignore[operator]
+        raise NoRestorableVersion(
+            f"version {num} was committed, then dropped by retention: no tier holds it "
+            f"(the store lists {len(ids)} version(s), ids {ids[0]}..{ids[-1]}; "
+            "`tiercheck ls` shows which are restorable)"
+        )
     raise NoRestorableVersion(
         f"version {num} is not a committed version of this store "
         f"(committed: {len(ids)} version(s), ids {ids[0]}..{ids[-1]})"

@@ -9,6 +9,7 @@ with these members.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 from tiercheck.runtime.executors import Executors
@@ -26,6 +27,11 @@ class StoreView(Protocol[V_co]):
     """An open store as history sees it. ``V_co`` is the type :meth:`history` returns
     (:class:`tiercheck.history.versions.Version`; a parameter, so that this module
     imports nothing of history)."""
+
+    @property
+    def root(self) -> Path:
+        """The store's root (where ``tiercheck.toml`` and the ack ledger are)."""
+        ...
 
     @property
     def tierset(self) -> TierSet:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiercheck.backends.base import Capabilities, FailureDomain
+from tiercheck.errors import NoRestorableVersion
 from tiercheck.formats.manifest import VersionInfo
 from tiercheck.store.catalog import Catalog
 from tiercheck.store.tierset import TierSet
@@ -166,7 +167,9 @@ class AckLedger:
         self.path = ledger_path(root, rank)
         self.store_id = tierset.store_id
         self.durable = frozenset(
-            s.name for s in tierset.slots if s.tier is not None and survives_reboot(s.tier.capabilities)
+            s.name
+            for s in tierset.slots
+            if s.tier is not None and survives_reboot(s.tier.capabilities)
         )
         self._lock = threading.Lock()
         self._lines: int | None = None  # lines in the file, once it was checked
@@ -197,13 +200,18 @@ class AckLedger:
 
     def _append(self, row: Acked) -> None:
         line = json.dumps(
-            {"id": row.id, "step": row.step, "role": row.role, "tiers": list(row.tiers),
-             "time": row.time}
+            {
+                "id": row.id,
+                "step": row.step,
+                "role": row.role,
+                "tiers": list(row.tiers),
+                "time": row.time,
+            }
         )
         if self._lines is None or self._lines >= 2 * KEEP:
-            kept = [
-                a for a in read_ledger(self.path, self.store_id) if a.id > self._durable_id
-            ][-KEEP:]
+            kept = [a for a in read_ledger(self.path, self.store_id) if a.id > self._durable_id][
+                -KEEP:
+            ]
             self._rewrite(kept)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
@@ -219,8 +227,13 @@ class AckLedger:
             for a in rows:
                 f.write(
                     json.dumps(
-                        {"id": a.id, "step": a.step, "role": a.role, "tiers": list(a.tiers),
-                         "time": a.time}
+                        {
+                            "id": a.id,
+                            "step": a.step,
+                            "role": a.role,
+                            "tiers": list(a.tiers),
+                            "time": a.time,
+                        }
                     )
                     + "\n"
                 )
@@ -260,3 +273,73 @@ def find_losses(
         tiers=tiers,
         restored=restored,
     )
+
+
+def gone_reason(
+    acked: Sequence[Acked],
+    catalog: Catalog,
+    *,
+    version: int | None = None,
+    step: int | None = None,
+) -> str | None:
+    """Why the version ``version`` (or of ``step``) is not in ``catalog``: ``"lost with tier
+    T"`` (acknowledged, then lost with a memory tier) or ``"dropped by retention"`` (an id
+    older than a version the store keeps, that no log names as aborted); None if neither."""
+    for a in lost_versions(acked, catalog):
+        if a.id == version or (version is None and a.step == step):
+            return f"lost with tier {', '.join(a.tiers)}"
+    if version is None:
+        ids = [a.id for a in acked if a.step == step and a.id not in catalog.versions]
+        if not ids:
+            return None
+        version = ids[-1]
+    if version in catalog.versions or version > max(catalog.versions, default=-1):
+        return None
+    if any(version in tl.aborted for tl in catalog.logs.values()):
+        return None
+    return "dropped by retention"
+
+
+def unreadable_tiers(
+    tierset: TierSet, catalog: Catalog, names: Sequence[str] | None = None
+) -> dict[str, str]:
+    """The tiers (of ``names``, else all) whose versions cannot be known here: unavailable
+    when opened, unreachable when their logs were read, or with damaged log records; by
+    name, with why."""
+    out: dict[str, str] = {}
+    for slot in tierset.slots:
+        if names is not None and slot.name not in names:
+            continue
+        if slot.tier is None:
+            out[slot.name] = f"unavailable: {slot.error}"
+        elif slot.name in catalog.unreachable:
+            out[slot.name] = f"unreachable: {catalog.unreachable[slot.name]}"
+        elif slot.name in catalog.logs and catalog.logs[slot.name].damaged:
+            tl = catalog.logs[slot.name]
+            out[slot.name] = f"damaged: {len(tl.damaged)} log record(s) unreadable"
+    return out
+
+
+def nothing_reachable(
+    root: Path | None,
+    rank: int,
+    tierset: TierSet,
+    catalog: Catalog,
+    names: Sequence[str] | None,
+) -> NoRestorableVersion | None:
+    """The error for a restore that found no version, when that is not an empty store:
+    acknowledged versions were lost (the ack ledger), or a tier that may hold versions is
+    damaged or unreachable. None when the store is truly empty (then ``EmptyStore``)."""
+    loss = find_losses(root, rank, tierset.store_id, catalog)
+    bad = unreadable_tiers(tierset, catalog, names)
+    if loss is None and (catalog.versions or not bad):
+        return None
+    parts = [str(loss)] if loss is not None else []
+    parts += [f"tier {n} is {w}" for n, w in bad.items()]
+    todo = (
+        "repair or move aside the damaged tier (see docs/troubleshooting.md) and restore again"
+        if bad
+        else f"to start over, delete the store (tiercheck rm {root}) or open another root"
+    )
+    what = "" if loss is not None else ", but the store is not known to be empty"
+    return NoRestorableVersion(f"no version can be restored{what}: {'; '.join(parts)}. {todo}")

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tiercheck.core.entries import is_stateful
@@ -41,6 +42,7 @@ from tiercheck.logversions.planner import (
     replay_version,
     replay_version_resharded,
 )
+from tiercheck.restore import losses
 from tiercheck.restore.binding import Binding, bind
 from tiercheck.restore.choose import choose_version, nothing_restorable
 from tiercheck.restore.info import RestoreInfo
@@ -83,6 +85,7 @@ class RestoreService:
         version: Callable[[int, int], StoredVersion],
         read_only: bool,
         allow_pickle: bool,
+        root: Path | None = None,
     ) -> None:
         self.tierset = tierset
         self.policy = policy
@@ -97,6 +100,7 @@ class RestoreService:
         self._version = version
         self.read_only = read_only
         self.allow_pickle = allow_pickle
+        self.root = root  # where the ack ledger is (tiercheck.restore.losses)
 
     def restore(
         self,
@@ -115,6 +119,7 @@ class RestoreService:
         t0 = time.perf_counter()
         self._flush()
         catalog = self._refresh()
+        full = catalog
         if tiers is not None:
             unknown = set(tiers) - {s.name for s in self.tierset.slots}
             if unknown:
@@ -138,7 +143,7 @@ class RestoreService:
                         f"version {chosen.base}"
                     )
             except NoRestorableVersion as exc:
-                candidates, last_error = [], exc
+                candidates, last_error = [], self._explained(exc, full, version, step)
         else:
             candidates = sorted(catalog.restorable_versions(), reverse=True)
         fallback: str | None = None
@@ -159,6 +164,18 @@ class RestoreService:
             while True:
                 vid = self.coordinator.agree_restorable(candidates)
                 if vid is None:
+                    lost = (
+                        None
+                        if explicit
+                        else losses.nothing_reachable(
+                            self.root, self.rank, self.tierset, full, tiers
+                        )
+                    )
+                    if not self.coordinator.all_true(lost is None):
+                        raise lost or NoRestorableVersion(
+                            "no version can be restored: another rank lost acknowledged "
+                            "versions or cannot read a tier (its error says which)"
+                        )
                     nothing_restorable(
                         empty=self.coordinator.all_true(not catalog.versions),
                         missing_ok=missing_ok,
@@ -186,11 +203,13 @@ class RestoreService:
                     assert staged is not None
                     if staged.log is not None:
                         assert replayer is not None
-                        return self._load_log(staged, state, t0, replayer, fallback, undo)
+                        restored = self._load_log(staged, state, t0, replayer, fallback, undo)
+                        return self._report_losses(restored, full, explicit)
                     info = self._load(staged, state, t0, undo)
                     if source is not None:
                         source.invalidate("the state was restored")
-                    return dataclasses.replace(info, fallback=fallback)
+                    info = dataclasses.replace(info, fallback=fallback)
+                    return self._report_losses(info, full, explicit)
                 undo.discard()
                 if fatal is not None:
                     raise fatal
@@ -203,6 +222,32 @@ class RestoreService:
                 candidates = [c for c in candidates if c < vid]
         finally:
             self._staging.release()
+
+    def _report_losses(self, info: RestoreInfo, catalog: Catalog, explicit: bool) -> RestoreInfo:
+        """``info`` with the acknowledged versions newer than it that were lost (one
+        warning says which steps and with which tier)."""
+        if explicit:
+            return info
+        loss = losses.find_losses(
+            self.root, self.rank, self.tierset.store_id, catalog, restored=info.step
+        )
+        if loss is None:
+            return info
+        log.warning("%s", loss)
+        return dataclasses.replace(info, lost=loss)
+
+    def _explained(
+        self, exc: NoRestorableVersion, catalog: Catalog, version: int | None, step: int | None
+    ) -> NoRestorableVersion:
+        """``exc`` saying why the version asked for is gone, where the store knows."""
+        if self.root is None or not str(exc).endswith("is not a committed version of this store"):
+            return exc
+        acked = losses.read_ledger(losses.ledger_path(self.root, self.rank), self.tierset.store_id)
+        why = losses.gone_reason(acked, catalog, version=version, step=step)
+        if why is None:
+            return exc
+        label = f"version {version}" if version is not None else f"step {step}"
+        return NoRestorableVersion(f"{label} was committed, then {why}: it cannot be restored")
 
     def _read_version(
         self,

@@ -1,0 +1,146 @@
+"""Losses reported (issue 33 items 4 and 6): a restore that cannot reach the newest
+acknowledged version says which steps were lost and with which tier; ``history()`` and
+``tiercheck ls`` list them as lost; a store whose only tier left is damaged is not "empty".
+
+Real tiers: the default store (an shm segment in /dev/shm, LMDB, a ``file://`` remote),
+with the reboot done as a reboot does it: the shm segment is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiercheck import Checkpointer, TierSpec
+from tiercheck.errors import EmptyStore, NoRestorableVersion
+from tiercheck.store.lifecycle import destroy_store
+
+
+def _save_steps(root: Path, steps: range) -> str:
+    """Save ``steps`` into the default store at ``root`` (each acknowledged), close it;
+    return its shm segment's directory."""
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(root) as ckpt:
+        for step in steps:
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            ckpt.save(step, {"model": model}).wait()
+        shm = ckpt.tierset.get("shm").tier
+        assert shm is not None
+        return str(shm.path)  # type: ignore[attr-defined]
+
+
+def _reboot(segment: str) -> None:
+    shutil.rmtree(segment)
+
+
+def test_a_restore_after_a_reboot_says_which_steps_were_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ckpt"
+    try:
+        segment = _save_steps(root, range(10, 101, 10))
+        _reboot(segment)
+        with Checkpointer(root) as ckpt:
+            with caplog.at_level(logging.WARNING, logger="tiercheck"):
+                info = ckpt.restore({"model": torch.nn.Linear(64, 64)})
+            assert info is not None and info.step < 100
+            lost = info.lost
+            assert lost is not None
+            assert lost.steps[-1] == 100 and info.step not in lost.steps
+            assert lost.steps == tuple(range(info.step + 10, 101, 10))
+            assert lost.tiers == ("shm",)
+            text = str(lost)
+            assert "lost with tier shm" in text and "100" in text
+            warnings = [r for r in caplog.records if "lost with tier shm" in r.getMessage()]
+            assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+            assert warnings[0].name.startswith("tiercheck")
+            # history lists them, as lost, after the versions it holds
+            rows = ckpt.history()
+            gone = [v for v in rows if v.gone is not None]
+            assert [v.step for v in gone] == list(lost.steps)
+            assert all(v.gone == "lost with tier shm" and not v.restorable for v in gone)
+            with pytest.raises(NoRestorableVersion, match="lost with tier shm"):
+                ckpt.version(gone[-1].id)
+            with pytest.raises(NoRestorableVersion, match="lost with tier shm"):
+                ckpt.restore({"model": torch.nn.Linear(64, 64)}, step=100)
+        out = subprocess.run(
+            [sys.executable, "-m", "tiercheck", "ls", str(root)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "200"},
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "lost with tier shm" in out.stdout
+    finally:
+        destroy_store(root)
+
+
+def test_a_restore_that_reaches_the_newest_version_reports_no_loss(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    try:
+        _save_steps(root, range(1, 4))
+        with Checkpointer(root) as ckpt:
+            info = ckpt.restore({"model": torch.nn.Linear(64, 64)})
+            assert info is not None and info.step == 3 and info.lost is None
+            assert all(v.gone is None for v in ckpt.history())
+    finally:
+        destroy_store(root)
+
+
+def test_a_store_that_lost_every_version_is_not_empty(tmp_path: Path) -> None:
+    root = tmp_path / "mem"
+    name = f"tc-loss-{os.getpid()}"
+    spec = [TierSpec("shm", f"shm://{name}")]
+    try:
+        with Checkpointer(root, tiers=spec) as ckpt:
+            ckpt.save(5, {"w": torch.ones(8)}).wait()
+            shm = ckpt.tierset.get("shm").tier
+            assert shm is not None
+            segment = str(shm.path)  # type: ignore[attr-defined]
+        _reboot(segment)
+        with Checkpointer(root, tiers=spec) as ckpt:
+            for missing_ok in (False, True):
+                with pytest.raises(NoRestorableVersion, match="lost with tier shm") as err:
+                    ckpt.restore({"w": torch.zeros(8)}, missing_ok=missing_ok)
+                assert not isinstance(err.value, EmptyStore)
+    finally:
+        destroy_store(root)
+
+
+def test_a_damaged_lmdb_left_alone_is_not_an_empty_store(tmp_path: Path) -> None:
+    """The shm segment gone and ``data.mdb`` cut short: the restore says the LMDB tier is
+    damaged or unreachable, never that the store is empty."""
+    root = tmp_path / "ckpt"
+    script = (
+        "import sys, torch\n"
+        "from tiercheck import Checkpointer\n"
+        "with Checkpointer(sys.argv[1]) as ckpt:\n"
+        "    try:\n"
+        "        ckpt.restore({'model': torch.nn.Linear(64, 64)}, tiers=['lmdb'])\n"
+        "    except Exception as exc:\n"
+        "        print(type(exc).__name__, exc)\n"
+    )
+    try:
+        segment = _save_steps(root, range(1, 3))
+        _reboot(segment)
+        data = root / "lmdb" / "data.mdb"
+        with open(data, "r+b") as f:
+            f.truncate(4096)
+        # in a subprocess: a truncated LMDB can SIGBUS the reader
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=120
+        )
+        assert "the store is empty" not in out.stdout, out.stdout + out.stderr
+        assert "lmdb" in out.stdout and "NoRestorableVersion" in out.stdout, out.stdout + out.stderr
+        assert "damaged" in out.stdout or "unreachable" in out.stdout, out.stdout
+    finally:
+        destroy_store(root)
