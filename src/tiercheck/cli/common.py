@@ -104,15 +104,19 @@ def make_console() -> Any:
 
 
 @contextlib.contextmanager
-def progress_bar(enabled: bool, description: str) -> Iterator[history.Progress | None]:
-    """A ``progress(done, total)`` callback drawing a rich bar on stderr, or None."""
+def progress_bar(
+    enabled: bool, description: str, unit: str = "bytes"
+) -> Iterator[history.Progress | None]:
+    """A ``progress(done, total)`` callback drawing a rich bar on stderr, or None.
+
+    ``unit``: what ``done`` and ``total`` count; ``"bytes"`` are shown in human units
+    (``1.5 GiB / 4.0 GiB``), anything else as ``N/M unit``."""
     if not enabled or not sys.stderr.isatty():
         yield None
         return
     from rich.console import Console
     from rich.progress import (
         BarColumn,
-        MofNCompleteColumn,
         Progress,
         TextColumn,
         TimeRemainingColumn,
@@ -121,17 +125,24 @@ def progress_bar(enabled: bool, description: str) -> Iterator[history.Progress |
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
+        TextColumn("{task.fields[shown]}"),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
     ) as bar:
-        task = bar.add_task(description, total=None)
+        task = bar.add_task(description, total=None, shown="")
 
         def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            bar.update(task, completed=done, total=total, shown=count_text(done, total, unit))
 
         yield update
+
+
+def count_text(done: int, total: int, unit: str) -> str:
+    """``done`` of ``total`` as a progress bar shows it: human sizes for bytes."""
+    if unit == "bytes":
+        return f"{human_size(done)} / {human_size(total)}"
+    return f"{done}/{total} {unit}"
 
 
 def dcp_ranks(root: str) -> list[Path]:

@@ -118,7 +118,7 @@ def _export_log_version(args: argparse.Namespace, out: Path, fmt: str, v: histor
 
     from tiercheck.logversions.planner import replay_offline
 
-    with progress_bar(not args.json, "replaying") as progress:
+    with progress_bar(not args.json, "replaying", "steps") as progress:
         if progress is not None:
             progress(0, 1)
         values = replay_offline(v)
@@ -172,6 +172,10 @@ def _write_export(
             save_file(obj, str(tmp), metadata=meta)
         else:
             torch.save(obj, tmp)
+        # one mode for both formats (safetensors writes 0600): what a new file gets here
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -139,7 +139,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.yes:
         raise UsageError("--yes goes with --orphans")
     with contextlib.closing(open_store(args.root, write=not args.dry_run)) as ckpt:
-        with progress_bar(not args.json, "collecting") as progress:
+        with progress_bar(not args.json, "collecting", "steps") as progress:
             if progress is not None:
                 progress(0, 1)
             reports = collect(ckpt, dry_run=args.dry_run, grace=args.grace)
@@ -193,7 +193,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     with contextlib.closing(open_store(args.root, write=configured)) as ckpt:
         v = pick_version(ckpt, args.version)
         try:
-            with progress_bar(not args.json, "migrating") as progress:
+            with progress_bar(not args.json, "migrating", "shards") as progress:
                 report = migrate(ckpt, v, args.to, progress=progress)
         except InvalidURL as exc:
             raise UsageError(str(exc)) from None

@@ -21,6 +21,9 @@ from tiercheck.cli.common import (
 if TYPE_CHECKING:
     from tiercheck.history import verify as history_verify
 
+#: what ``--repair`` rewrites (from an intact copy in another tier)
+REPAIRABLE = ("corrupt", "missing")
+
 
 def cmd_verify(args: argparse.Namespace) -> int:
     ranks = dcp_ranks(args.root)
@@ -47,7 +50,7 @@ def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyRep
 
     with contextlib.closing(open_store(root, write=args.repair)) as ckpt:
         tiers = tier_names(ckpt, args.tier)
-        with progress_bar(not args.json, "verifying") as progress:
+        with progress_bar(not args.json, "verifying", "blobs") as progress:
             report = history_verify.verify(ckpt, tiers=tiers, repair=args.repair, progress=progress)
         if not args.json:
             from rich.table import Table
@@ -90,6 +93,18 @@ def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyRep
                     "reads: not known to be damaged, but not checked; upgrade tiercheck and "
                     "verify again"
                 )
-            if not args.repair and len(left) > newer:
-                console.print("problems found; run again with --repair to fix them")
+            fixable = [p for p in left if p.kind in REPAIRABLE]
+            if not args.repair and fixable:
+                console.print(
+                    f"{len(fixable)} damaged or missing copies; run again with --repair to "
+                    "rewrite them from another tier"
+                )
+            others = [p for p in left if p.kind not in REPAIRABLE and p.kind != "newer-format"]
+            if others:
+                where = ", ".join(sorted({p.tier for p in others}))
+                console.print(
+                    f"{len(others)} problem(s) --repair cannot fix (tier {where}: unreadable "
+                    "or a damaged log); move the damaged tier aside and let the store rebuild "
+                    "it, see docs/troubleshooting.md"
+                )
         return report
