@@ -42,6 +42,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked ``slow`` (multi-process runs of many seconds each) go first, so
+    that the workers of ``-n 2`` share them out at the start and finish together, instead
+    of one worker running the last long test alone. ``-m "not slow"`` leaves them out."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 # the host's default shm root, left as the run found it (entered in the controlling process)
 _SHM_ROOT = pytest.StashKey[contextlib.AbstractContextManager[None]]()
 
