@@ -38,7 +38,7 @@ _BUILTIN: dict[str, str] = {
     "peer": "tiercheck.backends._peer:PeerTier",
     "collective": "tiercheck.backends._collective:CollectivePeerTier",
 }
-_FSSPEC = "tiercheck.backends._fsspec:FsspecTier"
+_FSSPEC = "tiercheck.backends._fsspec.tier:FsspecTier"
 
 # The one piece of global mutable state tiercheck keeps (see STYLE.md).
 _registry: dict[str, str | TierFactory] = dict(_BUILTIN)

@@ -305,7 +305,7 @@ def disk_floor(bs: BenchState, where: Path, repeats: int, *, threads: int = 2) -
     paths (``dcp.save``, a migration, LMDB) are reported against it as well as against each
     other, so a ratio near 1 between two of them can be told apart from both being slow.
     """
-    from tiercheck.backends._fsspec import _write_all
+    from tiercheck.backends._fsspec.local import write_all
 
     views = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in bs.tensors if t.numel()]
     groups: list[list[Any]] = [[] for _ in range(threads)]
@@ -318,7 +318,7 @@ def disk_floor(bs: BenchState, where: Path, repeats: int, *, threads: int = 2) -
     def write(path: Path, group: list[Any]) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(fd, [memoryview(v) for v in group])  # the file tier's own writer
+            write_all(fd, [memoryview(v) for v in group])  # the file tier's own writer
             os.fsync(fd)
         finally:
             os.close(fd)

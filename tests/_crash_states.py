@@ -1,7 +1,7 @@
 """Crash states of a file tree, in the manner of ALICE and CrashMonkey.
 
 :class:`Recorder` stands in for a backend's ``_os`` (the module-level name through which
-``backends/_fsspec.py`` and ``backends/_shm.py`` make every call that changes the file
+``backends/_fsspec/local.py`` and ``backends/_shm.py`` make every call that changes the file
 system): each call is performed for real and, when it touches the tree under ``root``,
 recorded as an :class:`Op` on model inodes. :func:`crash_states` then builds, from a
 snapshot of the tree before recording and the recorded trace, the trees a crash could

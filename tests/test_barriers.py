@@ -104,7 +104,7 @@ def test_a_failed_migrations_blobs_are_gone_after_the_barrier(
     deletion of what it wrote (nothing references them), and either barrier returns after
     that deletion, even with the maintenance thread running late. The next migration
     completes and restores."""
-    from tiercheck.backends import _fsspec
+    from tiercheck.backends._fsspec import local
 
     real_discard = Maintenance._discard
 
@@ -131,7 +131,7 @@ def test_a_failed_migrations_blobs_are_gone_after_the_barrier(
 
     w = torch.randn(40 * 16384, generator=torch.Generator().manual_seed(4))  # 40 chunks
     with Checkpointer(tmp_path / "store", tiers=tiers, policy=policy) as ckpt:
-        monkeypatch.setattr(_fsspec.os, "fsync", fails_from_the_tenth)
+        monkeypatch.setattr(local.os, "fsync", fails_from_the_tenth)
         handle = ckpt.save(0, {"w": w})
         if barrier == "wait_migrations":
             assert ckpt.wait_migrations(120)
@@ -142,7 +142,7 @@ def test_a_failed_migrations_blobs_are_gone_after_the_barrier(
         assert calls >= 10
         assert not [p for p in remote.rglob("*.tmp")]
         assert not [p for p in remote.rglob("*") if p.is_file() and "blobs" in p.parts]
-        monkeypatch.setattr(_fsspec.os, "fsync", real_fsync)
+        monkeypatch.setattr(local.os, "fsync", real_fsync)
         assert ckpt.save(1, {"w": w + 1}).wait_migrated(timeout=120).tiers["remote"] == "committed"
         back = {"w": torch.zeros_like(w)}
         info = ckpt.restore(back, tiers=["remote"])

@@ -158,11 +158,11 @@ def test_migration_to_s3_uploads_compressed_blobs_and_restores_from_s3_alone(
 def test_file_tier_fsyncs_blob_directories_once_before_the_next_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tiercheck.backends import _fsspec
+    from tiercheck.backends._fsspec import local
 
     synced: list[str] = []
-    real = _fsspec._fsync_dir
-    monkeypatch.setattr(_fsspec, "_fsync_dir", lambda d: (synced.append(d), real(d)))
+    real = local.fsync_dir
+    monkeypatch.setattr(local, "fsync_dir", lambda d: (synced.append(d), real(d)))
     tier = open_tier(f"file://{tmp_path / 't'}")
     blobs = [(chunk_id(bytes([i]) * 100), bytes([i]) * 100) for i in range(20)]
     for bid, data in blobs:

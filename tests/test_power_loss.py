@@ -35,7 +35,8 @@ from _crash_states import (
 )
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
-from tiercheck.backends import _fsspec, _shm
+from tiercheck.backends import _shm
+from tiercheck.backends._fsspec import local
 from tiercheck.backends._lmdb import LmdbTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
@@ -160,7 +161,7 @@ def test_file_tier_keeps_every_acknowledged_record_through_power_loss(
     root = tmp_path / "tier"
     root.mkdir()
     rec = Recorder(str(root), hard_links=hard_links)
-    monkeypatch.setattr(_fsspec, "_os", rec)
+    monkeypatch.setattr(local, "_os", rec)
     tier = open_tier(f"file://{root}")
     _tier_workload(tier, rec)
     tier.close()
@@ -185,7 +186,7 @@ def test_what_a_crashed_writer_left_is_made_durable_before_a_record_relies_on_it
     root = tmp_path / "tier"
     root.mkdir()
     rec = Recorder(str(root))
-    monkeypatch.setattr(_fsspec, "_os", rec)
+    monkeypatch.setattr(local, "_os", rec)
     crashed = open_tier(f"file://{root}")
     bid, data = blob(0)
     crashed.put(bid, data)
@@ -264,7 +265,7 @@ def test_checkpointer_over_file_tier_restores_the_newest_acknowledged_step_after
     root = tmp_path / "tier"
     root.mkdir()
     rec = Recorder(str(root))
-    monkeypatch.setattr(_fsspec, "_os", rec)
+    monkeypatch.setattr(local, "_os", rec)
     save_steps(tmp_path / "store", TierSpec("disk", f"file://{root}"), rec, steps=4)
     monkeypatch.undo()
     rec.check_trace()

@@ -38,7 +38,7 @@ import sys
 import blake3
 
 from tiercheck import open_tier
-from tiercheck.backends import _fsspec
+from tiercheck.backends._fsspec import local
 
 url, options, kill_at = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 
@@ -62,7 +62,7 @@ class _KillInPack:
 
 
 if kill_at > 0:
-    _fsspec._os = _KillInPack()
+    local._os = _KillInPack()
 tier = open_tier(url, pack_size=int(sys.argv[4]), **options)
 start = len(tier.read_log())
 for i in range(start, start + 100_000):

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from tiercheck.backends import _fsspec
-from tiercheck.backends._fsspec import FsspecTier
+from tiercheck.backends._fsspec import FsspecTier, local, remote
 from tiercheck.backends.base import FailureDomain, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import (
@@ -90,10 +89,10 @@ def _raw_put(tier: Tier, rel: str, data: bytes) -> None:
     assert isinstance(tier, FsspecTier)
     store = tier._store
     path = tier._join(tier._root, *rel.split("/"))
-    if isinstance(store, _fsspec._LocalStore):
+    if isinstance(store, local.LocalStore):
         Path(path).write_bytes(data)
     else:
-        assert isinstance(store, _fsspec._FsspecStore)
+        assert isinstance(store, remote.FsspecStore)
         store.fs.pipe_file(path, data)
 
 
@@ -194,7 +193,7 @@ def test_damaged_log_object_is_skipped(opener: Opener, caplog: pytest.LogCapture
     raw[-5] ^= 0xFF
     _raw_put(tier, "log/0000000000000001.rec", bytes(raw))
     _raw_put(tier, "log/0000000000000003.rec", _raw_get(tier, "log/0000000000000002.rec")[:-1])
-    with caplog.at_level(logging.WARNING, logger=_fsspec.__name__):
+    with caplog.at_level(logging.WARNING, logger="tiercheck.backends._fsspec"):
         assert tier.read_log() == [b"zero", b"two"]
     assert "0000000000000001" in caplog.text and "0000000000000003" in caplog.text
     tier.append(b"four")  # appends after the damaged ones, never over them
@@ -368,7 +367,7 @@ def test_disk_full_is_tier_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     def no_space(fd: int, data: memoryview) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_fsspec, "_write_all", no_space)
+    monkeypatch.setattr(local, "write_all", no_space)
     with pytest.raises(TierFull) as info:
         tier.put(bid, data)
     assert bid in str(info.value)
@@ -410,7 +409,7 @@ def test_begin_put_names_a_blob_only_once_its_content_is_durable(
     def eio(fd: int) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(_fsspec.os, "fsync", eio)
+    monkeypatch.setattr(local.os, "fsync", eio)
     with pytest.raises(TierError) as info:
         pending.finish()
     assert bad in str(info.value)
