@@ -249,7 +249,7 @@ def test_cli_shows_the_replay_chain_and_export_replays(
     )
     # an optimizer outside torch.optim cannot be rebuilt here: a typed refusal
     from tiercheck.errors import ReplayRequired
-    from tiercheck.logversions.planner import replay_offline
+    from tiercheck.logversions.replay import replay_offline
 
     with tiercheck.Checkpointer(root, read_only=True) as ro:
         v = ro.version(2)

@@ -143,7 +143,7 @@ def _show_data(v: history.Version) -> dict[str, Any]:
     base_info: dict[str, Any] | None = None
     replay_info: dict[str, Any] | None = None
     if m.log is not None:
-        from tiercheck.logversions.planner import replayed_keys
+        from tiercheck.logversions.replay import replayed_keys
 
         steps = m.log.steps
         logged = {i for s in steps for i in s.grads if i is not None}

@@ -116,7 +116,7 @@ def _export_log_version(args: argparse.Namespace, out: Path, fmt: str, v: histor
     import numpy as np
     import torch
 
-    from tiercheck.logversions.planner import replay_offline
+    from tiercheck.logversions.replay import replay_offline
 
     with progress_bar(not args.json, "replaying", "steps") as progress:
         if progress is not None:

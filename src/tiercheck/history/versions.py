@@ -13,7 +13,7 @@ Every version reads as the state it stands for. A log version stores the optimiz
 since its base, not the state (SPEC.md section 12): its ``entries`` are those of the state
 (the replayed leaves described by its base's manifest, then its own leaves), and the first
 read of a replayed leaf replays the log once through an offline optimizer
-(:func:`tiercheck.logversions.planner.replay_offline_leaves`, as ``tiercheck export`` does) and
+(:func:`tiercheck.logversions.replay.replay_offline_leaves`, as ``tiercheck export`` does) and
 keeps the result on the :class:`Version`. Where that cannot be done here, reads of
 replayed leaves raise :class:`~tiercheck.errors.ReplayRequired`. The shard as stored (the
 logged gradients under ``/log/S/I`` included) stays visible as ``v.stored_entries``.
@@ -311,7 +311,7 @@ class Version:
     @cached_property
     def _replayed(self) -> Mapping[str, Any]:
         # once per Version object: a replay reads the base's replayed tensors in full
-        from tiercheck.logversions.planner import replay_offline_leaves
+        from tiercheck.logversions.replay import replay_offline_leaves
 
         return replay_offline_leaves(self)
 

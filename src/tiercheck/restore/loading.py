@@ -10,7 +10,7 @@ replaced, stateful objects get ``load_state_dict``, each change told to the
 
 A log version (issue 11) is read as its base version plus its own shard, both staged and
 verified before anything of the caller's changes; then the base is loaded, the log's steps
-are replayed into the guarded optimizer and verified (:mod:`tiercheck.logversions.planner`),
+are replayed into the guarded optimizer and verified (:mod:`tiercheck.logversions.replay`),
 and the log version's own leaves are loaded, ``{"r": NAME}`` nodes taking the replayed
 tensors (:class:`~tiercheck.restore.service.RestoreService` runs that sequence).
 """

@@ -36,8 +36,8 @@ from tiercheck.errors import (
     TierUnavailable,
 )
 from tiercheck.formats.manifest import ShardManifest, VersionInfo
-from tiercheck.logversions.planner import (
-    LogSource,
+from tiercheck.logversions.planner import LogSource
+from tiercheck.logversions.replay import (
     StoredVersion,
     replay_version,
     replay_version_resharded,
