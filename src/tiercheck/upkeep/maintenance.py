@@ -1,11 +1,14 @@
 """Per-tier maintenance after commits and migrations: retention, then GC, then log
 compaction; and making room in a tier over its memory budget before a save places a
-version there. It owns the GC state and runs on one thread of its own.
+version there. It owns the GC state.
 
-A commit or a migration *requests* maintenance of the tiers it wrote; requests coalesce,
-and the thread works through the tiers that are due, one at a time, so retention never
-runs from two threads and never blocks a save. :meth:`Maintenance.maintain_tier` is the
-one place a per-tier step is added. Failures are logged per tier and the thread goes on;
+Each tier has a *lane* of its own: one thread that does all the work on that tier, in the
+order asked (retention, GC, compaction, making room, discarding), so that retention, GC
+and eviction never race on a tier and never run from two threads on it. Lanes do not
+wait for one another: making room in shm never waits behind LMDB's or the remote's GC
+(issue 31). A commit or a migration *requests* maintenance of the tiers it wrote;
+requests coalesce per tier, and never block a save. :meth:`Maintenance.maintain_tier` is
+the one place a per-tier step is added. Failures are logged per tier and the lane goes on;
 an unexpected one is also recorded for ``close()`` to report.
 
 Log compaction (:func:`~tiercheck.store.catalog.compact_log`) runs once a tier's log holds
@@ -14,12 +17,12 @@ and its result replaces that tier's log in the live catalog. A tier that cannot 
 (``NotSupported``, or a record this version cannot summarise) is not asked again by this
 process: each attempt reads the whole log.
 
-Once ``close()`` halts it (:class:`~tiercheck.runtime.background.Halt`), no request is taken, the
-work queued is cancelled and no further tier is maintained; a request's unexpected failure
-is recorded by :func:`~tiercheck.runtime.background.reporting` for ``close()`` to raise.
+Once ``close()`` halts it (:class:`~tiercheck.runtime.background.Halt`), no request is
+taken, the work queued on every lane is cancelled and no further tier is maintained; a
+request's unexpected failure is recorded by
+:func:`~tiercheck.runtime.background.reporting` for ``close()`` to raise.
 
-:meth:`Maintenance.make_room` runs on the same thread, so retention, GC and eviction never
-race on a tier (see :mod:`tiercheck.store.budgets`).
+:meth:`Maintenance.make_room` runs on its tier's lane (see :mod:`tiercheck.store.budgets`).
 
 :meth:`Maintenance.discard` sweeps, at once, what a save or a migration that was given up
 wrote to a tier: the ids it had protected, once released, that no version the tier holds
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -99,53 +103,62 @@ class Maintenance:
         self.failures = failures
         self.rank = rank
         self.halt = halt or Halt()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-maint")
+        self._lanes: dict[str, ThreadPoolExecutor] = {}  # tier -> its one thread (docstring)
         self._lock = threading.Lock()
-        self._due: set[str] = set()
-        self._scheduled = False
+        self._scheduled: set[str] = set()  # tiers whose maintenance is queued, not started
         self._stopped = False  # halted: no work is taken
-        self._active: str | None = None  # what the thread is doing, for close() to name
+        self._active: dict[str, str] = {}  # tier -> what its lane is doing, for close()
         # sweep every tier once after opening (what a crashed writer left behind); after
         # that only after a drop, and while swept candidates wait out their grace
         self._gc_due: set[str] = {s.name for s in tierset.slots}
-        self._gc_state = GCState()  # used on the maintenance thread only
+        self._gc_state = GCState()  # each tier's part used on that tier's lane only
         self._no_compaction: dict[str, str] = {}  # tier -> why compaction was skipped
 
     # --- requests -------------------------------------------------------------------------
 
     def request(self, tiers: Iterable[str]) -> None:
-        """Maintain ``tiers`` soon (returns at once)."""
+        """Maintain ``tiers`` soon, each on its lane (returns at once)."""
         with self._lock:
-            self._due.update(tiers)
-            if self._scheduled or not self._due or self._stopped:
+            if self._stopped:
                 return
-            self._scheduled = True
-            run = reporting(self.failures, "maintenance", self._run)
-            self._executor.submit(self._as, "maintenance", run)
+            for name in sorted(set(tiers) - self._scheduled):
+                if name not in self._names():
+                    continue
+                self._scheduled.add(name)
+                run = reporting(self.failures, "maintenance", self._run)
+                self._lane(name).submit(self._as, name, f"maintenance of tier {name}", run, name)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Block until the maintenance requested so far has run (at once once halted), or
-        ``timeout`` passed; True unless it did."""
+        """Block until the maintenance requested so far has run on every lane (at once once
+        halted), or ``timeout`` passed; True unless it did."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            fut = self._submit("flush", lambda: None)
+            futs = [self._submit(name, "flush", lambda: None) for name in self._names()]
         except Halted:
             return True
-        try:
-            fut.result(timeout)
-        except CancelledError:
-            return True
-        except TimeoutError:
-            return False
+        for fut in futs:
+            try:
+                fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except CancelledError:
+                continue
+            except TimeoutError:
+                return False
         return True
 
     def collect(self, *, dry_run: bool = False, grace: float | None = None) -> list[GCReport]:
-        """Sweep every tier now, on the maintenance thread; ``grace`` overrides the policy's
-        (with a fresh clock: a blob counts as first seen now). Returns one report per tier."""
-        return self._wait(self._submit("gc", self._collect_all, dry_run, grace), "gc")
+        """Sweep every tier now, each on its lane; ``grace`` overrides the policy's (with a
+        fresh clock: a blob counts as first seen now). Returns one report per tier swept."""
+        state = None if grace is None else GCState()
+        futs = [
+            self._submit(slot.name, "gc", self._collect_one, slot, dry_run, grace, state)
+            for slot in self.tierset.open()
+        ]
+        return [r for r in (self._wait(f, "gc") for f in futs) if r is not None]
 
     def make_room(self, slot: TierSlot, needed: int) -> Shortfall | None:
-        """Make ``needed`` bytes fit ``slot``'s budget, on the maintenance thread; return
-        None once they fit (or the tier has no budget), else what is missing.
+        """Make ``needed`` bytes fit ``slot``'s budget, on the tier's lane (never behind
+        another tier's work); return None once they fit (or the tier has no budget), else
+        what is missing.
 
         Versions are dropped by retention tightened step by step (first the policy itself,
         then fewer diffs, down to none, then fewer bases, down to one, and last the versions
@@ -159,40 +172,40 @@ class Maintenance:
         version's shortfall: it skips the tier.
         """
         what = f"making room in tier {slot.name}"
-        return self._wait(self._submit(what, self._make_room, slot, needed), what)
+        return self._wait(self._submit(slot.name, what, self._make_room, slot, needed), what)
 
     def discard(self, tiers: Iterable[str], ids: Iterable[str]) -> None:
-        """Delete, on the maintenance thread, those of ``ids`` in ``tiers`` that nothing
+        """Delete, on each tier's lane, those of ``ids`` in ``tiers`` that nothing
         references or protects (what a save or migration given up wrote; see the module
         docstring). Returns at once; nothing is done once the store is closing."""
-        names = sorted(set(tiers))
         wanted = frozenset(ids)
-        if not names or not wanted:
+        if not wanted:
             return
         with self._lock:
             if self._stopped:
                 return
-            run = reporting(self.failures, "discard", self._discard)
-            self._executor.submit(self._as, "discarding what was given up", run, names, wanted)
+            for name in sorted(set(tiers) & set(self._names())):
+                run = reporting(self.failures, "discard", self._discard)
+                what = "discarding what was given up"
+                self._lane(name).submit(self._as, name, what, run, name, wanted)
 
-    def _discard(self, names: list[str], ids: frozenset[str]) -> None:
-        for name in names:
-            if self.halt.is_set():
-                return
-            slot = self.tierset.get(name)
-            if slot.tier is None or not self._manages(slot):
-                continue
-            try:
-                report = self._sweep(slot, self._gc_state, 0.0, False, only=ids)
-            except (TiercheckError, OSError) as exc:  # the next sweep tries again, by age
-                log.warning("tier %s: could not delete what was given up: %s", name, exc)
-                continue
-            if report.deleted:
-                log.info(
-                    "tier %s: deleted %d blobs a save or migration given up had written",
-                    name,
-                    report.deleted,
-                )
+    def _discard(self, name: str, ids: frozenset[str]) -> None:
+        if self.halt.is_set():
+            return
+        slot = self.tierset.get(name)
+        if slot.tier is None or not self._manages(slot):
+            return
+        try:
+            report = self._sweep(slot, self._gc_state, 0.0, False, only=ids)
+        except (TiercheckError, OSError) as exc:  # the next sweep tries again, by age
+            log.warning("tier %s: could not delete what was given up: %s", name, exc)
+            return
+        if report.deleted:
+            log.info(
+                "tier %s: deleted %d blobs a save or migration given up had written",
+                name,
+                report.deleted,
+            )
 
     def close(self) -> None:
         self.stop()
@@ -202,21 +215,38 @@ class Maintenance:
         """Take no more work and cancel what is queued (returns at once; see :meth:`join`)."""
         with self._lock:
             self._stopped = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.shutdown(wait=False, cancel_futures=True)
 
     def join(self) -> None:
-        """Block until the thread has ended (after :meth:`stop`)."""
-        self._executor.shutdown(wait=True)
+        """Block until every lane's thread has ended (after :meth:`stop`)."""
+        with self._lock:
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.shutdown(wait=True)
 
     def active(self) -> str | None:
-        """What the maintenance thread is doing now (None when idle)."""
-        return self._active
+        """What the lanes are doing now (None when all are idle)."""
+        doing = dict(self._active)  # a copy: the lanes change it
+        return "; ".join(doing[n] for n in sorted(doing)) or None
 
-    def _submit(self, what: str, fn: Callable[..., R], *args: Any) -> Future[R]:
+    def _names(self) -> list[str]:
+        return [s.name for s in self.tierset.slots]
+
+    def _lane(self, name: str) -> ThreadPoolExecutor:
+        """``name``'s lane (under ``_lock``; made at its first use)."""
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tiercheck-maint-{name}")
+            self._lanes[name] = lane
+        return lane
+
+    def _submit(self, name: str, what: str, fn: Callable[..., R], *args: Any) -> Future[R]:
         with self._lock:
             if self._stopped:
                 raise Halted(f"{what} was not started: the store is closing")
-            return self._executor.submit(self._as, what, fn, *args)
+            return self._lane(name).submit(self._as, name, what, fn, *args)
 
     @staticmethod
     def _wait(fut: Future[R], what: str) -> R:
@@ -225,32 +255,30 @@ class Maintenance:
         except CancelledError:
             raise Halted(f"{what} was not started: the store is closing") from None
 
-    def _as(self, what: str, fn: Callable[..., R], *args: Any) -> R:
-        self._active = what
+    def _as(self, name: str, what: str, fn: Callable[..., R], *args: Any) -> R:
+        self._active[name] = what if what.endswith(name) else f"{what} (tier {name})"
         try:
             return fn(*args)
         finally:
-            self._active = None
+            self._active.pop(name, None)
 
-    # --- the maintenance thread ----------------------------------------------------------
+    # --- the lanes -------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, name: str) -> None:
         with self._lock:
-            due, self._due = self._due, set()
-            self._scheduled = False
-        for slot in self.tierset.open():
-            if slot.name not in due:
-                continue
-            if self.halt.is_set():  # close(): no tier is started after it
-                return
-            self._active = f"maintenance of tier {slot.name}"
-            try:
-                self.maintain_tier(slot)
-            except (TiercheckError, OSError) as exc:  # retried at the next request
-                log.warning("maintenance of tier %s failed: %s", slot.name, exc)
-            except Exception as exc:  # a bug: reported by close(); the other tiers go on
-                log.exception("maintenance of tier %s failed unexpectedly", slot.name)
-                self.failures.background(f"maintenance of tier {slot.name}: {exc!r}")
+            self._scheduled.discard(name)  # a request from now on queues another round
+        if self.halt.is_set():  # close(): no tier is started after it
+            return
+        slot = self.tierset.get(name)
+        if slot.tier is None:
+            return
+        try:
+            self.maintain_tier(slot)
+        except (TiercheckError, OSError) as exc:  # retried at the next request
+            log.warning("maintenance of tier %s failed: %s", slot.name, exc)
+        except Exception as exc:  # a bug: reported by close(); the other tiers go on
+            log.exception("maintenance of tier %s failed unexpectedly", slot.name)
+            self.failures.background(f"maintenance of tier {slot.name}: {exc!r}")
 
     def maintain_tier(self, slot: TierSlot) -> None:
         """Everything done to one tier after a commit or a migration, in order: retention,
@@ -423,15 +451,13 @@ class Maintenance:
             only=only,
         )
 
-    def _collect_all(self, dry_run: bool, grace: float | None) -> list[GCReport]:
-        state = self._gc_state if grace is None else GCState()
+    def _collect_one(
+        self, slot: TierSlot, dry_run: bool, grace: float | None, state: GCState | None
+    ) -> GCReport | None:
+        if slot.name not in self.catalog.snapshot().logs:
+            return None
         grace_s = self.policy.gc_grace_seconds if grace is None else grace
-        reports = []
-        for slot in self.tierset.open():
-            if slot.name not in self.catalog.snapshot().logs:
-                continue
-            reports.append(self._sweep(slot, state, grace_s, dry_run))
-        return reports
+        return self._sweep(slot, state or self._gc_state, grace_s, dry_run)
 
 
 def _tightened(policy: TierPolicy, tl: TierLog) -> list[TierPolicy]:
