@@ -17,6 +17,7 @@ LMDB's durability comes from its environment flags, which the last test pins.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -36,11 +37,11 @@ from _crash_states import (
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends import _shm
-from tiercheck.backends._fsspec import local
+from tiercheck.backends._fsspec import FsspecTier, local
 from tiercheck.backends._lmdb import LmdbTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
-from tiercheck.errors import NoRestorableVersion, NotFound
+from tiercheck.errors import NoRestorableVersion, NotFound, TiercheckError
 
 CHUNK = 4096
 SEED = 21
@@ -207,6 +208,122 @@ def test_what_a_crashed_writer_left_is_made_durable_before_a_record_relies_on_it
     states = power_loss_states(rec.ops, rec.base, seed=SEED, reorders=REORDERS)
 
     check_states(states, tmp_path, _check_file_tier)
+
+
+# --- packs (the layout of the default remote tier) -----------------------------------
+
+PACK_SIZE = 8000  # about three blobs of 3000 bytes: packs are sealed between puts too
+
+
+def _pack_workload(tier: Tier, rec: Recorder) -> dict[str, int]:
+    """The packed tier's paths under power loss: records 0..3 with their blobs packed about
+    three to a pack, sealed between puts and at each append, with stray blobs no record
+    names in the same packs; a compaction after record 2; a repair (a loose copy); GC of
+    the strays, which writes drop lists, repacks a pack whose live blobs became few and
+    deletes one left with none; then record 4, naming a blob the repack moved. Returns the
+    pack objects of each kind found after the GC."""
+    new = (blob(n) for n in range(100))
+    strays: list[str] = []
+    prev = ""
+    moved = ""
+    for i, order in enumerate(["NNS", "NNSSS", "SSNN", "NN"]):
+        named: list[tuple[str, bytes]] = []
+        for kind in order:
+            bid, data = next(new)
+            tier.put(bid, data)
+            (named if kind == "N" else []).append((bid, data))
+            if kind == "S":
+                strays.append(bid)
+        if i == 2:
+            moved = named[0][0]  # packed with two strays: repacked by their GC
+        ids = [bid for bid, _ in named] + ([prev] if prev else [])
+        tier.append(record(i, ids), blobs=named)
+        rec.mark(f"ack {i}")
+        prev = ids[0]
+        if i == 2:
+            tier.replace_log_prefix(3, f"ckpt 0..2 {','.join(ids)}".encode())
+            rec.mark("ack 2")
+    first, first_data = blob(0)
+    tier.put(first, first_data, overwrite=True)  # a repair: a loose copy, read first
+    assert tier.delete(strays) == len(strays)
+    last, last_data = next(new)
+    tier.append(record(4, [moved, last]), blobs=[(last, last_data)])
+    rec.mark("ack 4")
+    names = os.listdir(os.path.join(rec.root, "packs"))
+    return {ext: sum(n.endswith(ext) for n in names) for ext in (".pack", ".drop")}
+
+
+def _check_packed_tier(where: Path, state: CrashState) -> None:
+    """As :func:`_check_file_tier`, packed: besides the log, every blob the tier lists
+    reads back whole, and no pack object it finds is torn (its index parses)."""
+    t = open_tier(f"file://{where}", pack_size=PACK_SIZE)
+    try:
+        assert isinstance(t, FsspecTier) and t._packs is not None
+        for bid in t.list():
+            data = bytes(t.get(bid))
+            assert blake3.blake3(data).hexdigest() == bid, f"{state}: blob {bid[:12]} garbage"
+        assert t._packs._bad == {}, f"{state}: a torn pack is visible: {t._packs._bad}"
+        check_log(t, acked_number(state), state)
+    finally:
+        t.close()
+
+
+def test_packed_tier_keeps_every_acknowledged_record_through_power_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packs, their indexes (at their ends), drop lists and repacks under power loss: a pack
+    is named only once its bytes, index included, are durable, and its name is durable
+    before the record that relies on it; a repack's new pack before the old one goes."""
+    root = tmp_path / "tier"
+    root.mkdir()
+    rec = Recorder(str(root))
+    monkeypatch.setattr(local, "_os", rec)
+    tier = open_tier(f"file://{root}", pack_size=PACK_SIZE)
+    kinds = _pack_workload(tier, rec)
+    tier.close()
+    monkeypatch.undo()
+    rec.check_trace()
+    assert kinds[".drop"] >= 1, "the GC wrote no drop list: the workload misses that path"
+
+    states = power_loss_states(rec.ops, rec.base, seed=SEED, reorders=REORDERS)
+    assert len(states) > 20
+
+    check_states(states, tmp_path, _check_packed_tier)
+
+
+class _PackFsyncLost(Recorder):
+    """A recorder over a file system that drops the fsync of pack files (as a tier that
+    named a pack before its bytes were durable would leave it)."""
+
+    def fsync(self, fd: int) -> None:
+        if "/packs/" in os.readlink(f"/proc/self/fd/{fd}"):  # a pack file, not the directory
+            return
+        super().fsync(fd)
+
+
+def test_the_recorder_finds_a_pack_named_before_its_bytes_are_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check above has teeth: where a pack's bytes are not durable before its name, a
+    power cut leaves a torn or empty pack that an acknowledged record relies on, and some
+    crash state fails the check."""
+    root = tmp_path / "tier"
+    root.mkdir()
+    rec = _PackFsyncLost(str(root))
+    monkeypatch.setattr(local, "_os", rec)
+    tier = open_tier(f"file://{root}", pack_size=PACK_SIZE)
+    _pack_workload(tier, rec)
+    tier.close()
+    monkeypatch.undo()
+
+    states = power_loss_states(rec.ops, rec.base, seed=SEED, reorders=REORDERS)
+    failed = []
+    for state in states:
+        try:
+            check_states([state], tmp_path, _check_packed_tier)
+        except (AssertionError, TiercheckError) as exc:
+            failed.append(str(exc))
+    assert failed, "no crash state lost a pack whose fsync was dropped"
 
 
 # --- a Checkpointer over file:// -----------------------------------------------------
