@@ -12,6 +12,11 @@ is written out, the tier (and a Checkpointer over it) is opened on it, and:
 - what it returns is what was acknowledged before the cut, bit for bit, or newer (never
   a record or version that was not written, never a blob that does not hash to its id).
 
+The packs of the default remote tier go through the same crash states on a packed
+``file://`` tier (packs, their indexes, drop lists, repacks), and on S3 (moto) the writer
+loses power before each request that changes the store, its pack's multipart upload
+included: what the store acknowledged stays, nothing after the cut arrives.
+
 LMDB's durability comes from its environment flags, which the last test pins.
 """
 
@@ -30,6 +35,7 @@ import torch
 from _crash_states import (
     CrashState,
     Recorder,
+    Tree,
     materialize,
     power_loss_states,
     process_crash_states,
@@ -324,6 +330,90 @@ def test_the_recorder_finds_a_pack_named_before_its_bytes_are_durable(
         except (AssertionError, TiercheckError) as exc:
             failed.append(str(exc))
     assert failed, "no crash state lost a pack whose fsync was dropped"
+
+
+class PowerCut(Exception):
+    """The writer's node lost power: no request leaves it any more."""
+
+
+class _S3Cut:
+    """Stands between a writer and S3 (botocore's ``before-send`` event): records the
+    operation of every request, and from the ``cut``-th on lets none leave. What the
+    store answered before the cut is durable (an object store acknowledges only what it
+    stored); nothing after it arrives, parts in flight included."""
+
+    def __init__(self, cut: int | None) -> None:
+        self.cut = cut
+        self.sent: list[str] = []
+
+    def __call__(self, event_name: str = "", **kwargs: Any) -> None:
+        if self.cut is not None and len(self.sent) >= self.cut:
+            raise PowerCut(f"power lost before request {len(self.sent)} ({event_name})")
+        self.sent.append(event_name.rsplit(".", 1)[-1])
+
+
+S3_PACK_SIZE = 19 << 19  # 9.5 MiB: five blobs of 2 MiB make a pack of two 8 MiB parts
+
+
+def _s3_workload(url: str, storage: dict[str, Any], cut: _S3Cut) -> list[int]:
+    """Record 0 with five blobs of 2 MiB (a pack streamed as a multipart upload: created
+    and its first part sent at the fourth put, while the pack fills; its last part and
+    its completion at the fifth, which fills it),
+    record 1 with one small blob (a pack of one PutObject), through ``cut``; the records
+    acknowledged before the power cut."""
+    acked: list[int] = []
+    tier = open_tier(
+        url, pack_size=S3_PACK_SIZE, storage_options={**storage, "skip_instance_cache": True}
+    )
+    assert isinstance(tier, FsspecTier)
+    tier._store.fs.s3.meta.events.register("before-send.s3", cut)
+    try:
+        for i, sizes in enumerate([[2 << 20] * 5, [3000]]):
+            items = [blob(10 * i + j, size) for j, size in enumerate(sizes)]
+            for bid, data in items:
+                tier.put(bid, data)
+            tier.append(record(i, [bid for bid, _ in items]), blobs=items)
+            acked.append(i)
+    except PowerCut:
+        pass
+    except TiercheckError as exc:  # the cut, as the tier reports it
+        assert isinstance(exc.__cause__, PowerCut) or "power lost" in str(exc), exc
+    return acked  # the writer is gone: no close, no abort of its upload
+
+
+def test_a_pack_upload_cut_by_power_loss_on_s3_is_never_visible(
+    s3_server: Any, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """Power lost at every request of a packed S3 tier's writer: before its upload is
+    created, between its parts, before and after its completion, before and after the
+    record. A fresh writer then finds every acknowledged record with its blobs whole, no
+    pack of an upload that never completed (the parts stay invisible until an S3
+    lifecycle rule aborts the upload), no torn pack, and appends after them."""
+    url, storage = s3_bucket
+    whole = _S3Cut(None)
+    assert _s3_workload(url + "/whole", storage, whole) == [0, 1]
+    ops = whole.sent
+    assert {"CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload"} <= set(ops), ops
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    client = s3_server.client()
+    incomplete = 0
+    # a cut before a read leaves the store as the cut before the next write does
+    writes = {"CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "PutObject"}
+    for n in [i for i, op in enumerate(ops) if op in writes] + [len(ops)]:
+        prefix = f"{url}/cut{n}"
+        acked = _s3_workload(prefix, storage, _S3Cut(n))
+        uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=f"tier/cut{n}/")
+        incomplete += len(uploads.get("Uploads", []))
+        tier = open_tier(prefix, pack_size=S3_PACK_SIZE, storage_options=storage)
+        assert isinstance(tier, FsspecTier) and tier._packs is not None
+        acked_last = f"ack {acked[-1]}" if acked else ""
+        state = CrashState(n, f"S3 cut before request {n} ({ops[n : n + 1]})", acked_last, Tree(0))
+        for bid in tier.list():
+            assert blake3.blake3(bytes(tier.get(bid))).hexdigest() == bid, f"{state}: {bid[:12]}"
+        assert tier._packs._bad == {}, f"{state}: a torn pack is visible"
+        check_log(tier, acked[-1] if acked else -1, state)
+        tier.close()
+    assert incomplete, "no cut fell inside a multipart upload"
 
 
 # --- a Checkpointer over file:// -----------------------------------------------------
