@@ -30,6 +30,7 @@ from tiercheck.history.diff import diff as diff_versions
 from tiercheck.history.versions import Version, VersionSummary, build_history, open_version
 from tiercheck.restore.service import RestoreService
 from tiercheck.restore.info import RestoreInfo
+from tiercheck.runtime.background import at_interpreter_exit
 from tiercheck.runtime.executors import Executors
 from tiercheck.runtime.handles import Failures, SaveHandle, SaveResult
 from tiercheck.store.catalog import Catalog
@@ -104,6 +105,8 @@ class Checkpointer:
             threads=threads,
         )
         self.tierset: TierSet = self._engine.tierset
+        if not read_only:  # saves in flight at exit are finished, not failed halfway
+            at_interpreter_exit(self, lambda ck: ck.close(abandon=True))
         self._restores = RestoreService(
             tierset=self.tierset,
             policy=self.policy,
