@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save
 from tiercheck import Checkpointer, Policy, TierPolicy
 from tiercheck.errors import ConfigError, StateError, UnsupportedValue
 from tiercheck.integrations.dcp import (
-    METADATA,
     CheckpointRef,
     TierReader,
     TierWriter,
@@ -33,6 +32,7 @@ from tiercheck.integrations.dcp import (
     parse_checkpoint_id,
     rank_root,
 )
+from tiercheck.integrations.dcp.ids import METADATA
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -1,0 +1,333 @@
+"""TierWriter: DCP's StorageWriter on tiercheck (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from tiercheck.checkpointer import Checkpointer
+from tiercheck.engine.coordinator import LocalCoordinator
+from tiercheck.errors import (
+    CheckpointError,
+    ConfigError,
+    UnsupportedValue,
+)
+from tiercheck.integrations.dcp.ids import (
+    ITEMS,
+    METADATA,
+    METADATA_VERSION,
+    CheckpointRef,
+    Location,
+    _done,
+    _valid_id,
+    item_key,
+    parse_checkpoint_id,
+    rank_root,
+)
+from tiercheck.integrations.dcp.metadata import encode_metadata
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import Policy
+
+TiersArg = (
+    Sequence[str | TierSpec | tuple[str, str]]
+    | Callable[[Path], Sequence[str | TierSpec | tuple[str, str]]]
+    | None
+)
+
+
+# --- the writer -------------------------------------------------------------------------
+
+
+def _dist_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclass(frozen=True)
+class _PlanInfo:
+    """What the writer attaches to each rank's SavePlan (``SavePlan.storage_data``)."""
+
+    rank: int
+    root: str
+    step: int | None = None
+
+
+class TierWriter(StorageWriter):
+    """A DCP :class:`StorageWriter` that saves each checkpoint as a tiercheck version.
+
+    ``target`` is a root directory (rank ``r`` uses the store ``root/rank{r}``, created with
+    ``tiers``/``policy`` if new; ``tiers`` may be a function of that store root) or an open
+    :class:`Checkpointer` for this rank. ``checkpoint_id`` is as described in the module
+    docstring. Reuse one writer across saves: the store stays open, so unchanged chunks are
+    deduplicated and most versions are diffs. ``close()`` closes a store it opened.
+    """
+
+    def __init__(
+        self,
+        target: Checkpointer | str | os.PathLike[str],
+        *,
+        tiers: TiersArg = None,
+        policy: Policy | None = None,
+        checkpoint_id: str | int | None = None,
+    ) -> None:
+        super().__init__()
+        self._root: Path | None = None
+        self._ckpt: Checkpointer | None = None
+        self._owned = False
+        self._ephemeral = False
+        if isinstance(target, Checkpointer):
+            self._ckpt = target
+        else:
+            self._root = Path(target).expanduser().resolve()
+        self._tiers = tiers
+        self._policy = policy
+        self._ref = parse_checkpoint_id(checkpoint_id)
+        self.checkpoint_id: str | int | None = checkpoint_id
+        self._lock = threading.Lock()
+        self._rank = 0
+        self._is_coordinator = True
+        self._step: int | None = None
+        self._ranks: dict[int, str] = {}
+        self._pending: dict[str, Any] | None = None
+        # the version id of the last checkpoint this writer committed as DCP's coordinator
+        self.last_version: int | None = None
+
+    # pickling (the process executor of dcp.async_save sends the writer to another process)
+    def __getstate__(self) -> dict[str, Any]:
+        if self._root is None:
+            raise CheckpointError(
+                "a TierWriter built on a Checkpointer cannot be sent to another process; "
+                "build it from the store root to use async_save's process executor"
+            )
+        if callable(self._tiers):
+            raise CheckpointError(
+                "a TierWriter with a tiers function cannot be sent to another process; "
+                "create the stores first (their tiercheck.toml is then reused)"
+            )
+        state = dict(self.__dict__)
+        state["_ckpt"] = None
+        state["_owned"] = False
+        state["_ephemeral"] = True
+        state["_lock"] = None
+        state["_pending"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        """This rank's store, once ``set_up_storage_writer`` opened it."""
+        return self._ckpt
+
+    def close(self) -> None:
+        """Close this rank's store if the writer opened it (waiting for its saves)."""
+        if self._owned and self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+            self._owned = False
+
+    def __enter__(self) -> TierWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self, rank: int) -> Checkpointer:
+        if self._ckpt is not None:
+            return self._ckpt
+        assert self._root is not None
+        root = rank_root(self._root, rank)
+        tiers = self._tiers(root) if callable(self._tiers) else self._tiers
+        if tiers is not None and (root / "tiercheck.toml").exists():
+            tiers = None  # an existing store keeps its configuration
+        root.mkdir(parents=True, exist_ok=True)
+        # a one-rank store: DCP's own collectives order the ranks (see the module docstring)
+        self._ckpt = Checkpointer(
+            root, tiers=tiers, policy=self._policy, coordinator=LocalCoordinator()
+        )
+        self._owned = True
+        return self._ckpt
+
+    def _end(self) -> None:
+        self._pending = None
+        self._ref = CheckpointRef()
+        self.checkpoint_id = None
+        self._step = None
+        if self._ephemeral:
+            self.close()
+
+    # --- StorageWriter ------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if isinstance(checkpoint_id, os.PathLike):
+            raise ConfigError(
+                f"checkpoint_id {os.fspath(checkpoint_id)!r} is a path; tiercheck names "
+                "checkpoints by step ('step:N') - pass the root to TierWriter instead"
+            )
+        self._ref = parse_checkpoint_id(checkpoint_id)
+        if self._ref.version is not None:
+            raise ConfigError(
+                "a checkpoint cannot be saved as 'version:N': the store assigns version ids; "
+                "name it by step ('step:N')"
+            )
+        self.checkpoint_id = checkpoint_id
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ConfigError(
+                "TierWriter needs DCP's collectives (use_collectives=True): the coordinator "
+                "records every rank's shard in one checkpoint"
+            )
+        rank = kwargs.get("rank")
+        self._rank = int(rank) if isinstance(rank, int) else _dist_rank()
+        self._is_coordinator = is_coordinator
+        self._pending = None
+        self._open(self._rank)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        ckpt = self._open(self._rank)
+        return dataclasses.replace(plan, storage_data=_PlanInfo(self._rank, str(ckpt.root)))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        ckpt = self._open(self._rank)
+        if self._ref.step is not None:
+            step = self._ref.step
+        else:
+            steps = [i.step for i in ckpt.refresh().versions.values()]
+            step = max(steps) + 1 if steps else 0
+        out = []
+        self._ranks = {}
+        for i, plan in enumerate(plans):
+            info = plan.storage_data
+            if not isinstance(info, _PlanInfo):
+                raise CheckpointError(
+                    f"rank {i}'s save plan carries no TierWriter data; every rank must "
+                    "save with a TierWriter"
+                )
+            self._ranks[info.rank] = info.root
+            out.append(dataclasses.replace(plan, storage_data=dataclasses.replace(info, step=step)))
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        info = plan.storage_data
+        if not isinstance(info, _PlanInfo) or info.step is None:
+            raise CheckpointError("write_data got a plan that prepare_global_plan did not see")
+        ckpt = self._open(self._rank)
+        items: dict[str, Any] = {}
+        results: list[WriteResult] = []
+        for item in sorted(plan.items, key=lambda it: item_key(it.index)):
+            key, value, nbytes = self._resolve(item, planner)
+            items[key] = value
+            results.append(WriteResult(item.index, nbytes, Location(self._rank, None, key, nbytes)))
+        if self._is_coordinator:
+            # saved in finish(), together with the metadata: that version is the checkpoint
+            self._pending = items
+            self._step = info.step
+            return _done(results)
+        try:
+            version = None
+            if items:
+                handle = ckpt.save(info.step, {ITEMS: items}, metadata={"dcp": self._mark(False)})
+                version = handle.wait().version
+        except BaseException:
+            self._end()
+            raise
+        self._end()
+        return _done(
+            [
+                dataclasses.replace(
+                    r, storage_data=dataclasses.replace(r.storage_data, version=version)
+                )
+                for r in results
+            ]
+        )
+
+    def _mark(self, coordinator: bool) -> dict[str, Any]:
+        return {"format": METADATA_VERSION, "rank": self._rank, "coordinator": coordinator}
+
+    @staticmethod
+    def _resolve(item: WriteItem, planner: SavePlanner) -> tuple[str, Any, int]:
+        key = item_key(item.index)
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise UnsupportedValue(
+                    f"DCP resolved a BYTE_IO item to {type(data).__qualname__}", key=item.index.fqn
+                )
+            raw = data.getvalue()
+            return key, raw, len(raw)
+        if not isinstance(data, torch.Tensor):
+            raise UnsupportedValue(
+                f"DCP resolved a tensor item to {type(data).__qualname__}", key=item.index.fqn
+            )
+        t = data.detach()
+        if type(t) is not torch.Tensor:
+            raise UnsupportedValue(
+                f"DCP resolved a tensor item to a {type(t).__qualname__}; the planner must "
+                "resolve to plain (local) tensors",
+                key=item.index.fqn,
+            )
+        return key, t, t.numel() * t.element_size()
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            ckpt = self._open(self._rank)
+            storage: dict[MetadataIndex, Location] = {}
+            versions: dict[int, int | None] = {}
+            for rank_results in results:
+                for wr in rank_results:
+                    loc = wr.storage_data
+                    if not isinstance(loc, Location):
+                        raise CheckpointError(
+                            f"a rank reported a write of {wr.index} without a location"
+                        )
+                    storage[wr.index] = loc
+                    if loc.rank != self._rank:
+                        versions[loc.rank] = loc.version
+            metadata.storage_data = storage
+            ranks = {r: (versions.get(r), root) for r, root in self._ranks.items()}
+            if self._rank not in ranks:
+                ranks[self._rank] = (None, str(ckpt.root))
+            encoded = encode_metadata(metadata, ranks=ranks)
+            if self._step is None or self._pending is None:
+                raise CheckpointError("finish was called before this coordinator's write_data")
+            state: dict[str, Any] = {METADATA: encoded}
+            if self._pending:
+                state[ITEMS] = self._pending
+            handle = ckpt.save(self._step, state, metadata={"dcp": self._mark(True)})
+            handle.wait()
+            self.last_version = handle.version
+        finally:
+            self._end()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return not isinstance(checkpoint_id, os.PathLike) and _valid_id(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        cid = None if self.checkpoint_id is None else str(self.checkpoint_id)
+        return StorageMeta(checkpoint_id=cid, save_id=uuid.uuid4().hex)
