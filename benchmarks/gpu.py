@@ -1,6 +1,7 @@
 """Saving a state that lives on a GPU: tiercheck against ``dcp.async_save`` on the same GPU.
 
-    python benchmarks/gpu.py                       # 1 GiB on cuda:0, 5 repeats
+    python benchmarks/gpu.py                       # 1 GiB on the current GPU, 5 repeats
+    python benchmarks/gpu.py --device cuda:1       # on another GPU
     python benchmarks/gpu.py --out gpu.json        # also write the numbers (JSON)
     python benchmarks/gpu.py --device cpu --state-mib 4 --repeats 1   # the same path, no GPU
 
@@ -16,9 +17,12 @@ in this process, one system after the other, the state changed densely between s
   alone (every save a base, raw), ``save()`` returning / staged / committed;
 - ``tc_committed_default_s``: the default store (shm + LMDB), in its steady state;
 - ``tc_restore_shm_s``: restore from shm into the state's own device tensors;
+- ``dcp_load_disk_s``: ``dcp.load`` into the same device tensors from a ``dcp.save``
+  directory on disk (the page cache warm, as right after the save);
 - ``dcp_async_blocked_s``, ``dcp_async_staged_s``, ``dcp_async_committed_disk_s``:
   ``dcp.async_save`` with DCP's ``DefaultStager`` (pinned memory and non-blocking copies
-  where CUDA is there) to disk, returning / staged / durable.
+  where CUDA is there) to disk, returning / staged / durable; on torch before 2.13 a
+  fresh stager for each save (a reused one fails there, pytorch/pytorch#183413).
 
 Without ``--device cpu`` it needs CUDA and says so; with it, the same code runs on the CPU
 (the test suite does that, so this script keeps working where no GPU is at hand).
@@ -30,7 +34,9 @@ import argparse
 import datetime as dt
 import json
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +48,20 @@ from bench_lib import (
     BenchState,
     copy_warm,
     dcp_async,
+    dcp_save_load,
+    dcp_stager,
     default_store_warmup,
     disk_dir,
     make_state,
     median,
     one_tier,
     private_disk_dir,
+    scratch,
     store,
     tc_restores,
     tc_saves,
 )
+from torch.torch_version import TorchVersion
 
 import tiercheck
 from tiercheck.store.lifecycle import shm_root_left_as_found
@@ -69,7 +79,61 @@ COMPARISONS = {
         "tc_committed_default_s",
         "dcp_async_committed_disk_s",
     ),
+    "restore from shm vs dcp.load (disk)": ("tc_restore_shm_s", "dcp_load_disk_s"),
 }
+
+
+def cuda_device(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device (``set_device`` and
+    the per-device streams need the index; ``torch.device("cuda")`` has none)."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.device("cuda", index)
+
+
+def stager_per_save() -> bool:
+    """Whether DCP's ``DefaultStager`` must be made anew for each ``async_save``: on torch
+    before 2.13 a reused one fails (``KeyError: <class 'type'>``, pytorch/pytorch#183413)."""
+    return TorchVersion(torch.__version__) < "2.13"
+
+
+def dcp_async_stager_per_save(bs: BenchState, where: Path, repeats: int) -> dict[str, Any]:
+    """``dcp.async_save`` as ``bench_lib.dcp_async`` measures it (``blocked``, ``staged``,
+    ``committed``, the first call apart), with a fresh ``DefaultStager`` for every save
+    (torch's workaround for #183413); each stager is closed once its save is durable."""
+    import torch.distributed.checkpoint as dcp
+
+    blocked, staged, committed = [], [], []
+    with scratch(where) as d:
+        for i in range(repeats + 1):
+            bs.mutate()
+            path = d / f"async-{i}"
+            stager = dcp_stager()
+            try:
+                t0 = time.perf_counter()
+                resp = dcp.async_save(
+                    bs.state,
+                    storage_writer=dcp.FileSystemWriter(path, thread_count=2),
+                    async_stager=stager,
+                    no_dist=True,
+                )
+                blocked.append(time.perf_counter() - t0)
+                staging = getattr(resp, "staging_completion", None)
+                upload = getattr(resp, "upload_completion", resp)
+                if staging is not None:
+                    staging.result()
+                staged.append(time.perf_counter() - t0)
+                upload.result()
+                committed.append(time.perf_counter() - t0)
+            finally:
+                stager.close()
+            shutil.rmtree(path, ignore_errors=True)
+    return {
+        "blocked_first": blocked[0],
+        "staged_first": staged[0],
+        "blocked": blocked[1:],
+        "staged": staged[1:],
+        "committed": committed[1:],
+    }
 
 
 def on_device(bs: BenchState, device: torch.device) -> BenchState:
@@ -101,7 +165,11 @@ def measure(bs: BenchState, repeats: int) -> dict[str, list[float]]:
     with store(None, tiercheck.Policy(base_every=1, gc_grace_seconds=0)) as ckpt:
         r = tc_saves(ckpt, bs, repeats, warm=default_store_warmup())
         m["tc_committed_default_s"] = r["committed"]
-    r = dcp_async(bs, disk_dir(), repeats)
+    m["dcp_load_disk_s"] = dcp_save_load(bs, disk_dir(), repeats, load=True)["load"]
+    if stager_per_save():
+        r = dcp_async_stager_per_save(bs, disk_dir(), repeats)
+    else:
+        r = dcp_async(bs, disk_dir(), repeats)
     m["dcp_async_blocked_s"] = r["blocked"]
     m["dcp_async_staged_s"] = r["staged"]
     m["dcp_async_committed_disk_s"] = r["committed"]
@@ -119,6 +187,7 @@ def main() -> int:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             p.error("no CUDA device here: run it on a GPU machine, or pass --device cpu")
+        device = cuda_device(device)
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     bs = on_device(make_state(int(args.state_mib * MIB)), device)
@@ -134,6 +203,8 @@ def main() -> int:
     for k, runs in m.items():
         print(f"  {k:28s} {median(runs) * 1e3:9.1f} ms   {[round(x * 1e3, 1) for x in runs]}")
     ratios = {}
+    restore_gbs = bs.nbytes / median(m["tc_restore_shm_s"]) / 1e9
+    print(f"restore from shm into the {device} tensors: {restore_gbs:.2f} GB/s")
     for label, (tc, peer) in COMPARISONS.items():
         ratios[label] = median(m[tc]) / median(m[peer])
         print(f"{label}: {ratios[label]:.2f}x")
@@ -143,11 +214,13 @@ def main() -> int:
             "device": str(device),
             "device_name": name,
             "torch": torch.__version__,
+            "dcp_stager_per_save": stager_per_save(),
             "state_bytes": bs.nbytes,
             "repeats": args.repeats,
             "load": [load0, load1],
             "metrics": {k: {"median": median(v), "runs": v, "unit": "s"} for k, v in m.items()},
             "ratios": ratios,
+            "restore_shm_gb_per_s": restore_gbs,
         }
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -45,10 +45,11 @@ def test_the_gpu_benchmark_runs_its_whole_path_on_the_cpu(tmp_path: Path) -> Non
         "dcp_async_blocked_s",
         "dcp_async_staged_s",
         "dcp_async_committed_disk_s",
+        "dcp_load_disk_s",
     ):
         assert metrics[name]["median"] > 0, name
     ratios = result["ratios"]
-    assert isinstance(ratios, dict) and len(ratios) == 5
+    assert isinstance(ratios, dict) and len(ratios) == 6
     assert all(math.isfinite(r) and r > 0 for r in ratios.values())
     assert result["device"] == "cpu" and result["state_bytes"] > 0
     assert not (tmp_path / "disk").exists() or not any((tmp_path / "disk").iterdir())
@@ -62,3 +63,26 @@ def test_the_gpu_benchmark_says_when_there_is_no_cuda(tmp_path: Path) -> None:
     cmd = [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--state-mib", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no CUDA device here" in done.stderr
+
+
+def test_the_device_check_script_runs_its_steps_and_prints_one_table(tmp_path: Path) -> None:
+    """``scripts/device_check.sh`` as a dry run on the CPU (``DEVICE=cpu QUICK=1``): the
+    gpu-marked tests (skipped here), both benchmarks, one table; nothing installed."""
+    from tiercheck.backends import DEFAULT_SHM_ROOT
+
+    os.makedirs(DEFAULT_SHM_ROOT, exist_ok=True)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "QUICK": "1"}
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "device_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    lines = done.stdout.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.split()[:2] == ["check", "result"])
+    rows = {line.split()[0]: line.split()[1] for line in lines[header + 1 :] if line.strip()}
+    for check in ("gpu_tests", "gpu_bench", "restore_bench"):
+        assert rows.get(check) == "ok", done.stdout[-3000:] + done.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "restore.json").read_text())["ratios"]

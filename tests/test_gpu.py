@@ -1,5 +1,7 @@
-"""CUDA: staging from the GPU, restore to the GPU, the CUDA generators, and a 2-process
-NCCL job. Marked ``gpu`` and skipped without CUDA (``-m gpu`` selects them on a GPU host).
+"""CUDA: staging from the GPU, restore into device tensors (ordered after the caller's
+queued work, exact for a model and its optimizer, all or nothing), the CUDA generators, the
+GPU benchmark, and a 2-process NCCL job. Marked ``gpu`` and skipped without CUDA (``-m gpu``
+selects them on a GPU host).
 
 The staging tests race a save against GPU work still queued: a long kernel
 (``torch.cuda._sleep``) followed by a write of the tensor being saved. A staging copy that
@@ -24,6 +26,7 @@ from _dist import torchrun
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.errors import StateError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -98,6 +101,76 @@ def test_mixed_cpu_and_gpu_state_restores_to_its_devices(tmp_path: Path, shm_roo
     assert back["w"].is_cuda and back["h"].is_cuda and not back["cpu"].is_cuda
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["h"], state["h"])
     assert torch.equal(back["cpu"], state["cpu"]) and back["step"] == 5
+
+
+def test_restore_into_device_tensors_writes_after_the_work_queued_on_them(
+    tmp_path: Path, shm_root: str
+) -> None:
+    """The restore's host-to-device copies (a side stream) wait for the work already queued
+    on the caller's stream: a write queued behind a long kernel lands before the restored
+    bytes, not over them. The tensors keep their storage (restored in place)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    saved = {
+        "w": torch.randn(1 << 22, device="cuda", generator=g),
+        "h": torch.randn(300, 7, device="cuda", generator=g).half(),
+    }
+    with store(tmp_path, shm_root) as ckpt:
+        ckpt.save(1, saved).wait()
+        live = {k: torch.zeros_like(v) for k, v in saved.items()}
+        where = {k: v.data_ptr() for k, v in live.items()}
+        torch.cuda._sleep(SPIN)
+        live["w"].fill_(9.0)  # queued behind the spin: lands after restore() was called
+        ckpt.restore(live, tiers=["shm"])
+    assert {k: v.data_ptr() for k, v in live.items()} == where
+    assert torch.equal(live["w"], saved["w"]) and torch.equal(live["h"], saved["h"])
+
+
+def test_a_model_and_optimizer_on_the_gpu_restore_exactly(tmp_path: Path, shm_root: str) -> None:
+    torch.manual_seed(0)
+
+    def run(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model(torch.randn(4, 64, device="cuda")).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = run(0)
+    with store(tmp_path, shm_root) as ckpt:
+        ckpt.save(2, {"model": model, "opt": opt}).wait()
+        model2, opt2 = run(1)
+        ckpt.restore({"model": model2, "opt": opt2}, tiers=["shm"])
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert b.is_cuda and torch.equal(a, b)
+    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_failed_restore_into_device_tensors_leaves_them_as_they_were(
+    tmp_path: Path, shm_root: str
+) -> None:
+    """A module whose last layer does not fit raises in ``load_state_dict`` after copying
+    the layers that fit: its device tensors are put back from the undo copy, and the plain
+    device tensor beside it (written last, no undo copy) was never written."""
+    torch.manual_seed(0)
+    saved = {
+        "model": torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)).cuda(),
+        "w": torch.randn(1 << 20, device="cuda"),
+    }
+    with store(tmp_path, shm_root) as ckpt:
+        ckpt.save(1, saved).wait()
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)).cuda()
+        target = {"model": model, "w": torch.zeros(1 << 20, device="cuda")}
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(StateError, match="size mismatch"):
+            ckpt.restore(target, tiers=["shm"])
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not target["w"].any()
 
 
 def test_cuda_generators_round_trip_through_a_checkpoint(tmp_path: Path, shm_root: str) -> None:
@@ -176,9 +249,17 @@ def test_two_nccl_ranks_save_and_restore_on_their_own_gpus(tmp_path: Path, shm_r
             assert r["context_on_other_gpu"] is False, r
 
 
-def test_the_gpu_benchmark_runs_on_cuda(tmp_path: Path) -> None:
-    """``benchmarks/gpu.py`` on the GPU (its numbers go to docs/benchmarks.md)."""
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_the_gpu_benchmark_runs_on_cuda(tmp_path: Path, device: str) -> None:
+    """``benchmarks/gpu.py`` on the GPU (its numbers go to docs/benchmarks.md), named with
+    and without an index (``cuda`` is the current device), to its comparison with DCP's
+    ``async_save`` (a stager per save on torch before 2.13)."""
     from test_bench_gpu_script import run_gpu_bench
 
-    result = run_gpu_bench(tmp_path, "cuda")
-    assert result["device"] == "cuda" and result["metrics"]["tc_staged_s"]["median"] > 0  # type: ignore[index]
+    result = run_gpu_bench(tmp_path, device)
+    expected = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+    assert result["device"] == expected
+    metrics = result["metrics"]
+    assert isinstance(metrics, dict)
+    assert metrics["tc_staged_s"]["median"] > 0 and metrics["dcp_async_staged_s"]["median"] > 0
+    assert metrics["tc_restore_shm_s"]["median"] > 0 and metrics["dcp_load_disk_s"]["median"] > 0

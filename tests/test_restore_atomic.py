@@ -247,6 +247,52 @@ def test_plain_tensors_and_dict_leaves_are_put_back_when_a_later_leaf_cannot_be_
         ckpt.destroy()
 
 
+def test_plain_tensors_beside_a_module_that_does_not_fit_are_never_written(
+    ckpt: tiercheck.Checkpointer,
+) -> None:
+    """A restore keeps no copy of tensors outside stateful objects: it writes them last,
+    once every ``load_state_dict`` and leaf has succeeded. Here the module fails, so the
+    plain tensors (before and after it in the tree), the array and the shared view of
+    the module's weight are as they were."""
+    torch.manual_seed(0)
+    saved_model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+    saved = {
+        "a": torch.randn(1 << 18),
+        "model": saved_model,
+        "z": torch.randn(3, 5).double(),
+        "arr": np.arange(100, dtype=np.float32),
+        "w0": saved_model[0].weight.detach(),
+    }
+    ckpt.save(1, saved).wait()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    target = {
+        "a": torch.zeros(1 << 18),
+        "model": model,
+        "z": torch.zeros(3, 5).double(),
+        "arr": np.zeros(100, dtype=np.float32),
+        "w0": model[0].weight.detach(),
+    }
+    error = failed_restore(ckpt, target)
+    assert isinstance(error, StateError) and error.key == "model", error
+
+
+def test_a_plain_state_is_restored_exactly_in_place(
+    ckpt: tiercheck.Checkpointer,
+) -> None:
+    """Tensors outside stateful objects (written last, with no undo copy) get the saved
+    bytes in their own storage."""
+    torch.manual_seed(0)
+    saved = {"a": torch.randn(1 << 18), "b": torch.randn(7, 9).half(), "step": 3}
+    ckpt.save(3, saved).wait()
+    target = {"a": torch.zeros(1 << 18), "b": torch.zeros(7, 9).half(), "step": 0}
+    where = {k: v.data_ptr() for k, v in target.items() if isinstance(v, torch.Tensor)}
+    ckpt.restore(target)
+    assert torch.equal(target["a"], saved["a"]) and torch.equal(target["b"], saved["b"])
+    assert target["step"] == 3
+    assert {k: v.data_ptr() for k, v in target.items() if isinstance(v, torch.Tensor)} == where
+
+
 # --- a log version whose replay fails ------------------------------------------------------
 
 

@@ -39,6 +39,12 @@ class Binding:
     objects: dict[int, tuple[str, Any]] = field(default_factory=dict)
     # pieces of distributed tensors assembled from the version's saved boxes (reshard.py)
     pieces: list[Piece] = field(default_factory=list)
+    # entry index -> the caller's contiguous tensor on an accelerator: loaded from staging
+    # by host-to-device copies (loading.py), no host tensor of its own
+    device: dict[int, Any] = field(default_factory=dict)
+    # entries written straight into a caller's tensor outside every stateful object: nothing
+    # after their write can fail, so they are written last and need no undo copy (undo.py)
+    loose: set[int] = field(default_factory=set)
 
 
 def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:
@@ -48,6 +54,13 @@ def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return flat.view(torch.uint8).numpy().data.cast("B")
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor in an accelerator's memory (not the host's)."""
+    import torch
+
+    return t.device.type not in ("cpu", "meta") and t.layout == torch.strided
 
 
 def _fits(entry: Entry, target: Any) -> bool:
@@ -141,10 +154,18 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
         piece = piece_for(key, entry, placement, target)
         b.targets[i] = target
         if piece is None:
-            b.dests[i] = _byte_view_of_tensor(target._local_tensor)
+            local = target._local_tensor
+            if _on_device(local):
+                b.device[i] = local
+            else:
+                b.dests[i] = _byte_view_of_tensor(local)
         else:
             b.pieces.append(piece)
         assembled.add(i)
+
+    # entries bound to a caller's tensor or array outside every stateful object
+    plain: set[int] = set()
+    inside = [0]  # how many stateful objects the walk is in
 
     def walk(node: Any, target: Any, key: str, checked: bool) -> None:
         if not isinstance(node, dict) or len(node) != 1:
@@ -161,6 +182,8 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
             entry = entries[sub]
             if target is not MISSING and _fits(entry, target):
                 b.targets[sub] = target
+                if not inside[0]:
+                    plain.add(sub)
             elif (
                 checked
                 and target is not MISSING
@@ -179,7 +202,9 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
                     for j, p in enumerate(params):
                         if is_dtensor(p):
                             like[f"{key}/state/{j}" if key else f"state/{j}"] = p
+                inside[0] += 1
                 walk(sub, sd, key, False)
+                inside[0] -= 1
             elif checked and target is not MISSING:
                 raise StateError(
                     f"saved an object with state_dict(), the state has {type(target).__qualname__}",
@@ -240,13 +265,15 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
             continue
         if entry.kind == "tensor":
             dtype = torch_dtype(entry.dtype)
-            if (
-                isinstance(target, torch.Tensor)
-                and target.device.type == "cpu"
-                and target.is_contiguous()
-            ):
-                b.dests[i] = _byte_view_of_tensor(target)
-                continue
+            if isinstance(target, torch.Tensor) and target.is_contiguous():
+                if target.device.type == "cpu":
+                    b.dests[i] = _byte_view_of_tensor(target)
+                    b.loose.update(plain & {i})
+                    continue
+                if _on_device(target):
+                    b.device[i] = target
+                    b.loose.update(plain & {i})
+                    continue
             fresh = torch.empty(entry.shape, dtype=dtype)
             b.values[i] = fresh
             b.dests[i] = _byte_view_of_tensor(fresh)
@@ -257,6 +284,7 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
                 and target.flags.writeable
             ):
                 b.dests[i] = target.reshape(-1).view(np.uint8).data.cast("B")
+                b.loose.update(plain & {i})
                 continue
             arr = np.empty(entry.shape, dtype=np.dtype(entry.dtype))
             b.values[i] = arr

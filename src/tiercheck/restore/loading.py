@@ -62,21 +62,63 @@ def fetch_stream(
 _BIG_COPY = 1 << 20  # torch copies a tensor this large on several threads
 
 
-def load_stream(manifest: ShardManifest, binding: Binding, stream: memoryview) -> None:
-    """Copy each entry's bytes from the staged ``stream`` into its destination."""
+def load_stream(
+    manifest: ShardManifest, binding: Binding, stream: memoryview, *, loose: bool = False
+) -> None:
+    """Copy entries' bytes from the verified ``stream`` into their destinations, each byte
+    once: into a host destination by a memcpy (several threads for a large one), into a
+    tensor on an accelerator by a host-to-device copy (on a side stream, asynchronous
+    where ``stream`` is page-locked, awaited before this returns).
+
+    ``loose=False`` writes every entry but the binding's loose ones (which an undo copy
+    covers, then :func:`materialize` runs); ``loose=True`` writes the loose ones, last,
+    when nothing of the restore can fail any more (:class:`~tiercheck.restore.undo.Undo`).
+    """
     import torch
 
+    to_device: list[tuple[Any, memoryview]] = []
     for i, entry in enumerate(manifest.entries):
-        if not entry.nbytes:
+        if not entry.nbytes or (i in binding.loose) != loose:
+            continue
+        src = stream[entry.offset : entry.offset + entry.nbytes]
+        target = binding.device.get(i)
+        if target is not None:
+            to_device.append((target, src))
             continue
         dst = binding.dests.get(i)
         if dst is None:  # a log version's gradient, or a piece assembled by reshard.py
             continue
-        src = stream[entry.offset : entry.offset + entry.nbytes]
         if entry.nbytes >= _BIG_COPY:
             torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
         else:
             dst[:] = src
+    if to_device:
+        _copy_to_devices(to_device)
+
+
+def _copy_to_devices(items: Sequence[tuple[Any, memoryview]]) -> None:
+    """Copy each host view into its device tensor. On CUDA the copies are queued on a side
+    stream of the tensor's device, after the work already queued on its current stream
+    (which may still read or write the tensor), and awaited once per device at the end:
+    from a page-locked staging buffer they run while the next ones are queued."""
+    import torch
+
+    streams: dict[Any, Any] = {}
+    with torch.no_grad():
+        for target, src in items:
+            flat = target.detach().view(-1).view(torch.uint8)
+            host = torch.frombuffer(src, dtype=torch.uint8)
+            if flat.device.type != "cuda":
+                flat.copy_(host)
+                continue
+            side = streams.get(flat.device)
+            if side is None:
+                side = streams[flat.device] = torch.cuda.Stream(device=flat.device)  # type: ignore[no-untyped-call]
+                side.wait_stream(torch.cuda.current_stream(flat.device))
+            with torch.cuda.stream(side):
+                flat.copy_(host, non_blocking=True)
+        for side in streams.values():
+            side.synchronize()
 
 
 def materialize(

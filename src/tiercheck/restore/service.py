@@ -187,7 +187,7 @@ class RestoreService:
                 staged: _Staged | None = None
                 fatal: TiercheckError | None = None
                 # what loading would overwrite, copied while the version is fetched
-                undo = Undo()
+                undo = Undo(keep_all=catalog.versions[vid].role == "log")
                 try:
                     staged = self._read_version(
                         catalog, catalog.versions[vid], state, strict, repair, undo
@@ -309,7 +309,11 @@ class RestoreService:
         undo.cover(binding)
         undo.keep(self._pool)
         if staging:
-            self._staging.ensure(manifest.stream_bytes)
+            # page-locked where bytes go on to a GPU: asynchronous host-to-device copies
+            gpus = [t.device.index for t in binding.device.values() if t.device.type == "cuda"]
+            self._staging.ensure(
+                manifest.stream_bytes, pinned=bool(gpus), device=gpus[0] if gpus else None
+            )
             stream = self._staging.view(manifest.stream_bytes)
         else:  # a log version's shard, beside its base in the staging buffer
             stream = memoryview(bytearray(manifest.stream_bytes))
@@ -347,7 +351,7 @@ class RestoreService:
         objects into ``target`` (each change kept by ``undo`` first); the restored state."""
         load_stream(staged.manifest, staged.binding, staged.stream)
         staged.pieces.apply()
-        return materialize(
+        restored = materialize(
             staged.manifest,
             staged.binding,
             target,
@@ -355,6 +359,9 @@ class RestoreService:
             replayed=replayed,
             undo=undo,
         )
+        # last, when nothing can fail any more: the entries no undo copy covers (undo.py)
+        load_stream(staged.manifest, staged.binding, staged.stream, loose=True)
+        return restored
 
     def _info(
         self, staged: _Staged, restored: Any, t0: float, other: _Staged | None = None

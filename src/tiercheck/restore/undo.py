@@ -44,10 +44,20 @@ class Undo:
     array the restore writes or an object's ``state_dict()`` holds (once per piece of
     memory, a CUDA tensor's in host memory), every object's ``state_dict()`` as a tree of
     fresh containers whose tensors are those same caller tensors, and each container of
-    the state before a member of it is replaced. It costs one copy of the state, made
-    before the first byte is written: :meth:`keep` makes it on the I/O pool while the
-    version's chunks are still being fetched, and :meth:`on_failure` waits for it before
-    letting the load begin. A success throws it away.
+    the state before a member of it is replaced. The copies are made before the first byte
+    is written: :meth:`keep` makes them on the I/O pool while the version's chunks are
+    still being fetched, and :meth:`on_failure` waits for them before letting the load
+    begin (a CUDA tensor's copy stays on its device where there is memory for it, else
+    goes to host memory). A success throws them away.
+
+    Only what can still fail is copied: the tensors of stateful objects and of fresh
+    values copied in place while the tree is put together, not the binding's loose
+    entries (a caller's tensor or array outside every stateful object, written straight
+    from the verified staging buffer). Those are written last, after every
+    ``load_state_dict`` and leaf decoding succeeded, and nothing after them can fail:
+    a plain dict of tensors is restored with no copy of the state at all. A log version
+    (``keep_all``) copies everything its entries write: its replay runs after the base's
+    entries were written, and may break.
 
     :meth:`rollback`, in reverse: the kept bytes are copied back into the same tensors
     (identities kept), containers get their members back, gradients the replay replaced
@@ -57,7 +67,8 @@ class Undo:
     differs is reported, never passed over.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_all: bool = False) -> None:
+        self.keep_all = keep_all
         self._tensors: dict[tuple[Any, ...], Any] = {}  # memory -> the live tensor or array
         self._kept: dict[tuple[Any, ...], Any] = {}  # memory -> its copy
         self._copying: dict[tuple[Any, ...], Future[Any]] = {}
@@ -72,8 +83,9 @@ class Undo:
         """Keep everything a load of ``binding`` can write (call before the first byte is)."""
         for node_id, (key, obj) in binding.objects.items():
             self.object(key, obj, binding.stateful.get(node_id))
-        for target in binding.targets.values():
-            self.tensor(target)
+        for i, target in binding.targets.items():
+            if self.keep_all or i not in binding.loose:
+                self.tensor(target)
         for piece in binding.pieces:
             self.tensor(piece.dest)
 
@@ -254,10 +266,19 @@ class Undo:
 
 
 def _copy_of(t: Any) -> Any:
-    """A copy of a tensor's or array's bytes, a device tensor's in host memory."""
+    """A copy of a tensor's or array's bytes: on the tensor's own device where there is
+    memory for it (a device-to-device copy, far faster than to the host), else in host
+    memory."""
+    import torch
+
     if isinstance(t, np.ndarray):
         return t.copy()
-    return t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")
+    if t.device.type == "cpu":
+        return t.detach().clone()
+    try:
+        return t.detach().clone()
+    except torch.OutOfMemoryError:
+        return t.detach().to("cpu")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,0 +1,212 @@
+"""Restoring a state into its live tensors: tiercheck from shm against the libraries a user
+would pick instead, each reading from /dev/shm, side by side in one process.
+
+    python benchmarks/restore.py                    # 1 GiB (64 x 16 MiB fp32), 5 repeats
+    python benchmarks/restore.py --quick            # 64 MiB, 3 repeats (CI)
+    python benchmarks/restore.py --out restore.json # also write the numbers (JSON)
+    python benchmarks/restore.py --device cuda      # the live tensors on the GPU
+
+Every system restores into the same live tensors (a dict of ``--tensors`` fp32 tensors on
+``--device``), so each pays for putting the bytes where the trainer has them:
+
+- ``memcpy_s``: one copy of the state's bytes (host to host, or host to device): the floor;
+- ``tc_shm_s``: ``restore(state)`` from a store whose only tier is shm (raw blobs), every
+  byte verified (BLAKE3) and the restore all or nothing;
+- ``tc_default_s``: the same from the default store (shm + LMDB), served from shm;
+- ``dcp_load_s``: ``dcp.load(state)`` from a ``dcp.save`` directory in /dev/shm;
+- ``torch_load_s``: ``torch.load`` of a ``torch.save`` file in /dev/shm, then ``copy_``
+  into the live tensors; ``torch_load_mmap_s`` the same with ``mmap=True``;
+- ``safetensors_s``: ``safetensors.torch.load_file`` from /dev/shm, then ``copy_``.
+
+The repeats run round robin (one of each system, then again), so a busy machine slows
+them alike; the numbers are medians. Ratios are tiercheck's over each peer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from bench_lib import MIB, SHM, median, one_tier, private_disk_dir, store
+
+import tiercheck
+from tiercheck.store.lifecycle import shm_root_left_as_found
+
+
+def make_state(tensors: int, tensor_mib: float, device: torch.device) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = int(tensor_mib * MIB) // 4
+    return {f"layer{i:03d}.weight": torch.randn(n, generator=g).to(device) for i in range(tensors)}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_into(live: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, t in live.items():
+            t.copy_(loaded[k])
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    gc.collect()
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def measure(
+    live: dict[str, torch.Tensor], repeats: int, device: torch.device, default: bool
+) -> dict[str, list[float]]:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    nbytes = sum(t.numel() * t.element_size() for t in live.values())
+    src = torch.cat([t.detach().reshape(-1).cpu() for t in live.values()])
+    if device.type == "cuda":
+        src = src.pin_memory()
+    # what was saved: views of the one host copy (no second copy of the state)
+    saved = dict(
+        zip(
+            live,
+            (
+                v.view(t.shape)
+                for v, t in zip(src.split([t.numel() for t in live.values()]), live.values())
+            ),
+        )
+    )
+    dst = torch.empty(src.numel(), dtype=src.dtype, device=device)
+    work = Path(tempfile.mkdtemp(prefix="tc-bench-restore-", dir=SHM))
+    runs: dict[str, list[float]] = {}
+    systems: dict[str, Callable[[], Any]] = {}
+    try:
+        systems["memcpy_s"] = lambda: dst.copy_(src, non_blocking=True)
+        dcp.save(live, checkpoint_id=work / "dcp", no_dist=True)
+        systems["dcp_load_s"] = lambda: dcp.load(live, checkpoint_id=work / "dcp", no_dist=True)
+        torch.save(saved, work / "state.pt")
+
+        def torch_load(mmap: bool) -> None:
+            copy_into(live, torch.load(work / "state.pt", mmap=mmap, weights_only=True))
+
+        systems["torch_load_s"] = lambda: torch_load(False)
+        systems["torch_load_mmap_s"] = lambda: torch_load(True)
+        save_file(saved, str(work / "state.safetensors"))
+        systems["safetensors_s"] = lambda: copy_into(
+            live, load_file(str(work / "state.safetensors"))
+        )
+        tp = tiercheck.TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1)
+        tiers, policy = one_tier("shm", "shm://tc-restore-{uid}", tp)
+        with store(tiers, policy) as shm_only:
+            shm_only.save(1, live).wait()
+            systems["tc_shm_s"] = lambda: shm_only.restore(live)
+            if default:
+                with store(None, tiercheck.Policy(base_every=1, gc_grace_seconds=0)) as dflt:
+                    dflt.save(1, live).wait()
+                    systems["tc_default_s"] = lambda: dflt.restore(live)
+                    rounds(systems, runs, repeats, device)
+            else:
+                rounds(systems, runs, repeats, device)
+            check(live, saved)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    runs["state_bytes"] = [float(nbytes)]
+    return runs
+
+
+def rounds(
+    systems: dict[str, Callable[[], Any]],
+    runs: dict[str, list[float]],
+    repeats: int,
+    device: torch.device,
+) -> None:
+    for fn in systems.values():  # one warm-up each: first-touch page faults, imports
+        fn()
+    for _ in range(repeats):
+        for name, fn in systems.items():
+            runs.setdefault(name, []).append(timed(fn, device))
+
+
+def check(live: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    for k, t in live.items():
+        if not torch.equal(t.cpu(), saved[k]):
+            raise SystemExit(f"restored {k} differs from what was saved")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--tensors", type=int, default=64)
+    p.add_argument("--tensor-mib", type=float, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-default-store", action="store_true", help="shm-only store alone")
+    p.add_argument("--quick", action="store_true", help="64 x 1 MiB, 3 repeats")
+    p.add_argument("--out", type=Path, default=None, help="write the numbers here (JSON)")
+    args = p.parse_args()
+    if args.quick:
+        args.tensor_mib, args.repeats = 1, 3
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error("no CUDA device here: run it on a GPU machine, or pass --device cpu")
+        device = torch.device(
+            "cuda", torch.cuda.current_device() if device.index is None else device.index
+        )
+        torch.cuda.set_device(device)
+    live = make_state(args.tensors, args.tensor_mib, device)
+    load0 = os.getloadavg()[0]
+    with private_disk_dir(), shm_root_left_as_found():
+        m = measure(live, args.repeats, device, not args.no_default_store)
+    load1 = os.getloadavg()[0]
+    nbytes = int(m.pop("state_bytes")[0])
+    print(
+        f"restore of {nbytes / MIB:.0f} MiB ({args.tensors} fp32 tensors) into live tensors on "
+        f"{device}, {args.repeats} repeats, load average {load0:.1f} -> {load1:.1f}"
+    )
+    for k, runs in m.items():
+        gbs = nbytes / median(runs) / 1e9
+        print(
+            f"  {k:20s} {median(runs) * 1e3:9.1f} ms {gbs:6.2f} GB/s  "
+            f"{[round(x * 1e3, 1) for x in runs]}"
+        )
+    ratios = {
+        f"tc_shm_s / {peer}": median(m["tc_shm_s"]) / median(m[peer])
+        for peer in m
+        if peer != "tc_shm_s"
+    }
+    for label, r in ratios.items():
+        print(f"  {label}: {r:.2f}x")
+    if args.out is not None:
+        out = {
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device),
+            "torch": torch.__version__,
+            "state_bytes": nbytes,
+            "tensors": args.tensors,
+            "repeats": args.repeats,
+            "load": [load0, load1],
+            "metrics": {k: {"median": median(v), "runs": v, "unit": "s"} for k, v in m.items()},
+            "ratios": ratios,
+        }
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
