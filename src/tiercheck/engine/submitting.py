@@ -1,0 +1,307 @@
+"""The caller's side of the save service: ``save()`` validates, flattens, plans and queues.
+
+:class:`SaveQueue` is the half of :class:`~tiercheck.engine.saving.SaveService` that runs on
+the caller's thread (and the planning the pipeline thread does in order for log versions):
+a bad input fails here, before anything is written; the version's id and role are decided
+here (a base still being written already counts); the job is queued for the pipeline
+(:mod:`tiercheck.engine.saving`), which runs every save in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
+from tiercheck.core.entries import Leaf, encode_scalar, flatten
+from tiercheck.engine.coordinator import Coordinator
+from tiercheck.engine.placing import build_manifest
+from tiercheck.engine.staging import ready_events
+from tiercheck.errors import TiercheckError
+from tiercheck.formats.manifest import MAX_INT, ChunkRef, Role
+from tiercheck.logversions.planner import LogProposal, LogSource, build
+from tiercheck.runtime.background import reporting
+from tiercheck.runtime.handles import Failures, SaveHandle
+from tiercheck.store.budgets import Budgets, Shortfall, version_bytes
+from tiercheck.store.policy import Policy
+
+__all__ = ["Job", "SaveQueue"]
+
+log = logging.getLogger("tiercheck.engine.saving")
+
+
+@dataclass(eq=False)
+class Job:
+    """One save, from ``save()`` to its outcome (planned here, run by the pipeline)."""
+
+    handle: SaveHandle
+    step: int
+    version: int
+    role: Role
+    base: int | None
+    leaves: list[Leaf]
+    layout: Layout | None
+    tree: Any
+    metadata: dict[str, Any]
+    t_call: float
+    failure: BaseException | None = None  # failed on the caller's thread; still takes part
+    protected: list[str] = field(default_factory=list)
+    held: list[tuple[str | None, str]] = field(default_factory=list)  # tiers kept from sweeps
+    ready: dict[int, Any] = field(default_factory=dict)  # CUDA device -> torch.cuda.Event
+    deferred: bool = False  # planned on the pipeline thread (an update log is attached)
+    forced: Role | None = None  # the role save() was asked for
+    logical: int = 0  # bytes of the state (a log version's stream is smaller)
+    proposal: LogProposal | None = None  # a log version's steps
+    replay: Any = None  # a log version's ReplayLog, fingerprints filled in at staging
+    skipped: dict[str, str] = field(default_factory=dict)  # tier -> why (its memory budget)
+    shortfalls: dict[str, Shortfall] = field(default_factory=dict)  # warned of once committed
+    future: Future[None] | None = None  # its run on the pipeline thread
+
+
+class SaveQueue:
+    """The caller's side of the save service (module docstring); the pipeline's side is
+    :class:`~tiercheck.engine.saving.SaveService`, which sets every attribute below."""
+
+    policy: Policy
+    coordinator: Coordinator
+    rank: int
+    world_size: int
+    failures: Failures
+    allow_pickle: bool
+    budgets: Budgets
+    logs: LogSource | None
+    _lock: threading.Lock
+    _inflight: list[Job]
+    _next_id: int
+    _takes_diffs: bool
+    _plan_base: tuple[int, tuple[Any, ...]] | None
+    _plan_since: int
+    _outstanding: threading.Semaphore
+    _pipeline: ThreadPoolExecutor
+    _confirmed: int | None
+    _committed_full: set[int]
+
+    def _run(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def submit(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        role: Role | None = None,
+    ) -> SaveHandle:
+        """Validate and flatten ``state`` here, queue the rest; see ``Checkpointer.save``."""
+        t_call = time.perf_counter()
+        try:
+            if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_INT:
+                raise ValueError(
+                    f"step must be an int from 0 to 2**63 - 1 (the format's range), got {step!r}"
+                )
+            if role not in (None, "base", "diff"):
+                raise ValueError(f"role must be 'base', 'diff' or None, got {role!r}")
+            meta = dict(metadata or {})
+            encode_scalar(meta, "<metadata>", allow_pickle=False)
+            try:  # the commit record holds it as plain msgpack: refuse here what it cannot
+                msgpack.packb(meta, use_bin_type=True)
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(
+                    "metadata must be plain msgpack: str keys, and values that are None, "
+                    f"bool, float, str, bytes, lists, maps and ints of 64 bits at most ({exc})"
+                ) from None
+            tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+            layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
+        except (TiercheckError, ValueError, TypeError) as exc:
+            if self.world_size > 1:
+                # the other ranks' saves of this version wait for this one: take part,
+                # carrying the failure, so that they abort it at once
+                self._enqueue(
+                    step if isinstance(step, int) and 0 <= step <= MAX_INT else -1,
+                    [],
+                    None,
+                    None,
+                    {},
+                    t_call,
+                    None,
+                    exc,
+                )
+            raise
+        if self.policy.on_busy == "skip" and not self._outstanding.acquire(blocking=False):
+            handle = SaveHandle(step, None, None, None)
+            handle.skipped = True
+            handle._finish(None)
+            log.info("save of step %d skipped: the previous save is still running", step)
+            return handle
+        if self.policy.on_busy != "skip":
+            self._outstanding.acquire()
+        return self._enqueue(step, leaves, layout, tree, meta, t_call, role, None, acquired=True)
+
+    def _enqueue(
+        self,
+        step: int,
+        leaves: list[Leaf],
+        layout: Layout | None,
+        tree: Any,
+        meta: dict[str, Any],
+        t_call: float,
+        role: Role | None,
+        failure: BaseException | None,
+        *,
+        acquired: bool = False,
+    ) -> SaveHandle:
+        if not acquired:
+            self._outstanding.acquire()
+        with self._lock:
+            version = self.coordinator.next_version_id(self._next_id - 1)
+            self._next_id = version + 1
+            forced, deferred = role, self.logs is not None
+            if deferred:
+                role, base = "base", None  # provisional: _decide plans it, in order
+            else:
+                role, base = self._plan(layout, role)
+            # a save that failed on the caller's thread has raised there: nobody waits on
+            # its handle, so its failure is not kept for close() to report
+            handle = SaveHandle(
+                step,
+                version,
+                None if deferred else role,  # known once _decide has run
+                base,
+                failures=None if failure else self.failures,
+            )
+            job = Job(
+                handle, step, version, role, base, leaves, layout, tree, meta, t_call, failure
+            )
+            job.deferred, job.forced = deferred, forced
+            job.logical = layout.stream_bytes if layout is not None else 0
+            self._inflight.append(job)
+        job.ready = ready_events(leaves)  # what the copies wait for on each GPU
+        if layout is not None:
+            handle._logical = layout.stream_bytes
+        handle._time("blocked", time.perf_counter() - t_call)
+        run = reporting(self.failures, f"the save of step {step} (version {version})", self._run)
+        with self._lock:
+            job.future = self._pipeline.submit(run, job)
+        return handle
+
+    def _plan(self, layout: Layout | None, role: Role | None) -> tuple[Role, int | None]:
+        """The role of the next version and the base it follows (under ``_lock``)."""
+        if layout is None:
+            return "base", None
+        sig = layout.signature()
+        plan = self._plan_base
+        if not self._takes_diffs:
+            role = "base"  # no synchronous tier takes diff versions: every one is a base
+        if role is None:
+            want_base = (
+                plan is None or plan[1] != sig or self._plan_since + 1 >= self.policy.base_every
+            )
+            role = "base" if want_base else "diff"
+        elif role == "diff" and (plan is None or plan[1] != sig):
+            role = "base"  # a diff needs a base with the same layout
+        base = None if role == "base" or plan is None else plan[0]
+        if role == "base":
+            self._plan_base, self._plan_since = (self._next_id - 1, sig), 0
+        else:
+            self._plan_since += 1
+        return role, base
+
+    def _decide(self, job: Job) -> None:
+        """Plan a deferred job (pipeline thread, in order, the trainer held by the guard):
+        a log version when the update log allows it and is the cheaper choice
+        (:func:`tiercheck.logversions.planner.choose`), else a full version, which resets the
+        log. Every rank makes the same choice (one all-reduce of a flag)."""
+        logs = self.logs
+        proposal: LogProposal | None = None
+        ok = False
+        if (
+            logs is not None
+            and job.failure is None
+            and job.layout is not None
+            and job.forced is None
+            and self._takes_diffs
+        ):
+            proposal = logs.propose(
+                job.leaves, self.policy.max_replay_seconds, self._committed_full
+            )
+            ok = proposal.reason is None
+            if not ok:
+                log.debug("version %d is a full version: %s", job.version, proposal.reason)
+        if self.world_size > 1:
+            ok = self.coordinator.all_true(ok)
+        with self._lock:
+            if ok:
+                assert logs is not None and logs.base is not None
+                job.role, job.base = "log", logs.base
+            else:
+                forced = job.forced
+                if forced is None and logs is not None and logs.dense:
+                    forced = "base"  # a dense diff stores every chunk: a base restores faster
+                job.role, job.base = self._plan(job.layout, forced)
+        job.handle.role, job.handle.base = job.role, job.base
+        if ok:
+            assert proposal is not None and proposal.logged is not None and job.layout is not None
+            assert proposal.replayed is not None
+            try:
+                lv = build(
+                    job.tree, job.leaves, proposal.logged, proposal.replayed, job.layout.chunk_size
+                )
+            except BaseException:
+                assert logs is not None
+                logs.release(proposal)
+                logs.invalidate("a log version could not be laid out")
+                raise
+            job.tree, job.leaves, job.layout = lv.tree, lv.leaves, lv.layout
+            job.proposal, job.replay = proposal, lv.replay
+            return
+        if logs is not None:
+            if proposal is not None:
+                logs.release(proposal)
+            if job.layout is not None and job.failure is None:
+                logs.full(job.version, job.layout.stream_bytes)
+
+    def note_state(self, tree: Any, leaves: list[Leaf]) -> None:
+        """The state to be saved is known (``Checkpointer.prepare``): set the default memory
+        budgets for its size now rather than at the first save."""
+        layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
+        placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
+        _, mbytes, _ = build_manifest(
+            version=self._next_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            layout=layout,
+            chunks=placeholder,
+            tree=tree,
+        )
+        self.budgets.size_known(version_bytes(layout.stream_bytes, len(placeholder), len(mbytes)))
+
+    def note_version_ids(self, max_id: int) -> None:
+        """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""
+        with self._lock:
+            self._next_id = max(self._next_id, max_id + 1)
+
+    def wait_staged(self) -> None:
+        """Block until every save so far has been staged (or failed); never raises."""
+        with self._lock:
+            handles = [job.handle for job in self._inflight]
+        for h in handles:
+            h._staged.wait()
+
+    def pinned(self) -> set[int]:
+        """Bases that in-flight diffs follow, and the newest version every rank committed:
+        retention must not drop them yet."""
+        with self._lock:
+            out = {j.base for j in self._inflight if j.base is not None}
+            if self._confirmed is not None:
+                out.add(self._confirmed)
+        logs = self.logs
+        if logs is not None and logs.base is not None:
+            out.add(logs.base)  # the next log version's base
+        return out
