@@ -215,9 +215,10 @@ def test_metadata_is_msgpack_and_pickle_is_refused(writer: TierWriter, tmp_path:
     ckpt = writer.checkpointer
     assert ckpt is not None
     v = ckpt.version("latest")
-    assert v.entries[METADATA].kind == "msgpack"
-    raw = v[METADATA]
-    obj = msgpack.unpackb(raw, raw=False)  # plain msgpack, no extension types
+    # stored as bytes (a uint8 tensor) of plain msgpack, without extension types
+    assert v.entries[METADATA].kind == "tensor"
+    raw = v[METADATA].numpy().tobytes()
+    obj = msgpack.unpackb(raw, raw=False)
     assert obj["format"] == "tiercheck-dcp"
     decoded = decode_metadata(raw).metadata
     assert decoded.state_dict_metadata == md.state_dict_metadata
@@ -251,7 +252,7 @@ def test_reader_refuses_a_pickled_metadata_entry(tmp_path: Path) -> None:
         )
         h.wait()
         assert ckpt.version(0).entries[METADATA].kind == "pickle"
-    with pytest.raises(StateError, match="stored as 'pickle', not msgpack"):
+    with pytest.raises(StateError, match="stored as 'pickle', not as bytes"):
         TierReader(tmp_path / "dcp").read_metadata()
 
 

@@ -105,9 +105,17 @@ class StoreLock:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            pid = _holder(path)
+            if pid == os.getpid():
+                raise StoreLocked(
+                    f"{path.parent} is open for writing by this process (pid {pid}): another "
+                    "Checkpointer or TierWriter here holds it; close that one first, or open "
+                    "this one with read_only=True"
+                ) from None
             raise StoreLocked(
-                f"{path.parent} is open for writing by {who}; open it with read_only=True to "
-                "inspect it, or stop the other writer"
+                f"{path.parent} is open for writing by {who}"
+                + (f" (pid {pid})" if pid is not None else "")
+                + "; open it with read_only=True to inspect it, or stop the other writer"
             ) from None
         if mode == fcntl.LOCK_EX:
             os.ftruncate(fd, 0)
@@ -119,6 +127,30 @@ class StoreLock:
         for fd in reversed(fds):
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def _holder(path: Path) -> int | None:
+    """The pid an exclusive holder of the lock file ``path`` wrote into it; with ``.lock``
+    held shared (the ranks of a job), the pid of a rank holding its own lock file."""
+    candidates = [path]
+    if path.name == ".lock":
+        candidates += sorted(path.parent.glob(".lock.rank*"))
+    for candidate in candidates:
+        try:
+            fd = os.open(candidate, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            continue  # not held exclusively: what it says is stale
+        except BlockingIOError:
+            text = os.read(fd, 32).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+        if text.isdigit():
+            return int(text)
+    return None
 
 
 # --- this process ---------------------------------------------------------------------------

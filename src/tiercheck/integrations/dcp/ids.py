@@ -1,4 +1,12 @@
-"""DCP checkpoint ids, rank store roots, and where each DCP item is stored."""
+"""DCP checkpoint ids, rank store roots, and how and where each DCP item is stored.
+
+Every DCP item and the encoded metadata are stored as entries of their own, whatever the
+state holds: tensors as they are, byte payloads (DCP's ``BytesIO`` items, the metadata) as
+one-dimensional ``uint8`` tensors (:func:`bytes_entry`). A container holding no tensor would
+be stored as one msgpack entry (``tiercheck.core.entries``), so a shard of byte items alone
+would have none of its own (issue 34). Stores written before kept byte payloads as msgpack
+``bytes`` entries; :func:`entry_bytes` reads both.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +17,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.futures import Future
 
-from tiercheck.errors import ConfigError
+from tiercheck.errors import ConfigError, StateError
 
 METADATA_FORMAT = "tiercheck-dcp"
 METADATA_VERSION = 1
@@ -94,3 +103,26 @@ def _done(value: Any) -> Future[Any]:
     fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
+
+
+def bytes_entry(raw: bytes) -> torch.Tensor:
+    """``raw`` as the one-dimensional ``uint8`` tensor that stores it."""
+    return (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if raw
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
+def entry_bytes(kind: str, value: Any, what: str) -> bytes:
+    """The bytes a stored payload entry holds: a 1-D ``uint8`` tensor, or (stores written
+    before) msgpack ``bytes``. Raises StateError for anything else."""
+    if kind == "tensor" and isinstance(value, torch.Tensor):
+        if value.dtype == torch.uint8 and value.dim() == 1:
+            return bytes(value.contiguous().numpy().tobytes())
+    elif kind == "msgpack" and isinstance(value, bytes):
+        return value
+    raise StateError(
+        f"DCP metadata in the store is malformed or unsupported: {what} does not hold bytes "
+        f"(a 1-D uint8 tensor), it is stored as {kind!r}"
+    )

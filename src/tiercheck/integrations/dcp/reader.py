@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ from tiercheck.integrations.dcp.ids import (
     Location,
     _done,
     _valid_id,
+    entry_bytes,
     parse_checkpoint_id,
     rank_root,
 )
@@ -170,12 +172,10 @@ class TierReader(StorageReader):
             entry = v.entries.get(METADATA)
             if entry is None:
                 raise _bad(f"version {info.id} of {ckpt.root} has no {METADATA!r} entry")
-            if entry.kind != "msgpack":
+            if entry.kind not in ("tensor", "msgpack"):
                 # checked before reading: a store opened with allow_pickle would unpickle it
-                raise _bad(f"the metadata entry is stored as {entry.kind!r}, not msgpack")
-            blob = v[METADATA]
-        if not isinstance(blob, bytes):
-            raise _bad("the metadata entry does not hold bytes")
+                raise _bad(f"the metadata entry is stored as {entry.kind!r}, not as bytes")
+            blob = entry_bytes(entry.kind, v[METADATA], "the metadata entry")
         decoded = decode_metadata(blob)
         self._info = info
         self._ranks = decoded.ranks
@@ -259,9 +259,8 @@ class TierReader(StorageReader):
         self, entry: EntryInfo, value: Any, reqs: Sequence[ReadItem], planner: LoadPlanner
     ) -> None:
         if reqs[0].type == LoadItemType.BYTE_IO:
-            if entry.kind != "msgpack" or not isinstance(value, bytes):
-                raise _bad(f"item {entry.key!r} does not hold msgpack bytes")
-            payload = value if self.allow_pickle else _without_pickle(value, reqs[0])
+            raw = entry_bytes(entry.kind, value, f"item {entry.key!r}")
+            payload = raw if self.allow_pickle else _without_pickle(raw, reqs[0])
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(payload))
             return
@@ -296,10 +295,13 @@ def _without_pickle(value: bytes, req: ReadItem) -> bytes:
     except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         why = next((ln for ln in lines if "Unsupported global" in ln), type(exc).__name__)
+        what = re.search(r"GLOBAL ([\w.]+)", why)
+        needs = f"a pickled {what.group(1).removeprefix('_io.')}" if what else "pickle"
         raise UnsupportedValue(
-            f"DCP byte item needs pickle beyond torch's weights_only loader ({why}); refused. "
-            "Load with TierReader(..., allow_pickle=True) only if you trust whoever could "
-            "write this store, or register the type with torch.serialization.add_safe_globals",
+            f"DCP item {req.dest_index.fqn!r} holds {needs}, which torch's weights_only loader "
+            f"refuses ({why}); refused, nothing unpickled. To load it, opt in with "
+            "TierReader(root, allow_pickle=True), only if you trust whoever could write this "
+            "store, or register its type with torch.serialization.add_safe_globals",
             key=req.dest_index.fqn,
         ) from None
     buf = io.BytesIO()

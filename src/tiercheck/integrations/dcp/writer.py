@@ -35,6 +35,7 @@ from tiercheck.errors import (
     ConfigError,
     UnsupportedValue,
 )
+from tiercheck.integrations.dcp import stores
 from tiercheck.integrations.dcp.ids import (
     ITEMS,
     METADATA,
@@ -43,6 +44,7 @@ from tiercheck.integrations.dcp.ids import (
     Location,
     _done,
     _valid_id,
+    bytes_entry,
     item_key,
     parse_checkpoint_id,
     rank_root,
@@ -79,9 +81,18 @@ class TierWriter(StorageWriter):
 
     ``target`` is a root directory (rank ``r`` uses the store ``root/rank{r}``, created with
     ``tiers``/``policy`` if new; ``tiers`` may be a function of that store root) or an open
-    :class:`Checkpointer` for this rank. ``checkpoint_id`` is as described in the module
-    docstring. Reuse one writer across saves: the store stays open, so unchanged chunks are
-    deduplicated and most versions are diffs. ``close()`` closes a store it opened.
+    :class:`Checkpointer` for this rank. ``checkpoint_id`` is as described in the package
+    docstring.
+
+    A writer per save and one writer for every save are the same: the writers of a process
+    share its open store at a root (:mod:`~tiercheck.integrations.dcp.stores`), which stays
+    open between saves, so unchanged chunks are deduplicated and most versions are diffs.
+    When a save returns, its version is committed in the synchronous tiers, and the
+    retention it triggered and its migrations to the store's asynchronous tiers are done:
+    nothing goes on writing. ``background=True`` lets the migrations run on after the save
+    instead (:meth:`wait_migrations` waits for them; :meth:`close` too). ``close()`` closes
+    this process's stores under the root (waiting for their migrations); a later save opens
+    them again. A store given as a :class:`Checkpointer` is the caller's to close.
     """
 
     def __init__(
@@ -91,14 +102,16 @@ class TierWriter(StorageWriter):
         tiers: TiersArg = None,
         policy: Policy | None = None,
         checkpoint_id: str | int | None = None,
+        background: bool = False,
     ) -> None:
         super().__init__()
         self._root: Path | None = None
         self._ckpt: Checkpointer | None = None
-        self._owned = False
+        self._given: Checkpointer | None = None
         self._ephemeral = False
+        self.background = background
         if isinstance(target, Checkpointer):
-            self._ckpt = target
+            self._ckpt = self._given = target
         else:
             self._root = Path(target).expanduser().resolve()
         self._tiers = tiers
@@ -126,9 +139,10 @@ class TierWriter(StorageWriter):
                 "a TierWriter with a tiers function cannot be sent to another process; "
                 "create the stores first (their tiercheck.toml is then reused)"
             )
+        # handed over: the other process opens the stores this one may hold open
+        stores.close_under(self._root)
         state = dict(self.__dict__)
         state["_ckpt"] = None
-        state["_owned"] = False
         state["_ephemeral"] = True
         state["_lock"] = None
         state["_pending"] = None
@@ -140,15 +154,28 @@ class TierWriter(StorageWriter):
 
     @property
     def checkpointer(self) -> Checkpointer | None:
-        """This rank's store, once ``set_up_storage_writer`` opened it."""
-        return self._ckpt
+        """This rank's store: the one given, or this process's open store at the rank root
+        (None before the first save and after :meth:`close`)."""
+        if self._given is not None or self._root is None:
+            return self._given
+        return stores.peek(rank_root(self._root, self._rank))
+
+    def wait_migrations(self, timeout: float | None = None) -> bool:
+        """Block until the migrations of this writer's store(s) in this process have
+        settled (see :meth:`Checkpointer.wait_migrations`); True if none is pending."""
+        if self._given is not None:
+            return self._given.wait_migrations(timeout)
+        if self._root is None:
+            return True
+        return all(c.wait_migrations(timeout) for c in stores.open_stores(self._root))
 
     def close(self) -> None:
-        """Close this rank's store if the writer opened it (waiting for its saves)."""
-        if self._owned and self._ckpt is not None:
-            self._ckpt.close()
+        """Close this process's stores under the root (every writer's of this process on
+        it), once their saves and migrations are done; a later save opens them again. A
+        store given as a :class:`Checkpointer` is left open."""
+        if self._given is None and self._root is not None:
             self._ckpt = None
-            self._owned = False
+            stores.close_under(self._root)
 
     def __enter__(self) -> TierWriter:
         return self
@@ -156,27 +183,44 @@ class TierWriter(StorageWriter):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open(self, rank: int) -> Checkpointer:
-        if self._ckpt is not None:
+    def _open(self, rank: int, *, fresh: bool = False) -> Checkpointer:
+        """This rank's store for the save in progress (looked up again when ``fresh``: at
+        the start of each save)."""
+        if self._ckpt is not None and not fresh:
             return self._ckpt
+        if self._given is not None:
+            self._ckpt = self._given
+            return self._given
         assert self._root is not None
         root = rank_root(self._root, rank)
-        tiers = self._tiers(root) if callable(self._tiers) else self._tiers
-        if tiers is not None and (root / "tiercheck.toml").exists():
-            tiers = None  # an existing store keeps its configuration
-        root.mkdir(parents=True, exist_ok=True)
-        # a one-rank store: DCP's own collectives order the ranks (see the module docstring)
-        self._ckpt = Checkpointer(
-            root, tiers=tiers, policy=self._policy, coordinator=LocalCoordinator()
-        )
-        self._owned = True
+
+        def opener() -> Checkpointer:
+            tiers = self._tiers(root) if callable(self._tiers) else self._tiers
+            if tiers is not None and (root / "tiercheck.toml").exists():
+                tiers = None  # an existing store keeps its configuration
+            root.mkdir(parents=True, exist_ok=True)
+            # a one-rank store: DCP's own collectives order the ranks (package docstring)
+            return Checkpointer(
+                root, tiers=tiers, policy=self._policy, coordinator=LocalCoordinator()
+            )
+
+        self._ckpt = stores.shared_store(root, opener)
         return self._ckpt
+
+    def _settle(self, ckpt: Checkpointer) -> None:
+        """After a commit: wait for the retention it triggered and, unless ``background``,
+        for its migrations, so that nothing writes in the store once the save returns."""
+        ckpt.flush()
+        if not self.background:
+            ckpt.wait_migrations()
 
     def _end(self) -> None:
         self._pending = None
         self._ref = CheckpointRef()
         self.checkpoint_id = None
         self._step = None
+        if self._given is None:
+            self._ckpt = None
         if self._ephemeral:
             self.close()
 
@@ -206,7 +250,7 @@ class TierWriter(StorageWriter):
         self._rank = int(rank) if isinstance(rank, int) else _dist_rank()
         self._is_coordinator = is_coordinator
         self._pending = None
-        self._open(self._rank)
+        self._open(self._rank, fresh=True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         ckpt = self._open(self._rank)
@@ -253,6 +297,7 @@ class TierWriter(StorageWriter):
             if items:
                 handle = ckpt.save(info.step, {ITEMS: items}, metadata={"dcp": self._mark(False)})
                 version = handle.wait().version
+                self._settle(ckpt)
         except BaseException:
             self._end()
             raise
@@ -279,7 +324,7 @@ class TierWriter(StorageWriter):
                     f"DCP resolved a BYTE_IO item to {type(data).__qualname__}", key=item.index.fqn
                 )
             raw = data.getvalue()
-            return key, raw, len(raw)
+            return key, bytes_entry(raw), len(raw)
         if not isinstance(data, torch.Tensor):
             raise UnsupportedValue(
                 f"DCP resolved a tensor item to {type(data).__qualname__}", key=item.index.fqn
@@ -315,12 +360,13 @@ class TierWriter(StorageWriter):
             encoded = encode_metadata(metadata, ranks=ranks)
             if self._step is None or self._pending is None:
                 raise CheckpointError("finish was called before this coordinator's write_data")
-            state: dict[str, Any] = {METADATA: encoded}
+            state: dict[str, Any] = {METADATA: bytes_entry(encoded)}
             if self._pending:
                 state[ITEMS] = self._pending
             handle = ckpt.save(self._step, state, metadata={"dcp": self._mark(True)})
             handle.wait()
             self.last_version = handle.version
+            self._settle(ckpt)
         finally:
             self._end()
 
