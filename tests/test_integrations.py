@@ -21,6 +21,8 @@ import pytest
 import torch
 from _snippets import destroy_stores
 
+from tiercheck.integrations import read_pointer
+
 SCRIPTS = Path(__file__).with_name("integration_scripts")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
 
@@ -83,8 +85,8 @@ def test_lightning_async_resume_after_sigkill_is_bit_identical(work: Path) -> No
     assert 1 <= b["first_epoch"] <= 3, "the resumed run must start after a checkpoint"
     _assert_identical(a, b)
     last = work / "job" / "ckpts" / "last.ckpt"
-    assert last.read_bytes().startswith(b'{"format": "tiercheck-pointer"')
-    assert last.stat().st_size < 200  # a pointer, not the state
+    assert read_pointer(last) is not None  # a pointer (guarded against torch.load)
+    assert last.stat().st_size < 1024  # a pointer, not the state
 
 
 def test_hf_trainer_resume_after_sigkill_is_bit_identical(work: Path) -> None:
@@ -122,7 +124,7 @@ def test_lightning_sharded_strategy_resume_after_sigkill_is_bit_identical(work: 
     assert b["first_epoch"] == 2, "the resumed run must start from the checkpoint of epoch 1"
     _assert_identical(a, b)
     last = work / "job" / "ckpts" / "last.ckpt"
-    assert last.is_file() and last.read_bytes().startswith(b'{"format": "tiercheck-pointer"')
+    assert last.is_file() and read_pointer(last) is not None
     # the shards live in tiercheck (one store per rank), none in Lightning's DCP files
     assert not list((work / "job").rglob("*.distcp"))
     assert {p.name for p in (work / "job" / "store-sharded").iterdir()} >= {"rank0", "rank1"}

@@ -130,6 +130,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
+    from tiercheck.planning.tier_costs import survival_text
+
     console = make_console()
     mtbf = failures.mtbf_seconds(job.gpus)
     console.print(
@@ -148,7 +150,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         w, rd = r.limits()
         rt.add_row(
             name,
-            r.survives.value,
+            survival_text(name),
             _seconds(r.write_seconds(job.state_bytes_per_rank, job.mean_state)),
             _seconds(r.read_seconds(job.state_bytes_per_rank, job.mean_state)),
             f"{w} / {rd}",
@@ -188,7 +190,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for t in best.tiers:
         tt.add_row(
             t.tier,
-            t.survives,
+            survival_text(t.tier),
             {"every": "every version", "base": "bases", "migrate": "bases, migrated"}[t.placement],
             _seconds(t.interval_s),
             _seconds(t.save_s),

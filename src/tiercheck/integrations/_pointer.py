@@ -10,12 +10,22 @@ root and the version::
 A pointer is written only after its version is committed, atomically (a temporary file
 renamed over the path on a local file system; one object put elsewhere), so a path that
 exists always names a version that was committed.
+
+A pointer at a path a framework may hand to ``torch.load`` (Lightning's
+``load_from_checkpoint``) starts with a guard (``write_pointer(..., guard=True)``): a few
+bytes of pickle that make ``torch.load`` fail, with ``weights_only`` True or False, with an
+error naming :func:`tiercheck.integrations.lightning.load`, instead of torch's hint to
+retry unsafely. The guard calls only ``_codecs.encode`` (one of the globals
+``weights_only=True`` allows) with the message as the name of the encoding, so torch
+raises ``LookupError: unknown encoding: <the message>`` and runs nothing else. The JSON
+document follows the guard; :func:`read_pointer` reads both forms.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +58,44 @@ class Pointer:
         }
         return (json.dumps(doc) + "\n").encode()
 
+    def torch_message(self) -> str:
+        """What ``torch.load`` of a guarded pointer to this version says."""
+        return (
+            f"\n\nthis file is a tiercheck pointer to version {self.version} (step {self.step}) "
+            f"of the store at {self.root}, not a torch checkpoint: read it with "
+            "tiercheck.integrations.lightning.load(path), which returns the checkpoint dict "
+            "(e.g. model.load_state_dict(load(path)['state_dict'])), or resume with "
+            "trainer.fit(model, ckpt_path=path) and TiercheckIO"
+        )
+
+
+#: the guard's opening: pickle protocol 2, then the global ``_codecs.encode``
+_GUARD = b"\x80\x02c_codecs\nencode\n"
+#: the guard's end: the two arguments as a tuple, the call, the end of the pickle
+_GUARD_END = b"\x86R."
+
+
+def _unicode(text: str) -> bytes:
+    data = text.encode()
+    return b"X" + struct.pack("<I", len(data)) + data  # pickle's BINUNICODE
+
+
+def _guard(pointer: Pointer) -> bytes:
+    return _GUARD + _unicode("") + _unicode(pointer.torch_message()) + _GUARD_END + b"\n"
+
+
+def _after_guard(head: bytes) -> bytes | None:
+    """The bytes after the guard that ``head`` starts with (None: not a guard)."""
+    at = len(_GUARD)
+    for _ in range(2):
+        if head[at : at + 1] != b"X" or len(head) < at + 5:
+            return None
+        (n,) = struct.unpack("<I", head[at + 1 : at + 5])
+        at += 5 + n
+    if head[at : at + len(_GUARD_END)] != _GUARD_END:
+        return None
+    return head[at + len(_GUARD_END) :]
+
 
 def is_local(path: str | os.PathLike[str]) -> bool:
     """True for a plain path or a ``file://`` URL."""
@@ -55,9 +103,12 @@ def is_local(path: str | os.PathLike[str]) -> bool:
     return "://" not in text or text.startswith("file://")
 
 
-def write_pointer(path: str | os.PathLike[str], pointer: Pointer) -> None:
-    """Write ``pointer`` at ``path`` (a local path or an fsspec URL), replacing any file."""
-    data = pointer.to_json()
+def write_pointer(path: str | os.PathLike[str], pointer: Pointer, *, guard: bool = False) -> None:
+    """Write ``pointer`` at ``path`` (a local path or an fsspec URL), replacing any file.
+
+    ``guard``: start it with the guard against ``torch.load`` (module docstring), for a
+    path a framework may hand to ``torch.load``."""
+    data = (_guard(pointer) if guard else b"") + pointer.to_json()
     text = os.fspath(path)
     if is_local(text):
         target = Path(text.removeprefix("file://"))
@@ -85,6 +136,8 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
     fs, fs_path = fsspec.core.url_to_fs(os.fspath(path))
     with fs.open(fs_path, "rb") as f:
         head = f.read(_MAX_BYTES + 1)
+    if head.startswith(_GUARD):
+        head = _after_guard(head) or b""
     if not head.lstrip().startswith(b"{"):
         return None
     try:

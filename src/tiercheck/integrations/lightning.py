@@ -265,13 +265,13 @@ class TiercheckIO(CheckpointIO, Callback):
         pointer = Pointer(str(store.root), handle.version, step)
         if not self.async_save:
             handle.wait()
-            write_pointer(path, pointer)
+            write_pointer(path, pointer, guard=True)
             return
         handle.wait_staged()
 
         def commit_then_point() -> None:
             handle.wait()
-            write_pointer(path, pointer)
+            write_pointer(path, pointer, guard=True)
 
         self._submit(commit_then_point, f"the checkpoint of step {step} ({path})")
 

@@ -36,16 +36,19 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tiercheck.backends.base import FailureDomain
+from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.errors import ConfigError
+from tiercheck.store.guarantees import describe_survival
 
 __all__ = [
+    "TIER_PERSISTENT",
     "TIER_SURVIVES",
     "Hardware",
     "Measured",
     "TierRates",
     "load_hardware",
     "save_hardware",
+    "survival_text",
     "tier_rates",
     "write_text_atomic",
 ]
@@ -59,6 +62,22 @@ TIER_SURVIVES: Mapping[str, FailureDomain] = {
     "lmdb": FailureDomain.PROCESS,
     "remote": FailureDomain.CLUSTER,
 }
+
+#: whether each modelled tier's content survives a reboot of its host (LMDB on local disk
+#: does, memory does not), as :attr:`Capabilities.persistent` says of a real tier
+TIER_PERSISTENT: Mapping[str, bool] = {"shm": False, "peer": False, "lmdb": True, "remote": True}
+
+
+def survival_text(name: str) -> str:
+    """What the modelled tier ``name`` survives, in the words ``tiercheck ls`` and the
+    errors use for a real tier (:func:`tiercheck.store.guarantees.describe_survival`)."""
+    caps = Capabilities(
+        survives=TIER_SURVIVES[name],
+        shared=name == "remote",
+        persistent=TIER_PERSISTENT[name],
+        speed_rank=0,
+    )
+    return describe_survival(caps)
 
 
 @dataclass(frozen=True)
@@ -225,7 +244,13 @@ class TierRates:
 
     def to_json(self) -> dict[str, Any]:
         w, r = self.limits()
-        return {**asdict(self), "survives": self.survives.value, "write_limit": w, "read_limit": r}
+        return {
+            **asdict(self),
+            "survives": self.survives.value,
+            "survives_text": survival_text(self.name),
+            "write_limit": w,
+            "read_limit": r,
+        }
 
 
 def _seconds(largest: float, mean: float, cpu: float, medium: float, shared: bool) -> float:
