@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from tiercheck.backends.base import Capabilities, FailureDomain, Tier
 from tiercheck.core.sizes import format_size
-from tiercheck.errors import NotSupported, TierError
+from tiercheck.errors import NotSupported, OverBudget, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.formats.manifest import ChunkRef
 from tiercheck.store.catalog import Catalog
@@ -125,21 +125,58 @@ def bytes_needed(
 
 @dataclass(frozen=True)
 class Shortfall:
-    """A version that does not fit a tier's budget, even after making room."""
+    """A version that does not fit a tier's budget, even after making room, or a write the
+    tier refused (:meth:`refused`; ``budget`` None: the node's free memory was the limit)."""
 
     tier: str
     needed: int
     held: int
-    budget: int
+    budget: int | None
 
-    def message(self, version: int, step: int) -> str:
+    @classmethod
+    def refused(cls, tier: str, exc: OverBudget) -> Shortfall:
+        """The shortfall an ``OverBudget`` from a write to ``tier`` reports."""
+        return cls(tier, exc.needed, exc.held, exc.budget)
+
+    def message(self, version: int, step: int, went: Sequence[str] | None = None) -> str:
+        """The one phrasing of a budget skip (its warning, the tier's error in the save's
+        result, a ``CommitAborted``): the tier, the sizes, where the version went (``went``:
+        the tiers it is committed on; None: not known yet) and the fix."""
+        t = self.tier
+        if self.budget is None:
+            sizes = "and the node does not have that much memory free"
+            fix = (
+                "free memory on the node (tiercheck gc --orphans, old stores), or give tier "
+                f"{t} a smaller budget (tier option budget = ...) so that it keeps fewer versions"
+            )
+        else:
+            sizes = (
+                f"{format_size(self.held)} of its budget of {format_size(self.budget)} is held "
+                "by versions it must keep"
+            )
+            fix = (
+                f"give tier {t} a larger budget (tier option budget = ...), keep fewer versions "
+                "there (keep_bases/keep_diffs), or free memory on the node"
+            )
+        where = ""
+        if went is not None:
+            where = (
+                f"; the version is committed on {', '.join(went)} instead"
+                if went
+                else "; no other tier took it"
+            )
         return (
-            f"tier {self.tier} skipped for version {version} (step {step}): it needs "
-            f"{format_size(self.needed)} more, {format_size(self.held)} of its budget of "
-            f"{format_size(self.budget)} is held by versions it must keep; give the tier a "
-            f"larger budget (tier option budget = ...), keep fewer versions there "
-            f"(keep_bases/keep_diffs), or free memory on the node"
+            f"tier {t} skipped version {version} (step {step}): it needs "
+            f"{format_size(self.needed)} more, {sizes}{where}; to fix: {fix}"
         )
+
+    def warn(self, version: int, step: int, went: Sequence[str]) -> str:
+        """Log the skip as one warning and return its message. Every budget skip is logged
+        here, under this module's logger, so that
+        ``logging.getLogger("tiercheck.store.budgets")`` quiets them all."""
+        text = self.message(version, step, went)
+        log.warning("%s", text)
+        return text
 
 
 class Budgets:

@@ -46,7 +46,7 @@ from tiercheck.formats.manifest import CommitRecord, VersionInfo
 from tiercheck.runtime.background import Halt, reporting
 from tiercheck.runtime.handles import Failures, SaveHandle, TierState
 from tiercheck.store import guarantees
-from tiercheck.store.budgets import budget_of
+from tiercheck.store.budgets import Shortfall, budget_of
 from tiercheck.store.catalog import Catalog, LiveCatalog, append_record, read_tier_log
 from tiercheck.store.fetch import ChunkFetcher
 from tiercheck.store.leases import GCFence, Reservation, TierLeases
@@ -362,9 +362,9 @@ class MigrationService:
                 self._later(job, job.poll)
                 job.poll = min(job.poll * 2, _POLL_MAX)
         except OverBudget as exc:  # a memory tier without room: skipped, not failed
-            msg = f"{type(exc).__name__}: {exc}"
-            log.warning("migration of version %d to %s skipped: %s", vid, name, msg)
-            self._settle(job, "missing", msg)
+            went = self.catalog.snapshot().holders(vid)
+            msg = Shortfall.refused(name, exc).warn(vid, job.info.step, went)
+            self._settle(job, "missing", f"{type(exc).__name__}: {msg}")
         except TierUnavailable as exc:
             job.attempts += 1
             job.error = f"{type(exc).__name__}: {exc}"
