@@ -4,6 +4,7 @@ restore() replays and verifies, falls back when it cannot (issue 11, phase 2).""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from dataclasses import replace
@@ -83,7 +84,41 @@ def _store(tmp_path: Path) -> tiercheck.Checkpointer:
     return tiercheck.Checkpointer(tmp_path / "s", tiers=[_shm(tmp_path)])
 
 
-def test_a_parameter_edited_outside_the_optimizer_falls_back_to_the_base(tmp_path: Path) -> None:
+def test_a_parameter_edited_outside_the_optimizer_is_saved_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An in-place edit outside ``optimizer.step()`` bumps the tensor's version counter:
+    the save sees it and is a full version, with one warning naming the state key."""
+    t = Trainer()
+    ckpt = _store(tmp_path)
+    try:
+        ckpt.guard(t.opt)
+        t.step()
+        ckpt.save(1, t.state()).wait()
+        t.step()
+        with torch.no_grad():
+            t.model.head.bias.add_(1.0)  # outside optimizer.step()
+        with caplog.at_level(logging.WARNING, logger="tiercheck"):
+            h = ckpt.save(2, t.state())
+            h.wait()
+        assert h.role in ("base", "diff")
+        (warning,) = [r.getMessage() for r in caplog.records if "outside" in r.getMessage()]
+        assert "model/head.bias" in warning and "param/" not in warning
+        saved = snapshot(t)
+        fresh = Trainer(seed=5)
+        ckpt.guard(fresh.opt)
+        info = ckpt.restore(fresh.state())
+        assert info.version == h.version and info.fallback is None
+        assert_bit_identical(snapshot(fresh), saved)
+    finally:
+        ckpt.destroy()
+
+
+def test_an_edit_through_data_falls_back_to_the_base_naming_the_state_key(
+    tmp_path: Path,
+) -> None:
+    """``.data`` has a version counter of its own, so the save cannot see this edit: the
+    fingerprints catch it at restore, which names the state key and loads the base."""
     t = Trainer()
     ckpt = _store(tmp_path)
     try:
@@ -93,8 +128,7 @@ def test_a_parameter_edited_outside_the_optimizer_falls_back_to_the_base(tmp_pat
         base.wait()
         base_state = snapshot(t)
         t.step()
-        with torch.no_grad():
-            t.model.head.bias.add_(1.0)  # outside optimizer.step(): the log cannot know
+        t.model.head.bias.data.add_(1.0)  # outside optimizer.step(), unseen by autograd
         h = ckpt.save(2, t.state())
         h.wait()
         assert h.role == "log"
@@ -103,7 +137,7 @@ def test_a_parameter_edited_outside_the_optimizer_falls_back_to_the_base(tmp_pat
         info = ckpt.restore(fresh.state())
         assert info.version == base.version and info.role == "base"
         assert info.fallback is not None and "could not be replayed" in info.fallback
-        assert "param/" in info.fallback  # names what differs: the edited bias
+        assert "model/head.bias" in info.fallback and "param/" not in info.fallback
         assert_bit_identical(snapshot(fresh), base_state)
         t.step()  # the first guard's log was moved to fresh.opt: t's steps are not logged
         assert ckpt.save(3, fresh.state()).result().role in ("base", "diff")

@@ -309,7 +309,7 @@ class Engine:
             # its hooks capture nothing; a restore replays log versions into the optimizer
             if self._replay_into is not None:
                 self._replay_into.detach()
-            source = self._replay_into = LogSource(optimizer, scaler, mirrors)
+            source = self._replay_into = LogSource(optimizer, scaler, mirrors, prepare=False)
 
         def remove() -> None:
             handle.remove()

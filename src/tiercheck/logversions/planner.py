@@ -25,12 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from tiercheck.core.chunking import Layout, plan_layout
 from tiercheck.core.entries import Leaf, torch_dtype
+from tiercheck.core.sharded import local_tensor
 from tiercheck.formats.manifest import ReplayLog
+from tiercheck.logversions.capture import slot_bytes
 from tiercheck.logversions.fingerprint import fingerprints
 from tiercheck.logversions.update_log import (
     LoggedSteps,
     UpdateLog,
     estimate_replay_seconds,
+    flat_params,
     plan_log,
     replayed_leaves,
     replayed_tensors,
@@ -120,6 +123,12 @@ class LogSource:
 
     Used on the save pipeline thread while the guard holds the trainer (plus ``attach``
     from ``guard()`` and ``invalidate`` from a restore, on the trainer's thread).
+
+    The capture pays only where it can win: at each full version, :meth:`full` switches
+    it off for the cycle to come when the gradients of the steps between two saves (as
+    last seen) are no smaller than what a full version stores of the optimizer, since
+    no log version could then be chosen, and on again when they are. ``prepare``
+    allocates the ring's first buffers here (in ``guard()``), not in the first step.
     """
 
     def __init__(
@@ -127,13 +136,21 @@ class LogSource:
         optimizer: torch.optim.Optimizer,
         scaler: Any = None,
         mirrors: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        *,
+        prepare: bool = True,
     ) -> None:
         self.ulog = UpdateLog()
         self.ulog.attach(optimizer, scaler, mirrors=mirrors)
+        if prepare:
+            self.ulog.prepare()
         self.scaler = scaler
         self.base: int | None = None  # the full version the ring logs from
         self._stored_steps = 0  # steps of that base a log version has already stored
         self.dense = False  # whether the last log seen changed about all of the state
+        self._seen_at_full = 0  # ulog.steps_seen at the last full version
+        self._saves_since_full = 0  # saves proposed since the last full version
+        self._grad_bytes = 0  # gradient bytes of a captured step, as last seen
+        self._warned: set[str] = set()  # state keys already warned of as edited
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -154,15 +171,19 @@ class LogSource:
         """Whether the state of ``leaves`` (flattened now) can be a log version of the
         steps since :attr:`base`, and what it would cost. Takes the log (release it with
         :meth:`release`, or :meth:`full` / :meth:`invalidate`)."""
+        self._saves_since_full += 1
         if self.base is None or self.base not in committed:
             return LogProposal("the full version the log extends is not committed")
-        status = self.ulog.status
-        if status is not None:
-            return LogProposal(status)
         import torch
 
         tensors = replayed_tensors(self.optimizer, self.mirrors)
         replayed = replayed_leaves(leaves, tensors)
+        edited = self.ulog.edited()
+        if edited:
+            return LogProposal(self._edited(edited, replayed))
+        status = self.ulog.status
+        if status is not None:
+            return LogProposal(status)
         found = set(replayed.values())
         missing = [
             name
@@ -176,6 +197,9 @@ class LogSource:
                 f"(e.g. {missing[0]}: its parameters and state)"
             )
         logged = self.ulog.take(fingerprint=False)
+        captured = [s.nbytes for s in logged.steps if not s.skipped]
+        if captured:
+            self._grad_bytes = max(captured)
         with_grad = {i for s in logged.steps for i, g in enumerate(s.grads) if g is not None}
         replayed_bytes = changed = 0
         for leaf in leaves:
@@ -213,11 +237,60 @@ class LogSource:
         assert proposal.logged is not None
         self._stored_steps = len(proposal.logged.steps)
 
+    def _edited(self, names: Sequence[str], replayed: Mapping[str, str]) -> str:
+        """Why the save is a full version: ``names`` were written outside
+        ``optimizer.step()``. Warns once per state key."""
+        key_of = {name: key for key, name in replayed.items()}
+        keys = [key_of.get(n, n) for n in names]
+        new = [k for k in keys if k not in self._warned]
+        shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+        reason = (
+            f"{shown} changed outside optimizer.step() since the last step (a clamp, a "
+            "manual edit): no replay can reproduce that"
+        )
+        if new:
+            self._warned.update(new)
+            log.warning(
+                "%s; such saves are full versions (base or diff) while it goes on. To keep "
+                "log versions, make the change inside the optimizer's step",
+                reason,
+            )
+        return reason
+
     def full(self, version: int, state_bytes: int) -> None:
         """Version ``version`` is a full version of the state now: log from here. The
-        ring may hold up to the state's size (a longer log is never chosen)."""
+        ring may hold up to the state's size (a longer log is never chosen).
+
+        Capture is switched off for the cycle to come when the gradients of a save's
+        steps cannot be smaller than what a full version stores of the optimizer's
+        tensors (``state_bytes`` at least), on otherwise."""
+        import torch
+
         self.ulog.max_bytes = state_bytes + (1 << 20)
-        self.ulog.reset()
+        seen = self.ulog.steps_seen
+        steps = seen - self._seen_at_full
+        per_save = max(steps, 1) / max(self._saves_since_full, 1)
+        tensors = replayed_tensors(self.optimizer, self.mirrors)
+        replayed = sum(
+            local_tensor(t).nbytes for t in tensors.values() if isinstance(t, torch.Tensor)
+        )
+        grads = self._grad_bytes or slot_bytes(
+            [local_tensor(p) for _, p in flat_params(self.optimizer) if p.requires_grad]
+        )
+        whole = max(replayed, state_bytes)
+        capture = per_save * grads < whole
+        self.ulog.reset(
+            capture=capture,
+            reason=(
+                f"capture is off until the next full version: {per_save:g} step(s) of "
+                f"{grads} gradient bytes per save are no smaller than the {whole} bytes of "
+                "a full version"
+            ),
+        )
+        if not capture:
+            log.debug("version %d: the update log does not capture the next cycle", version)
+        self._seen_at_full = seen
+        self._saves_since_full = 0
         self.base = version
         self._stored_steps = 0
 

@@ -33,6 +33,7 @@ over copies of the base (``tiercheck export``, history reads).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -312,14 +313,29 @@ def replay_version(
     :class:`~tiercheck.errors.ReplayRefused` or :class:`~tiercheck.errors.ReplayMismatch`."""
     assert manifest.log is not None
     with source.ulog.paused():
-        report = replay(
-            source.optimizer,
-            manifest.log,
-            gradients_of(manifest, stream),
-            mirrors=source.mirrors,
-            scaler=source.scaler,
-        )
+        try:
+            report = replay(
+                source.optimizer,
+                manifest.log,
+                gradients_of(manifest, stream),
+                mirrors=source.mirrors,
+                scaler=source.scaler,
+            )
+        except ReplayMismatch as exc:
+            raise _by_state_key(exc, manifest.tree) from exc
     return report, replayed_tensors(source.optimizer, source.mirrors)
+
+
+def _by_state_key(exc: ReplayMismatch, tree: Any) -> ReplayMismatch:
+    """``exc`` naming the state's keys (``model/head.bias``) instead of the replayed
+    tensors' names (``param/3``), where the version's tree maps them."""
+    key_of = {name: key for key, name in replayed_keys(tree).items()}
+    if not any(name in key_of for name in exc.tensors):
+        return exc
+    names = sorted((n for n in exc.tensors if n in key_of), key=len, reverse=True)
+    pattern = re.compile("|".join(re.escape(n) + r"(?![\w/])" for n in names))
+    message = pattern.sub(lambda m: key_of[m.group(0)], str(exc))  # one pass
+    return ReplayMismatch(message, tensors=tuple(key_of.get(n, n) for n in exc.tensors))
 
 
 def replay_resharded(logs: Sequence[StoredVersion], live: Mapping[str, Any]) -> int:

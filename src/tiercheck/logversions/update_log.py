@@ -39,7 +39,6 @@ that would exceed it makes the log unusable (``status`` says so) until the next
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -48,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.core.chunking import ALIGN, cut_windows
-from tiercheck.core.entries import Leaf, encode_scalar, torch_dtype
+from tiercheck.core.entries import Leaf, torch_dtype
 from tiercheck.core.sharded import local_tensor
 from tiercheck.errors import StateError
 from tiercheck.formats.manifest import (
@@ -59,6 +58,23 @@ from tiercheck.formats.manifest import (
     ParamSpec,
     ReplayLog,
     SmallTensor,
+)
+from tiercheck.logversions.capture import (
+    Copies,
+    Deferred,
+    GradSlot,
+    OptionsCapture,
+    Ring,
+    capture_group_options,
+    capture_options,
+    capture_scaler,
+    copy_grads,
+    dtype_name,
+    narrowable,
+    resolve_scaler,
+    round_up,
+    slot_bytes,
+    step_counter,
 )
 from tiercheck.logversions.fingerprint import fingerprints
 
@@ -73,7 +89,6 @@ __all__ = [
     "LogLayout",
     "LoggedSteps",
     "UpdateLog",
-    "capture_options",
     "describe_optimizer",
     "estimate_replay_seconds",
     "flat_params",
@@ -94,14 +109,6 @@ _STEP_ATTRS = ("grad_scale", "found_inf")
 # logged gradients to the device, and fingerprinting the state after the replay.
 _H2D_BYTES_PER_S = 10e9
 _VERIFY_BYTES_PER_S = 5e9
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
 
 
 # --- describing an optimizer ------------------------------------------------------------
@@ -137,8 +144,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> Implementation:
     )
     # a DTensor's (FSDP2) local piece: what this rank's log holds gradients of
     specs = tuple(
-        ParamSpec(g, _dtype_name(p), tuple(int(d) for d in local_tensor(p).shape))
-        for g, p in params
+        ParamSpec(g, dtype_name(p), tuple(int(d) for d in local_tensor(p).shape)) for g, p in params
     )
     return Implementation(
         f"{cls.__module__}.{cls.__qualname__}", torch.__version__, ",".join(devices), flags, specs
@@ -209,73 +215,11 @@ def mirror_specs(
                 f"a mirror of shape {tuple(copy.shape)} cannot mirror parameter {i} of shape "
                 f"{tuple(master.shape)}"
             )
-        out.append((i, _dtype_name(copy)))
+        out.append((i, dtype_name(copy)))
     return tuple(out)
 
 
-# --- small tensors and options, captured without waiting for a device -----------------
-
-
-class _Deferred:
-    """A small tensor cloned on its device now and read on the host later (at take)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value.detach().clone()
-
-    def get(self) -> SmallTensor:
-        import torch
-
-        host = self.value.cpu().contiguous()
-        data = host.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return SmallTensor(_dtype_name(host), tuple(int(d) for d in host.shape), data)
-
-
-@dataclass
-class _OptionsCapture:
-    packed: bytes
-    tensors: list[tuple[int, str, _Deferred]]
-
-    def get(self) -> GroupOptions:
-        return GroupOptions(self.packed, tuple((g, n, d.get()) for g, n, d in self.tensors))
-
-
-def capture_options(optimizer: torch.optim.Optimizer) -> GroupOptions:
-    """The options of every param group as they stand now (SPEC.md section 12.2)."""
-    return _capture_options(optimizer).get()
-
-
-def _capture_options(optimizer: torch.optim.Optimizer) -> _OptionsCapture:
-    import torch
-
-    groups: list[dict[str, Any]] = []
-    tensors: list[tuple[int, str, _Deferred]] = []
-    for g, group in enumerate(optimizer.param_groups):
-        opts: dict[str, Any] = {}
-        for name, value in group.items():
-            if name == "params":
-                continue
-            if isinstance(value, torch.Tensor):
-                tensors.append((g, name, _Deferred(value)))
-            else:
-                opts[name] = value
-        groups.append(opts)
-    _, packed = encode_scalar(groups, "param_groups", allow_pickle=False)
-    return _OptionsCapture(packed, tensors)
-
-
 # --- what take() hands out ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GradSlot:
-    """Where one gradient lies in its step's buffer."""
-
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -396,7 +340,7 @@ def plan_log(logged: LoggedSteps, chunk_size: int) -> LogLayout:
                 scaler=step.scaler,
             )
         )
-        pos = _round_up(pos + step.nbytes, ALIGN)
+        pos = round_up(pos + step.nbytes, ALIGN)
     replay = ReplayLog(
         optimizer=logged.impl.optimizer,
         torch=logged.impl.torch,
@@ -425,40 +369,36 @@ class _Step:
     grads: tuple[GradSlot | None, ...] = ()
     buffer: torch.Tensor | None = None
     nbytes: int = 0
-    options: _OptionsCapture | None = None
-    attrs: dict[str, _Deferred] = field(default_factory=dict)
-    counter: _Deferred | float | None = None
-    scaler: dict[str, _Deferred] | None = None
+    options: OptionsCapture | None = None
+    attrs: dict[str, Deferred] = field(default_factory=dict)
+    counter: Deferred | float | None = None
+    scaler: dict[str, Deferred] | None = None
     started: float = 0.0
     seconds: float = 0.0
-    # (device, CUDA event) per device: the gradient copies have landed when they complete
-    copied: list[tuple[Any, Any]] = field(default_factory=list)
+    # the CUDA copies of the gradients: they have landed when their events complete
+    copied: Copies = field(default_factory=Copies)
     # (device, event before the step, event after it): the step's time on the device
     timing: tuple[Any, Any, Any] | None = None
 
     def wait_copies(self) -> None:
-        for _, ev in self.copied:
-            ev.synchronize()
+        self.copied.wait()
 
 
-def _scaler_capture(scaler: Any) -> dict[str, _Deferred] | None:
+def _structure(optimizer: Any) -> tuple[tuple[int, ...], ...]:
+    """Which parameters the optimizer steps, group by group (by identity)."""
+    return tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups)
+
+
+def _versions(optimizer: Any) -> dict[str, tuple[int, int]]:
+    """``{name: (id, version counter)}`` of every tensor a replay reproduces but the
+    mirrors (which the trainer writes): any in-place write bumps a tensor's counter."""
     import torch
 
-    out: dict[str, _Deferred] = {}
-    for key, attr in (("scale", "_scale"), ("growth_tracker", "_growth_tracker")):
-        value = getattr(scaler, attr, None)
-        if isinstance(value, torch.Tensor):
-            out[key] = _Deferred(value)
-    return out or None  # no scale yet: the scaler has not scaled anything
-
-
-def _resolve_scaler(raw: Mapping[str, _Deferred] | None) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    out: dict[str, Any] = {}
-    for key, deferred in raw.items():
-        item = deferred.value.cpu().item()
-        out[key] = float(item) if key == "scale" else int(item)
+    out: dict[str, tuple[int, int]] = {}
+    for name, t in replayed_tensors(optimizer).items():
+        if isinstance(t, torch.Tensor):
+            local = local_tensor(t)
+            out[name] = (id(local), local._version)
     return out
 
 
@@ -473,7 +413,7 @@ class UpdateLog:
     def __init__(self, *, max_bytes: int | None = None) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
-        self.max_bytes = max_bytes
+        self._ring = Ring(max_bytes)
         self._lock = threading.Lock()
         self._optimizer: torch.optim.Optimizer | None = None
         self._scaler: Any = None
@@ -484,11 +424,25 @@ class UpdateLog:
         self._calls = 0
         self._paused = 0
         self._unusable: str | None = "no full version has been saved since the log was attached"
-        self._free: list[torch.Tensor] = []
         self._leases: dict[int, list[torch.Tensor]] = {}
         self._leased: dict[int, int] = {}  # id(buffer) -> how many leases hold it
-        self._held_bytes = 0  # capacity of every buffer the ring owns
         self._next_lease = 1
+        self._capturing = True  # off: steps are counted, not captured (set_capture)
+        self._seen = 0  # optimizer steps seen (captured or not), replays excepted
+        self._structure: tuple[tuple[int, ...], ...] = ()  # the parameters at reset()
+        self._versions: dict[str, tuple[int, int]] = {}  # after the last step or reset()
+        self._edited: tuple[str, ...] = ()  # found written outside a step since reset()
+        # the parameters and version counters when the state was last read for a save
+        # (optimizer.state_dict(), on the trainer's thread): what reset() logs from
+        self._at_read: tuple[tuple[tuple[int, ...], ...], dict[str, tuple[int, int]]] | None = None
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._ring.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int | None) -> None:
+        self._ring.max_bytes = value
 
     # --- installing ---------------------------------------------------------------------
 
@@ -516,6 +470,7 @@ class UpdateLog:
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_hook),
             optimizer.register_step_post_hook(self._post_hook),
+            optimizer.register_state_dict_post_hook(self._state_dict_hook),
         ]
         if scaler is not None:
             self._wrap_scaler(scaler)
@@ -578,7 +533,51 @@ class UpdateLog:
                 return "the log is not attached to an optimizer"
             if self._open is not None:
                 return "an optimizer step has not finished"
+            if self._unusable is None and _structure(self._optimizer) != self._structure:
+                return (
+                    "the optimizer's parameters changed since the last full version (a param "
+                    "group added or removed)"
+                )
             return self._unusable
+
+    def edited(self) -> tuple[str, ...]:
+        """Names (:func:`replayed_tensors`) of the tensors written since the last logged
+        step or :meth:`reset` other than by ``optimizer.step()`` (a clamp, a manual
+        edit, a replaced tensor): no replay can reproduce them. Read from the tensors'
+        version counters, so an edit through ``.data`` is not seen (the fingerprints
+        catch that at restore)."""
+        with self._lock:
+            if self._edited or self._optimizer is None or self._unusable is not None:
+                return self._edited
+            now = self._at_read[1] if self._at_read is not None else _versions(self._optimizer)
+            before = self._versions
+        return tuple(name for name, v in before.items() if now.get(name, v) != v)
+
+    @property
+    def steps_seen(self) -> int:
+        """Optimizer steps seen since :meth:`attach`, captured or not (replays excepted)."""
+        with self._lock:
+            return self._seen
+
+    @property
+    def capturing(self) -> bool:
+        """Whether steps are captured (see :meth:`set_capture`)."""
+        with self._lock:
+            return self._capturing
+
+    def prepare(self, steps: int = 1) -> None:
+        """Allocate ring buffers for ``steps`` steps of gradients of every parameter now
+        (page-locked for CUDA parameters), so that no step allocates them."""
+        import torch
+
+        with self._lock:
+            if self._optimizer is None:
+                return
+            params = [local_tensor(p) for _, p in flat_params(self._optimizer)]
+            pinned = torch.cuda.is_available() and any(p.device.type == "cuda" for p in params)
+            need = slot_bytes(params)
+            if need:
+                self._ring.reserve(need, pinned, steps)
 
     @property
     def steps_since_reset(self) -> int:
@@ -595,15 +594,29 @@ class UpdateLog:
     def held_bytes(self) -> int:
         """Host memory the ring holds (buffers in use, leased and kept for reuse)."""
         with self._lock:
-            return self._held_bytes
+            return self._ring.held_bytes
 
     # --- the engine's calls --------------------------------------------------------------
 
-    def reset(self) -> None:
-        """The state as it is now has been saved as a full version: log from here."""
+    def reset(self, *, capture: bool = True, reason: str = "") -> None:
+        """The state as it is now has been saved as a full version: log from here.
+
+        ``capture=False`` (with the ``reason``) logs nothing until the next ``reset``:
+        the steps are counted (:attr:`steps_seen`) but their gradients not copied, for a
+        cycle in which no log version could be cheaper than a full one."""
         with self._lock:
             self._drop_steps()
-            self._unusable = None if self._optimizer is not None else self._unusable
+            if self._optimizer is None:
+                return
+            self._capturing = capture
+            self._unusable = None if capture else reason or "capture is off"
+            # the state saved is the one read for the save, which the trainer may have
+            # changed since (a param group added, a clamp) without a step
+            at_read, self._at_read = self._at_read, None
+            if at_read is None:
+                at_read = (_structure(self._optimizer), _versions(self._optimizer))
+            self._structure, self._versions = at_read
+            self._edited = ()
 
     def invalidate(self, reason: str) -> None:
         """The state changed other than by a logged step (a restore, a replay): no log
@@ -657,7 +670,7 @@ class UpdateLog:
                     continue
                 del self._leased[id(b)]
                 if id(b) not in current:
-                    self._free.append(b)
+                    self._ring.put(b)
 
     # --- the hooks (trainer thread) ---------------------------------------------------------
 
@@ -665,102 +678,113 @@ class UpdateLog:
         """The log can no longer reproduce the state: drop it until the next reset."""
         if self._unusable is None:
             self._unusable = reason
-        self._drop_steps()
+        try:
+            self._drop_steps()
+        except Exception:  # a device error while waiting for copies: drop them anyway
+            self._steps = []
+            self._open = None
 
     def _drop_steps(self) -> None:
-        for s in self._steps:
+        steps, self._steps, self._open = self._steps, [], None
+        for s in steps:
             s.wait_copies()  # a buffer goes back to the ring only once nothing writes it
             if s.buffer is not None and id(s.buffer) not in self._leased:
-                self._free.append(s.buffer)
-        self._steps = []
-        self._open = None
+                self._ring.put(s.buffer)
 
-    def _buffer(self, nbytes: int, pinned: bool) -> torch.Tensor | None:
-        """A ring buffer of at least ``nbytes``; None when ``max_bytes`` does not allow it."""
-        import torch
-
-        fits = [b for b in self._free if b.numel() >= nbytes and (b.is_pinned() or not pinned)]
-        if fits:
-            best = min(fits, key=lambda b: b.numel())
-            self._free.remove(best)
-            return best
-        size = _round_up(max(nbytes, 1), 1 << 16)
-        if self.max_bytes is not None and self._held_bytes + size > self.max_bytes:
-            for b in self._free:  # none of them fits: give their memory back
-                self._held_bytes -= b.numel()
-            self._free = []
-            if self._held_bytes + size > self.max_bytes:
-                return None
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        buf.zero_()  # first touch now, not in a later step
-        self._held_bytes += size
-        return buf
+    # The hooks run inside optimizer.step(): they never raise into it. Whatever cannot be
+    # captured makes the log unusable, so the next version is a full one.
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        import torch
-
         with self._lock:
             if self._paused:
                 return
             self._calls += 1
-            if self._open is not None:
-                self._fail("an optimizer step raised before it finished")
-            if self._unusable is not None:
-                return
-            if len(args) > 1 or kwargs:  # args[0] is the optimizer itself
-                self._fail("optimizer.step() was called with a closure or arguments")
-                return
+            self._seen += 1
             try:
-                options = _capture_options(optimizer)
-            except (StateError, TypeError) as exc:
-                self._fail(f"a param group option cannot be logged ({exc})")
-                return
-            grads: list[tuple[torch.Tensor, GradSlot] | None] = []
-            pos = 0
-            on_cuda = False
-            for _, p in flat_params(optimizer):
-                if p.grad is None:
-                    grads.append(None)
-                    continue
-                g = local_tensor(p.grad)  # a DTensor's (FSDP2): this rank's piece
-                if g.layout != torch.strided:
-                    self._fail("a gradient is sparse; only dense gradients can be logged")
-                    return
-                pos = _round_up(pos, ALIGN)
-                dtype = "bfloat16" if _narrowable(g) else _dtype_name(g)
-                n = g.numel() * torch_dtype(dtype).itemsize
-                shape = tuple(int(d) for d in g.shape)
-                grads.append((g, GradSlot(pos, n, dtype, shape)))
-                on_cuda = on_cuda or g.device.type == "cuda"
-                pos += n
-            buf = self._buffer(pos, on_cuda) if pos else None
-            if pos and buf is None:
-                self._fail(
-                    f"the steps since the last full version outgrew max_bytes={self.max_bytes}"
-                )
-                return
-            step = _Step(
-                index=len(self._steps),
-                skipped=False,
-                grads=tuple(None if g is None else g[1] for g in grads),
-                buffer=buf,
-                nbytes=pos,
-                options=options,
-                attrs={
-                    name: _Deferred(value)
-                    for name in _STEP_ATTRS
-                    if isinstance(value := getattr(optimizer, name, None), torch.Tensor)
-                },
-                counter=_counter(optimizer),
-                scaler=None if self._scaler is None else _scaler_capture(self._scaler),
+                self._capture(optimizer, args, kwargs)
+            except Exception as exc:
+                self._fail(f"a step could not be captured ({type(exc).__name__}: {exc})")
+
+    def _capture(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        import torch
+
+        if self._open is not None:
+            self._fail("an optimizer step raised before it finished")
+        if self._unusable is not None:
+            return
+        if len(args) > 1 or kwargs:  # args[0] is the optimizer itself
+            self._fail("optimizer.step() was called with a closure or arguments")
+            return
+        if _structure(optimizer) != self._structure:
+            self._fail(
+                "the optimizer's parameters changed since the last full version (a param "
+                "group added or removed)"
             )
-            if buf is not None:
-                step.copied = _copy_grads(buf, grads)
-            if step.copied:
-                step.timing = (*step.copied[0], None)
-            self._steps.append(step)
-            self._open = step
-            step.started = time.perf_counter()
+            return
+        now = _versions(optimizer)
+        edited = tuple(n for n, v in self._versions.items() if now.get(n, v) != v)
+        if edited:
+            self._edited = edited
+            self._fail(f"{edited[0]} was written outside optimizer.step()")
+            return
+        try:
+            options = capture_group_options(optimizer)
+        except (StateError, TypeError) as exc:
+            self._fail(f"a param group option cannot be logged ({exc})")
+            return
+        grads: list[tuple[torch.Tensor, GradSlot] | None] = []
+        pos = 0
+        devices: set[torch.device] = set()
+        for _, p in flat_params(optimizer):
+            if p.grad is None:
+                grads.append(None)
+                continue
+            g = local_tensor(p.grad)  # a DTensor's (FSDP2): this rank's piece
+            if g.layout != torch.strided:
+                self._fail("a gradient is sparse; only dense gradients can be logged")
+                return
+            if tuple(g.shape) != tuple(local_tensor(p).shape):
+                self._fail("a gradient's shape is not its parameter's")
+                return
+            pos = round_up(pos, ALIGN)
+            dtype = "bfloat16" if narrowable(g) else dtype_name(g)
+            n = g.numel() * torch_dtype(dtype).itemsize
+            shape = tuple(int(d) for d in g.shape)
+            grads.append((g, GradSlot(pos, n, dtype, shape)))
+            if g.device.type == "cuda":
+                devices.add(g.device)
+            pos += n
+        buf = self._ring.get(pos, bool(devices)) if pos else None
+        if pos and buf is None:
+            self._fail(f"the steps since the last full version outgrew max_bytes={self.max_bytes}")
+            return
+        step = _Step(
+            index=len(self._steps),
+            skipped=False,
+            grads=tuple(None if g is None else g[1] for g in grads),
+            buffer=buf,
+            nbytes=pos,
+            options=options,
+            attrs={
+                name: Deferred(value)
+                for name in _STEP_ATTRS
+                if isinstance(value := getattr(optimizer, name, None), torch.Tensor)
+            },
+            counter=step_counter(optimizer),
+            scaler=None if self._scaler is None else capture_scaler(self._scaler),
+        )
+        if devices:
+            dev = min(devices, key=str)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record(torch.cuda.current_stream(dev))
+            step.timing = (dev, start, None)
+        if buf is not None:
+            step.copied = copy_grads(buf, grads)
+            if step.copied and _writes_grads(optimizer):
+                step.copied.fence()  # the step itself may write a gradient: copy first
+        self._steps.append(step)
+        self._open = step
+        step.started = time.perf_counter()
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         import torch
@@ -769,97 +793,51 @@ class UpdateLog:
             step = self._open
             if self._paused or step is None:
                 return
-            step.seconds = time.perf_counter() - step.started
-            if step.timing is not None:
-                device, start, _ = step.timing
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end.record(torch.cuda.current_stream(device))
-                step.timing = (device, start, end)
-            self._open = None
+            try:
+                step.seconds = time.perf_counter() - step.started
+                # work queued after the step (zero_grad, the next backward) waits for the
+                # copies: it may write the gradients
+                step.copied.fence()
+                if step.timing is not None:
+                    device, start, _ = step.timing
+                    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    end.record(torch.cuda.current_stream(device))
+                    step.timing = (device, start, end)
+                self._open = None
+                self._versions = _versions(optimizer)
+            except Exception as exc:
+                self._fail(f"a step could not be captured ({type(exc).__name__}: {exc})")
+
+    def _state_dict_hook(self, optimizer: Any, state_dict: Any) -> None:
+        with self._lock:
+            if self._paused or self._optimizer is None:
+                return
+            try:
+                self._at_read = (_structure(optimizer), _versions(optimizer))
+            except Exception:  # never into state_dict(): reset() reads the tensors then
+                self._at_read = None
 
     def _record_skipped(self, scaler: Any) -> None:
         with self._lock:
-            if self._paused or self._unusable is not None:
+            if self._paused:
                 return
-            step = _Step(index=len(self._steps), skipped=True, scaler=_scaler_capture(scaler))
+            self._seen += 1
+            if self._unusable is not None:
+                return
+            try:
+                step = _Step(index=len(self._steps), skipped=True, scaler=capture_scaler(scaler))
+            except Exception as exc:
+                self._fail(f"a skipped step could not be logged ({type(exc).__name__}: {exc})")
+                return
             self._steps.append(step)
 
 
-def _copy_grads(
-    buf: torch.Tensor, grads: Sequence[tuple[torch.Tensor, GradSlot] | None]
-) -> list[tuple[Any, Any]]:
-    """Copy each gradient to its slot of ``buf``, zero the padding. Returns a
-    ``(device, CUDA event)`` per device whose copies are still in flight."""
-    import torch
-
-    end = 0
-    cuda: set[torch.device] = set()
-    for item in grads:
-        if item is None:
-            continue
-        g, slot = item
-        if slot.offset > end:
-            buf[end : slot.offset].zero_()
-        target = buf[slot.offset : slot.offset + slot.nbytes]
-        if slot.dtype != _dtype_name(g):  # narrowed: each element's high 16 bits
-            target.view(torch.int16).copy_(g.reshape(-1).view(torch.int16)[1::2])
-        elif g.device.type == "cuda":
-            # On the gradient's own current stream: ordered after the backward that wrote
-            # it and before anything later on that stream (zero_grad, the next backward)
-            # can change it; the host does not wait.
-            target.view(g.dtype).view(g.shape).copy_(g.detach(), non_blocking=True)
-            cuda.add(g.device)
-        else:
-            target.view(g.dtype).view(g.shape).copy_(g.detach())
-        end = slot.offset + slot.nbytes
-    events = []
-    for dev in sorted(cuda, key=str):
-        ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        ev.record(torch.cuda.current_stream(dev))
-        events.append((dev, ev))
-    return events
-
-
-# elements probed before the whole of a gradient is checked by _narrowable: a gradient
-# computed in float32 has low bits set in its first elements, and costs no more than that
-_NARROW_PROBE = 4096
-
-
-def _narrowable(g: torch.Tensor) -> bool:
-    """Whether float32 gradient ``g`` (in host memory) holds only exact bfloat16 values:
-    the low 16 bits of every element zero: bf16 gradients cast up for float32 master
-    weights (and not clipped in float32 after). Such a gradient is logged as bfloat16 (the
-    high halves, bit for bit: SPEC.md section 12.3) at half the bytes, and widened back
-    for the replay. A device tensor is never probed: that would make the step wait."""
-    import torch
-
-    if (
-        g.dtype != torch.float32
-        or g.device.type != "cpu"
-        or sys.byteorder != "little"
-        or not g.numel()
-        or not g.is_contiguous()
-    ):
-        return False
-    low = g.detach().reshape(-1).view(torch.int16)[0::2]
-    return not bool(low[:_NARROW_PROBE].any()) and not bool(low.any())
-
-
-def _counter(optimizer: Any) -> _Deferred | float | None:
-    """The optimizer's step counter (of its first parameter with state), without a sync."""
-    import torch
-
-    for _, p in flat_params(optimizer):
-        st = optimizer.state.get(p)
-        if not st or "step" not in st:
-            continue
-        value = st["step"]
-        if isinstance(value, torch.Tensor):
-            return float(value.item()) if value.device.type == "cpu" else _Deferred(value)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        return None
-    return None
+def _writes_grads(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` may write its gradients in place: a fused kernel
+    handed a GradScaler's scale unscales them there."""
+    return any(group.get("fused") for group in optimizer.param_groups) or any(
+        getattr(optimizer, name, None) is not None for name in _STEP_ATTRS
+    )
 
 
 def _finish(step: _Step) -> CapturedStep:
@@ -875,7 +853,7 @@ def _finish(step: _Step) -> CapturedStep:
     else:
         data = step.buffer[: step.nbytes].numpy().data.cast("B")
     counter = step.counter
-    if isinstance(counter, _Deferred):
+    if isinstance(counter, Deferred):
         counter = float(counter.value.cpu().item())
     return CapturedStep(
         index=step.index,
@@ -885,6 +863,6 @@ def _finish(step: _Step) -> CapturedStep:
         options=None if step.options is None else step.options.get(),
         attrs={k: v.get() for k, v in step.attrs.items()},
         counter=counter,
-        scaler=_resolve_scaler(step.scaler),
+        scaler=resolve_scaler(step.scaler),
         seconds=seconds,
     )
