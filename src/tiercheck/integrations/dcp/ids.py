@@ -91,12 +91,15 @@ def item_key(index: MetadataIndex) -> str:
 @dataclass(frozen=True)
 class Location:
     """Where one DCP item is stored: ``rank``'s store, its ``version`` (None: the version
-    holding the metadata), entry ``key`` under :data:`ITEMS`, and its byte length."""
+    holding the metadata), entry ``key`` under :data:`ITEMS`, and its byte length.
+    ``root`` is the store's root as the writing rank reports it (the metadata records it
+    once per rank, not per item: decoded locations leave it empty)."""
 
     rank: int
     version: int | None
     key: str
     nbytes: int
+    root: str = ""
 
 
 def _done(value: Any) -> Future[Any]:

@@ -122,6 +122,7 @@ class TierWriter(StorageWriter):
         self._rank = 0
         self._is_coordinator = True
         self._step: int | None = None
+        self._planned: int | None = None  # the step prepare_global_plan chose for this save
         self._ranks: dict[int, str] = {}
         self._pending: dict[str, Any] | None = None
         # the version id of the last checkpoint this writer committed as DCP's coordinator
@@ -219,6 +220,7 @@ class TierWriter(StorageWriter):
         self._ref = CheckpointRef()
         self.checkpoint_id = None
         self._step = None
+        self._planned = None
         if self._given is None:
             self._ckpt = None
         if self._ephemeral:
@@ -265,15 +267,22 @@ class TierWriter(StorageWriter):
             step = max(steps) + 1 if steps else 0
         out = []
         self._ranks = {}
+        self._planned = step
         for i, plan in enumerate(plans):
             info = plan.storage_data
-            if not isinstance(info, _PlanInfo):
+            if isinstance(info, _PlanInfo):
+                self._ranks[info.rank] = info.root
+                info = dataclasses.replace(info, step=step)
+            elif not plan.usable:
+                # enable_plan_caching: the rank's plan did not change, and it writes with the
+                # plan it cached at an earlier save (its own TierWriter data included)
+                info = _PlanInfo(i, "", step)
+            else:
                 raise CheckpointError(
                     f"rank {i}'s save plan carries no TierWriter data; every rank must "
                     "save with a TierWriter"
                 )
-            self._ranks[info.rank] = info.root
-            out.append(dataclasses.replace(plan, storage_data=dataclasses.replace(info, step=step)))
+            out.append(dataclasses.replace(plan, storage_data=info))
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -281,21 +290,26 @@ class TierWriter(StorageWriter):
         if not isinstance(info, _PlanInfo) or info.step is None:
             raise CheckpointError("write_data got a plan that prepare_global_plan did not see")
         ckpt = self._open(self._rank)
+        root = str(ckpt.root)
         items: dict[str, Any] = {}
         results: list[WriteResult] = []
         for item in sorted(plan.items, key=lambda it: item_key(it.index)):
             key, value, nbytes = self._resolve(item, planner)
             items[key] = value
-            results.append(WriteResult(item.index, nbytes, Location(self._rank, None, key, nbytes)))
+            loc = Location(self._rank, None, key, nbytes, root)
+            results.append(WriteResult(item.index, nbytes, loc))
+        # a plan cached at an earlier save (enable_plan_caching) carries that save's step:
+        # the coordinator's own planning, or the checkpoint_id given, names this one
+        step = info.step if self._ref.step is None else self._ref.step
         if self._is_coordinator:
             # saved in finish(), together with the metadata: that version is the checkpoint
             self._pending = items
-            self._step = info.step
+            self._step = self._planned if self._planned is not None else step
             return _done(results)
         try:
             version = None
             if items:
-                handle = ckpt.save(info.step, {ITEMS: items}, metadata={"dcp": self._mark(False)})
+                handle = ckpt.save(step, {ITEMS: items}, metadata={"dcp": self._mark(False)})
                 version = handle.wait().version
                 self._settle(ckpt)
         except BaseException:
@@ -343,6 +357,7 @@ class TierWriter(StorageWriter):
             ckpt = self._open(self._rank)
             storage: dict[MetadataIndex, Location] = {}
             versions: dict[int, int | None] = {}
+            roots = {r: root for r, root in self._ranks.items() if root}
             for rank_results in results:
                 for wr in rank_results:
                     loc = wr.storage_data
@@ -351,12 +366,13 @@ class TierWriter(StorageWriter):
                             f"a rank reported a write of {wr.index} without a location"
                         )
                     storage[wr.index] = loc
+                    if loc.root:
+                        roots[loc.rank] = loc.root
                     if loc.rank != self._rank:
                         versions[loc.rank] = loc.version
             metadata.storage_data = storage
-            ranks = {r: (versions.get(r), root) for r, root in self._ranks.items()}
-            if self._rank not in ranks:
-                ranks[self._rank] = (None, str(ckpt.root))
+            roots[self._rank] = str(ckpt.root)
+            ranks = {r: (versions.get(r), root) for r, root in roots.items()}
             encoded = encode_metadata(metadata, ranks=ranks)
             if self._step is None or self._pending is None:
                 raise CheckpointError("finish was called before this coordinator's write_data")
