@@ -149,6 +149,53 @@ def check(live: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None
             raise SystemExit(f"restored {k} differs from what was saved")
 
 
+LABELS = {
+    "memcpy_s": "one copy of the state's bytes (the floor)",
+    "tc_shm_s": "tiercheck restore, shm-only store (verified, all or nothing)",
+    "tc_default_s": "tiercheck restore, default store (from shm)",
+    "dcp_load_s": "dcp.load from /dev/shm",
+    "torch_load_s": "torch.load from /dev/shm + copy_",
+    "torch_load_mmap_s": "torch.load(mmap=True) from /dev/shm + copy_",
+    "safetensors_s": "safetensors load_file from /dev/shm + copy_",
+}
+
+
+def section(path: Path = Path(__file__).parent / "results" / "restore.json") -> str:
+    """The "Restore into live tensors" section of docs/benchmarks.md, from this script's
+    JSON (``--out benchmarks/results/restore.json``); empty if it has not been run."""
+    if not path.exists():
+        return ""
+    doc = json.loads(path.read_text())
+    nbytes = doc["state_bytes"]
+    rows = [
+        f"| {LABELS.get(k, k)} | {m * 1e3:,.0f} ms | {nbytes / m / 1e9:.2f} GB/s |"
+        for k, m in ((k, v["median"]) for k, v in doc["metrics"].items())
+    ]
+    ratios = [
+        f"| {LABELS.get(k.split(' / ')[1], k)} | {r:.2f}x |" for k, r in doc["ratios"].items()
+    ]
+    return (
+        "## Restore into live tensors\n\n"
+        "`python benchmarks/restore.py --out benchmarks/results/restore.json` restores a state of "
+        f"{doc['tensors']} fp32 tensors ({nbytes / 2**30:.2f} GiB) on {doc['device']} into its own "
+        "live tensors, each system reading from /dev/shm, the repeats round robin; run on "
+        f"{doc['created']}, torch {doc['torch']}, median of {doc['repeats']}, load average "
+        f"{doc['load'][0]:.1f} at the start and {doc['load'][1]:.1f} at the end.\n\n"
+        "| system | median | throughput |\n|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "| tiercheck (shm) over | ratio |\n|---|---|\n" + "\n".join(ratios) + "\n\n"
+        "tiercheck reads every chunk of the version from the shm tier into the store's warm "
+        "staging buffer and checks its BLAKE3 id there (chunks in parallel on the I/O pool); "
+        "only when every chunk is verified does it copy each entry into its live tensor: per "
+        "byte two copies and one hash, no allocation. Tensors outside stateful objects get "
+        "no undo copy (they are written last, when nothing can fail any more); a module's or "
+        "optimizer's tensors are copied before the load, since its `load_state_dict` may "
+        "raise half way. `safetensors` and `torch.load(mmap=True)` map the file and copy "
+        "once, verifying nothing; the shm tier hands out no mapping of a blob (its segment "
+        "is reused once the blob is deleted), so a verified, all-or-nothing restore from it "
+        "reads into staging first.\n\n"
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
