@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercheck.core.chunking import Layout
+from tiercheck.engine.staging import ShardBytes
 from tiercheck.errors import NotFound, OverBudget, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
 from tiercheck.formats.ids import Buffer, chunk_id, chunk_ids
@@ -38,6 +39,7 @@ from tiercheck.formats.manifest import (
     VersionInfo,
     pack_manifest,
 )
+from tiercheck.runtime.executors import lower_priority
 from tiercheck.runtime.parallel import map_all
 from tiercheck.store.catalog import append_record
 from tiercheck.store.deltas import elem_size, held_bases
@@ -126,12 +128,12 @@ class ShardStream:
         slots: Sequence[TierSlot],
         *,
         pool: Executor,
-        view: memoryview,
+        view: memoryview | ShardBytes,
         zstd_level: int,
         protect: Callable[[list[str]], None],
     ) -> None:
         self._pool = pool
-        self._view = view
+        self._view = view if isinstance(view, ShardBytes) else ShardBytes(view)
         self._zstd_level = zstd_level
         self._protect = protect
         self._stop = threading.Event()
@@ -164,8 +166,10 @@ class ShardStream:
         try:
             for lo in range(0, len(windows), step):
                 part = windows[lo : lo + step]
-                views = [self._view[o : o + n] for o, n in part]
-                ids = chunk_ids(views, threads=threads, pool=hashing)
+                with self._view.reading():
+                    views = [self._view[o : o + n] for o, n in part]
+                    ids = chunk_ids(views, threads=threads, pool=hashing)
+                    del views
                 batch = [ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, part)]
                 if self._queues:
                     self._protect(ids)
@@ -196,6 +200,7 @@ class ShardStream:
     def _writer(
         self, slot: TierSlot, q: queue.SimpleQueue[list[ChunkRef] | None], fut: Future[Streamed]
     ) -> None:
+        lower_priority()  # this thread's own: the trainer keeps its CPU
         out = Streamed(started=time.perf_counter())
         try:
             # group commit where the blobs are views of the staged buffer (raw): an
@@ -215,7 +220,8 @@ class ShardStream:
                     batch = batch + more
                 if out.error is None and not self._stop.is_set():
                     try:
-                        self._write(slot, batch, out)
+                        with self._view.reading():  # raw blobs are views of what it reads
+                            self._write(slot, batch, out)
                     except Exception as exc:  # the tier drops out of this version
                         out.error = exc
         finally:
@@ -297,7 +303,7 @@ def place_shard(
     slot: TierSlot,
     *,
     pool: Executor,
-    view: memoryview,
+    view: memoryview | ShardBytes,
     layout: Layout,
     manifest: ShardManifest,
     manifest_bytes: bytes,
@@ -318,9 +324,11 @@ def place_shard(
     diff version on a tier whose codec is ``delta``. ``only`` limits the chunks this call
     writes (cross-rank dedup on a shared tier: the other chunks are other ranks' to write).
     ``streamed``: what a :class:`ShardStream` wrote to this tier already (awaited here; its
-    failure is this tier's failure).
+    failure is this tier's failure). ``view``: the staged stream, or a :class:`ShardBytes`
+    that may move the reads to another tier's copy meanwhile (every read is under its lease).
     """
     t0 = time.perf_counter()
+    src = view if isinstance(view, ShardBytes) else ShardBytes(view)
     tier = slot.tier
     assert tier is not None and slot.policy is not None
     codec = slot.policy.codec
@@ -345,8 +353,8 @@ def place_shard(
             """The blob of chunk ``index`` as parts (header, payload), and its delta base.
             A raw blob's payload is a view of the staged chunk: nothing is copied."""
             ref = manifest.chunks[index]
-            raw = view[ref.offset : ref.offset + ref.length]
-            if codec == "raw":
+            raw = src[ref.offset : ref.offset + ref.length]
+            if codec == "raw":  # the caller's lease covers the write of the view
                 return ref.id, encode_blob_parts(raw, Codec.RAW), None
             if (
                 codec == "delta"
@@ -369,9 +377,14 @@ def place_shard(
             return ref.id, encode_blob_parts(raw, Codec.ZSTD, level=zstd_level), None
 
         def write(index: int) -> _Encoded:
-            cid, parts, base_id = encode(index)
-            tier.put_parts(cid, parts)  # one vectored write where the tier has it
+            with src.reading():
+                cid, parts, base_id = encode(index)
+                tier.put_parts(cid, parts)  # one vectored write where the tier has it
             return cid, parts, base_id
+
+        def encode_owned(index: int) -> _Encoded:  # encoded blobs own their bytes
+            with src.reading():
+                return encode(index)
 
         def note(cid: str, parts: Sequence[Buffer], base_id: str | None) -> None:
             result.chunks_written += 1
@@ -391,16 +404,19 @@ def place_shard(
             def submit(batch: list[int]) -> list[Future[_Encoded]] | None:
                 # raw is encoded here (a header): queued on the pool, it would wait behind
                 # the other tiers' writes
-                return None if codec == "raw" else [pool.submit(encode, i) for i in batch]
+                return None if codec == "raw" else [pool.submit(encode_owned, i) for i in batch]
 
             ahead = submit(batches[0]) if batches else None
             try:
                 for k, batch in enumerate(batches):
-                    encoded = (
-                        [encode(i) for i in batch] if ahead is None else [f.result() for f in ahead]
-                    )
-                    ahead = submit(batches[k + 1]) if k + 1 < len(batches) else None
-                    tier.put_many_parts([(cid, parts) for cid, parts, _ in encoded])
+                    with src.reading():
+                        encoded = (
+                            [encode(i) for i in batch]
+                            if ahead is None
+                            else [f.result() for f in ahead]
+                        )
+                        ahead = submit(batches[k + 1]) if k + 1 < len(batches) else None
+                        tier.put_many_parts([(cid, parts) for cid, parts, _ in encoded])
                     for cid, parts, base_id in encoded:
                         note(cid, parts, base_id)
             finally:
@@ -432,13 +448,9 @@ def place_shard(
     except Exception as exc:  # a failing tier lowers the commit level; reported, not raised
         result.error = f"{type(exc).__name__}: {exc}"
         result.exception = exc
-        if isinstance(exc, OverBudget):  # a skip, not a failure (store/budgets.py)
-            log.warning(
-                "tier %s skipped version %s: it does not fit the memory budget: %s",
-                slot.name,
-                manifest.version,
-                exc,
-            )
+        if isinstance(exc, OverBudget):  # a skip, not a failure (store/budgets.py): the
+            # save warns of it once it knows where the version went (engine/saving.py)
+            log.debug("tier %s refused version %s: %s", slot.name, manifest.version, exc)
         else:
             log.warning("tier %s failed to take version %s: %s", slot.name, manifest.version, exc)
     result.seconds = time.perf_counter() - t0

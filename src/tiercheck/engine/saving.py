@@ -64,7 +64,7 @@ from tiercheck.engine.placing import (
     streamable,
 )
 from tiercheck.engine.ports import Migrations, Upkeep
-from tiercheck.engine.staging import StagingBuffer
+from tiercheck.engine.staging import Hold, ShardBytes, StagingBuffer
 from tiercheck.engine.submitting import Job as _Job
 from tiercheck.engine.submitting import SaveQueue
 from tiercheck.errors import (
@@ -78,6 +78,7 @@ from tiercheck.errors import (
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
 from tiercheck.logversions.planner import LogSource, with_fingerprints
 from tiercheck.runtime.background import Halt
+from tiercheck.runtime.executors import lower_priority
 from tiercheck.runtime.handles import Failures, SaveHandle, TierState
 from tiercheck.store import guarantees
 from tiercheck.store.budgets import (
@@ -103,7 +104,7 @@ log = logging.getLogger(__name__)
 class _Shard:
     """This rank's shard of a version, staged and hashed."""
 
-    view: memoryview
+    view: ShardBytes
     chunks: tuple[ChunkRef, ...]
     manifest: Any
     manifest_bytes: bytes
@@ -152,9 +153,17 @@ class SaveService(SaveQueue):
         self.failures = failures
         self.allow_pickle = allow_pickle
         self.halt = halt or Halt()
-        self._pipeline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-save")
+        self._pipeline = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tiercheck-save", initializer=lower_priority
+        )
+        # the staging copies, in order, at the trainer's own priority (it waits for them):
+        # a save stages as soon as the buffer is free, while the save before it still
+        # writes its slower tiers from the fastest tier's copy (_hand_over)
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-stage")
         self._tier_pool = ThreadPoolExecutor(
-            max_workers=max(2, len(tierset.slots)), thread_name_prefix="tiercheck-tier"
+            max_workers=max(2, len(tierset.slots)),
+            thread_name_prefix="tiercheck-tier",
+            initializer=lower_priority,
         )
         self._outstanding = threading.Semaphore(2)  # the save running and the one queued
         self._hash_threads = policy.hash_threads or None
@@ -203,6 +212,7 @@ class SaveService(SaveQueue):
         """Take no more saves: those queued are cancelled and their handles fail (returns
         at once; see :meth:`join`)."""
         self._pipeline.shutdown(wait=False, cancel_futures=True)
+        self._stager.shutdown(wait=False, cancel_futures=True)
         self._tier_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             cancelled = [j for j in self._inflight if j.future is not None and j.future.cancelled()]
@@ -214,6 +224,7 @@ class SaveService(SaveQueue):
     def join(self) -> None:
         """Block until the pipeline's threads have ended (after :meth:`stop`)."""
         self._pipeline.shutdown(wait=True)
+        self._stager.shutdown(wait=True)
         self._tier_pool.shutdown(wait=True)
 
     def close(self) -> None:
@@ -248,20 +259,67 @@ class SaveService(SaveQueue):
         self.fence.release_in(job.held)
         job.protected, job.held = [], []
         with self._lock:
+            job.finished = True
             if job in self._inflight:
                 self._inflight.remove(job)
+            hold = job.hold
+        if hold is not None:  # cancelled after it was staged ahead
+            hold.release()
         self._outstanding.release()
+
+    # --- the staging thread --------------------------------------------------------------
+
+    def _stage_ahead(self, job: _Job) -> None:
+        """Stage ``job`` on the staging thread as soon as the buffer is free. A log version
+        (planned on the pipeline thread first) or a save that failed on the caller's
+        thread is staged by the pipeline instead."""
+        if job.deferred or job.failure is not None or job.layout is None:
+            return
+        try:
+            job.staging = self._stager.submit(self._stage, job)
+        except RuntimeError:  # stopped: the pipeline reports the halt
+            job.staging = None
+
+    def _stage(self, job: _Job) -> None:
+        """Step 1 for ``job``, ahead of the pipeline: take the buffer, copy the state."""
+        if self.halt.is_set() or not self.staging.acquire():
+            return
+        hold = Hold(self.staging)
+        with self._lock:
+            if job.finished:  # cancelled meanwhile
+                hold.release()
+                return
+            job.hold = hold
+        assert job.layout is not None
+        event = self.staging.stage(job.leaves, job.layout, ready=job.ready)
+        if event is not None:
+            event.synchronize()
+        job.leaves, job.ready = [], {}  # drop references to the caller's tensors
+        job.handle._time("staged", time.perf_counter() - job.t_call)
+        job.handle._mark_staged()
 
     def _save(self, job: _Job) -> None:
         handle = job.handle
         self.halt.check(f"the save of step {job.step}")
-        if not self.staging.acquire():
-            raise CheckpointError("the staging buffer is unavailable")
-        held = True  # the staging buffer, until every tier write that reads it has ended
+        ahead = job.staging
+        staging_failed: BaseException | None = None
+        if ahead is not None and not ahead.cancelled():
+            try:
+                ahead.result()  # staged ahead: its failure is this save's (and the exchange's)
+            except Exception as exc:
+                staging_failed = exc
+            if job.hold is None:
+                raise Halted(f"the save of step {job.step} was not staged: {self.halt.why}")
+        else:
+            job.staging = None
+            if not self.staging.acquire():
+                raise CheckpointError("the staging buffer is unavailable")
+            job.hold = Hold(self.staging)
+        hold = job.hold  # until the fastest tier holds the shard, or every tier write ended
         leased: list[TierSlot] = []
         shard: _Shard | None = None
         try:
-            failure = job.failure
+            failure = job.failure or staging_failed
             if job.deferred:
                 try:
                     self._decide(job)
@@ -333,25 +391,53 @@ class SaveService(SaveQueue):
                 ): slot
                 for slot in sync
             }
+            self._hand_over(futures, shard, hold)
             try:
                 info, committed, shared_ready = self._vote_and_commit(job, futures, shard)
             finally:
                 for f in futures:  # tier writes read the staged stream: let them all end
                     f.exception()
                 shard.stream.close()
-                self.staging.release()
-                held = False
+                hold.release()
             self._after_commit(
                 job, info, shard, committed, shared_ready, exchange.owned, exchange.ids
             )
         finally:
-            if held:
+            if hold.held:
                 if shard is not None:
                     shard.stream.close()
-                self.staging.release()
+                hold.release()
             for slot in leased:
                 assert slot.tier is not None
                 self.leases.release_write(slot.tier)
+
+    def _hand_over(
+        self, futures: Mapping[Future[PlaceResult], TierSlot], shard: _Shard, hold: Hold
+    ) -> None:
+        """Free the staging buffer as soon as the fastest tier of this rank holds the shard:
+        the slower tiers read the rest of it from that tier's copy (verified, as migration
+        reads), so the next save stages while they write."""
+        mine = sorted(
+            ((slot.speed_rank, f, slot) for f, slot in futures.items() if not _shared(slot)),
+            key=lambda t: t[0],
+        )
+        if len(futures) < 2 or not mine:
+            return
+        _, first, slot = mine[0]
+        offsets = {ref.offset: ref.id for ref in shard.chunks}
+        fetcher = ChunkFetcher([slot], repair=False)
+
+        def read(offset: int, length: int) -> memoryview:
+            raw, _ = fetcher.fetch(offsets[offset])
+            return raw if len(raw) == length else raw[:length]
+
+        def done(f: Future[PlaceResult]) -> None:
+            if f.cancelled() or f.exception() is not None or not f.result().ok:
+                return
+            shard.view.switch(read)
+            hold.release()
+
+        first.add_done_callback(done)
 
     def _encodes_deltas(self, role: Role) -> bool:
         """Whether a synchronous tier that takes versions of ``role`` stores deltas (then
@@ -372,21 +458,22 @@ class SaveService(SaveQueue):
         assert layout is not None
         base_chunks = self._resolve_base(job) if job.role == "diff" else None  # decides the role
         proposal = job.proposal
-        try:
-            if proposal is not None:
-                assert self.logs is not None
-                # the state now, before the guard lets the trainer step again
-                job.replay = with_fingerprints(job.replay, self.logs)
-            event = self.staging.stage(job.leaves, layout, ready=job.ready)
-            if event is not None:
-                event.synchronize()
-        finally:
-            if proposal is not None and self.logs is not None:
-                self.logs.release(proposal)  # the gradients are staged: the ring may reuse them
-        job.leaves, job.ready = [], {}  # drop references to the caller's tensors
-        handle._time("staged", time.perf_counter() - job.t_call)
-        handle._mark_staged()
-        view = self.staging.view(layout.stream_bytes)
+        if job.staging is None:  # not staged ahead: a log version, or the staging thread's
+            try:
+                if proposal is not None:
+                    assert self.logs is not None
+                    # the state now, before the guard lets the trainer step again
+                    job.replay = with_fingerprints(job.replay, self.logs)
+                event = self.staging.stage(job.leaves, layout, ready=job.ready)
+                if event is not None:
+                    event.synchronize()
+            finally:
+                if proposal is not None and self.logs is not None:
+                    self.logs.release(proposal)  # the gradients are staged: the ring reuses them
+            job.leaves, job.ready = [], {}  # drop references to the caller's tensors
+            handle._time("staged", time.perf_counter() - job.t_call)
+            handle._mark_staged()
+        view = ShardBytes(self.staging.view(layout.stream_bytes))
         stream = ShardStream(
             streamable(self.tierset.slots, job.role),
             pool=self.pool,

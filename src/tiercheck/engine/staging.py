@@ -19,7 +19,8 @@ of the tensors they serve, so a rank that uses ``cuda:3`` never creates a contex
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,14 @@ from tiercheck.formats.manifest import Entry
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CopiesInFlight", "StagingBuffer", "cuda_devices", "ready_events"]
+__all__ = [
+    "CopiesInFlight",
+    "Hold",
+    "ShardBytes",
+    "StagingBuffer",
+    "cuda_devices",
+    "ready_events",
+]
 
 
 def cuda_devices(leaves: Sequence[Leaf]) -> list[int]:
@@ -270,6 +278,91 @@ class StagingBuffer:
             large_gaps=large,
         )
         return self._plan
+
+
+class Hold:
+    """One save's use of a :class:`StagingBuffer`, released once, by whichever comes first:
+    the fastest tier holding the shard (:meth:`ShardBytes.switch`), the save's end, or its
+    cancellation."""
+
+    def __init__(self, buffer: StagingBuffer) -> None:
+        self._buffer = buffer
+        self._lock = threading.Lock()
+        self._held = True
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> bool:
+        """Give the buffer back; False if it was given back already."""
+        with self._lock:
+            if not self._held:
+                return False
+            self._held = False
+        self._buffer.release()
+        return True
+
+
+class ShardBytes:
+    """The staged stream as the tier writers read it: slices of the staging buffer until
+    :meth:`switch` points every later read at a copy a tier holds (read back verified, as
+    migration reads), so the buffer can take the next save while slower tiers still write.
+
+    A reader slices under :meth:`reading` and keeps the slice no longer than that (a raw
+    blob's payload is a view passed to the tier's write): :meth:`switch` returns once every
+    reader that began on the buffer has ended.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._read: Callable[[int, int], Any] | None = None
+        self._cond = threading.Condition()
+        self._readers = 0  # readers that began while the buffer was the source
+        self._local = threading.local()
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    @property
+    def switched(self) -> bool:
+        return self._read is not None
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """A reader's lease on what it slices (nestable)."""
+        depth = getattr(self._local, "depth", 0)
+        counted = False
+        if depth == 0:
+            with self._cond:
+                if self._read is None:
+                    self._readers += 1
+                    counted = True
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if counted:
+                with self._cond:
+                    self._readers -= 1
+                    if not self._readers:
+                        self._cond.notify_all()
+
+    def __getitem__(self, span: slice) -> Any:
+        read = self._read
+        if read is None:
+            return self._view[span]
+        start = span.start or 0
+        stop = len(self._view) if span.stop is None else span.stop
+        return read(start, stop - start)
+
+    def switch(self, read: Callable[[int, int], Any]) -> None:
+        """From now on ``read(offset, length)`` gives the bytes; returns once no reader of
+        the buffer is left (the buffer may then be released)."""
+        with self._cond:
+            self._read = read
+            self._cond.wait_for(lambda: self._readers == 0)
 
 
 # Gaps (alignment padding between entries) shorter than this are zeroed together by one

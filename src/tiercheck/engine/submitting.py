@@ -23,7 +23,7 @@ from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.core.entries import Leaf, encode_scalar, flatten
 from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.placing import build_manifest
-from tiercheck.engine.staging import ready_events
+from tiercheck.engine.staging import Hold, ready_events
 from tiercheck.errors import TiercheckError
 from tiercheck.formats.manifest import MAX_INT, ChunkRef, Role
 from tiercheck.logversions.planner import LogProposal, LogSource, build
@@ -63,6 +63,9 @@ class Job:
     skipped: dict[str, str] = field(default_factory=dict)  # tier -> why (its memory budget)
     shortfalls: dict[str, Shortfall] = field(default_factory=dict)  # warned of once committed
     future: Future[None] | None = None  # its run on the pipeline thread
+    staging: Future[None] | None = None  # staged ahead on the staging thread (SaveService)
+    hold: Hold | None = None  # its use of the staging buffer, once it has it
+    finished: bool = False  # ran or cancelled (under SaveQueue._lock)
 
 
 class SaveQueue:
@@ -90,6 +93,9 @@ class SaveQueue:
 
     def _run(self, job: Job) -> None:
         raise NotImplementedError
+
+    def _stage_ahead(self, job: Job) -> None:
+        """Start staging ``job`` now if it can be (the pipeline's side decides)."""
 
     def submit(
         self,
@@ -186,6 +192,7 @@ class SaveQueue:
         if layout is not None:
             handle._logical = layout.stream_bytes
         handle._time("blocked", time.perf_counter() - t_call)
+        self._stage_ahead(job)
         run = reporting(self.failures, f"the save of step {step} (version {version})", self._run)
         with self._lock:
             job.future = self._pipeline.submit(run, job)

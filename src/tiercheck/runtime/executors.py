@@ -14,6 +14,12 @@ Every parallel step of the engine runs on one of these, never on a pool made for
 The single-threaded services keep their own thread, since they order work: the save
 pipeline (:class:`~tiercheck.engine.saving.SaveService`), the migration thread and the
 maintenance thread.
+
+The trainer keeps its CPU: the pools are sized to the cores (at most ``cores`` I/O
+threads, ``cores - 1`` hashing threads, at least one each) and every one of their threads
+runs at a lower scheduling priority (:func:`lower_priority`, ``nice`` +:data:`NICE`: on
+Linux a thread's own). Only the staging copy, which the trainer waits for, keeps the
+trainer's priority.
 """
 
 from __future__ import annotations
@@ -23,10 +29,20 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-__all__ = ["WRITE_WINDOW", "Executors"]
+__all__ = ["NICE", "WRITE_WINDOW", "Executors", "lower_priority"]
 
 WRITE_WINDOW = 16  # blobs in flight to a target tier at once, per migration
 LOG_READERS = 8  # tiers whose logs are read at once
+NICE = 10  # how much lower the background threads run than the trainer
+
+
+def lower_priority() -> None:
+    """Run the calling thread at a lower priority (``nice`` +:data:`NICE`); on Linux
+    ``nice`` applies to the calling thread only. Where it cannot, nothing changes."""
+    try:
+        os.nice(NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 class _Pool(ThreadPoolExecutor):
@@ -58,14 +74,17 @@ class Executors:
 
     @classmethod
     def start(cls, threads: int | None = None) -> Executors:
-        """Pools sized for this machine: ``threads`` I/O threads (default ``2 x cores``,
-        at least 4) and one hashing thread per core."""
-        cores = os.cpu_count() or 2
+        """Pools sized for this machine, at a lower priority: ``threads`` I/O threads
+        (default one per core, at least 2), a hashing thread per core but one (at least 1),
+        :data:`WRITE_WINDOW` writers (a migration's window; they wait on I/O)."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        cores = cores or os.cpu_count() or 2
+        low = lower_priority
         return cls(
-            io=_Pool(max_workers=threads or max(4, 2 * cores), thread_name_prefix="tiercheck-io"),
-            writes=_Pool(WRITE_WINDOW, thread_name_prefix="tiercheck-write"),
-            hashing=_Pool(cores, thread_name_prefix="tiercheck-hash"),
-            logs=_Pool(LOG_READERS, thread_name_prefix="tiercheck-log"),
+            io=_Pool(threads or max(2, cores), "tiercheck-io", low),
+            writes=_Pool(WRITE_WINDOW, "tiercheck-write", low),
+            hashing=_Pool(max(1, cores - 1), "tiercheck-hash", low),
+            logs=_Pool(LOG_READERS, "tiercheck-log", low),
         )
 
     def shutdown(self, *, wait: bool, cancel_futures: bool = False) -> None:

@@ -1,0 +1,83 @@
+"""The trainer waits only for its own copy (issue 31): the staging buffer is free for the next
+save as soon as the fastest tier holds the shard, and a slower synchronous tier reads the rest
+from that tier's copy, so the next save stages (and overwrites the buffer) while it writes.
+
+The slow tier here is held inside the first ``has`` its placement asks (before it reads any
+byte of the shard); the next save must be staged meanwhile, and the slow tier must still store the
+first version's bytes, not the buffer's new contents.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.testing.faults import FaultEvent, inject
+
+NUMEL = 1 << 18  # 1 MiB
+
+
+def state_of(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(NUMEL, generator=g), "b": torch.randn(1000, generator=g)}
+
+
+def open_store(root: Path) -> Checkpointer:
+    tag = uuid.uuid4().hex[:8]
+    tiers = [
+        # the fastest tier (speed rank 0), streamed while the shard is hashed
+        TierSpec("fast", f"memory://handover-{tag}"),
+        # slower (shm), with a budget: placed after hashing, not streamed
+        TierSpec("slow", f"shm://tc-test-handover-{tag}", {"budget": "64MiB"}),
+    ]
+    policy = Policy(
+        base_every=1,
+        chunk_size=1 << 16,
+        tiers={
+            "fast": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=2),
+            "slow": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=2),
+        },
+    )
+    return Checkpointer(root / "s", tiers=tiers, policy=policy)
+
+
+def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> None:
+    ckpt = open_store(tmp_path)
+    armed, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_first_has(event: FaultEvent) -> None:
+        # the placement's own question (on a tier thread), not the budget check before it
+        placing = threading.current_thread().name.startswith("tiercheck-tier")
+        if placing and armed.is_set() and not entered.is_set():
+            entered.set()
+            release.wait()
+
+    inject(ckpt, "slow").hook(hold_first_has, "has")
+    try:
+        s0, s1 = state_of(0), state_of(1)
+        ckpt.prepare(s0)
+        armed.set()
+        h0 = ckpt.save(0, s0)
+        assert entered.wait(60), "tier slow never asked what it holds"
+        h1 = ckpt.save(1, s1)
+        # before: the buffer stayed with version 0 until slow had written it, so this
+        # timed out (WaitTimeout) while slow was held
+        h1.wait_staged(timeout=60)
+        release.set()
+        r0, r1 = h0.wait(timeout=60), h1.wait(timeout=60)
+        assert r0.tiers == {"fast": "committed", "slow": "committed"}, r0
+        assert r1.tiers == {"fast": "committed", "slow": "committed"}, r1
+        # slow wrote version 0 from fast's copy: version 0's bytes, not version 1's
+        for step, want in ((0, s0), (1, s1)):
+            got = {k: torch.zeros_like(v) for k, v in want.items()}
+            ckpt.restore(got, step=step, tiers=["slow"])
+            for k in want:
+                assert torch.equal(got[k], want[k]), (step, k)
+    finally:
+        release.set()
+        ckpt.destroy()
