@@ -3,7 +3,8 @@
 :mod:`~tiercheck.restore.service` (``RestoreService``) orchestrates a restore through its
 steps: :mod:`~tiercheck.restore.choose` (which version), :mod:`~tiercheck.restore.binding`
 (each saved entry to its destination), :mod:`~tiercheck.restore.loading` (fetch, verify,
-write in place), :mod:`~tiercheck.restore.undo` (all or nothing) and
-:mod:`~tiercheck.restore.reshard` (distributed tensors on a new layout);
-:mod:`~tiercheck.restore.info` holds what a restore reports (``RestoreInfo``).
+write in place; :mod:`~tiercheck.restore.devices` for tensors on a GPU),
+:mod:`~tiercheck.restore.undo` (all or nothing) and :mod:`~tiercheck.restore.reshard`
+(distributed tensors on a new layout); :mod:`~tiercheck.restore.info` holds what a
+restore reports (``RestoreInfo``).
 """

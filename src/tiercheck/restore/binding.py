@@ -24,6 +24,8 @@ from tiercheck.restore.reshard import Piece, piece_for
 if TYPE_CHECKING:
     import torch
 
+    from tiercheck.restore.devices import DeviceStream
+
 __all__ = ["MISSING", "Binding", "bind", "check_stream"]
 
 
@@ -45,6 +47,8 @@ class Binding:
     # entries written straight into a caller's tensor outside every stateful object: nothing
     # after their write can fail, so they are written last and need no undo copy (undo.py)
     loose: set[int] = field(default_factory=set)
+    # the verified stream's bytes for ``device``, copied to the GPU while it was read
+    on_device: DeviceStream | None = None
 
 
 def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:

@@ -27,6 +27,7 @@ from tiercheck.core.entries import decode_scalar, is_stateful
 from tiercheck.errors import StateError
 from tiercheck.formats.manifest import ShardManifest
 from tiercheck.restore.binding import MISSING, Binding
+from tiercheck.restore.devices import DeviceStream, copy_to_devices
 from tiercheck.runtime.parallel import map_all
 from tiercheck.store.fetch import ChunkFetcher
 from tiercheck.store.tierset import TierSlot
@@ -45,18 +46,31 @@ def fetch_stream(
     pool: Executor,
     *,
     expect: Sequence[str] = (),
+    binding: Binding | None = None,
 ) -> None:
     """Fetch and verify every chunk of ``manifest`` into its place in ``stream`` (at least
     ``manifest.stream_bytes`` long). Raises as :meth:`ChunkFetcher.fetch` does; the
-    caller's state is not touched."""
+    caller's state is not touched. Where ``binding`` has tensors on a GPU, each window of
+    verified bytes bound for them goes on to a copy of the stream on that device while the
+    next chunks are read (:class:`~tiercheck.restore.devices.DeviceStream`)."""
+    on_device = None
+    if binding is not None and binding.device:
+        on_device = binding.on_device = DeviceStream.for_binding(manifest, binding.device, stream)
 
     def one(ref_index: int) -> None:
         ref = manifest.chunks[ref_index]
         fetcher.fetch(
             ref.id, stream[ref.offset : ref.offset + ref.length], order=order, expect=expect
         )
+        if on_device is not None:
+            on_device.verified(ref.offset, ref.length)
 
-    map_all(pool, one, range(len(manifest.chunks)))
+    try:
+        map_all(pool, one, range(len(manifest.chunks)))
+    except BaseException:
+        if on_device is not None:  # no copy may go on reading staging that is reused
+            on_device.abandon()
+        raise
 
 
 _BIG_COPY = 1 << 20  # torch copies a tensor this large on several threads
@@ -67,8 +81,9 @@ def load_stream(
 ) -> None:
     """Copy entries' bytes from the verified ``stream`` into their destinations, each byte
     once: into a host destination by a memcpy (several threads for a large one), into a
-    tensor on an accelerator by a host-to-device copy (on a side stream, asynchronous
-    where ``stream`` is page-locked, awaited before this returns).
+    tensor on a GPU from the device copy of the stream :func:`fetch_stream` made where it
+    could, else by a host-to-device copy (:mod:`tiercheck.restore.devices`; awaited before
+    this returns).
 
     ``loose=False`` writes every entry but the binding's loose ones (which an undo copy
     covers, then :func:`materialize` runs); ``loose=True`` writes the loose ones, last,
@@ -76,14 +91,23 @@ def load_stream(
     """
     import torch
 
+    on_device = binding.on_device
     to_device: list[tuple[Any, memoryview]] = []
+    from_device: list[tuple[Any, int, int]] = []
     for i, entry in enumerate(manifest.entries):
         if not entry.nbytes or (i in binding.loose) != loose:
             continue
         src = stream[entry.offset : entry.offset + entry.nbytes]
         target = binding.device.get(i)
         if target is not None:
-            to_device.append((target, src))
+            if (
+                on_device is not None
+                and target.device == on_device.device
+                and on_device.holds(entry.offset, entry.nbytes)
+            ):
+                from_device.append((target, entry.offset, entry.nbytes))
+            else:
+                to_device.append((target, src))
             continue
         dst = binding.dests.get(i)
         if dst is None:  # a log version's gradient, or a piece assembled by reshard.py
@@ -92,33 +116,11 @@ def load_stream(
             torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
         else:
             dst[:] = src
+    if from_device:
+        assert on_device is not None
+        on_device.load(from_device)
     if to_device:
-        _copy_to_devices(to_device)
-
-
-def _copy_to_devices(items: Sequence[tuple[Any, memoryview]]) -> None:
-    """Copy each host view into its device tensor. On CUDA the copies are queued on a side
-    stream of the tensor's device, after the work already queued on its current stream
-    (which may still read or write the tensor), and awaited once per device at the end:
-    from a page-locked staging buffer they run while the next ones are queued."""
-    import torch
-
-    streams: dict[Any, Any] = {}
-    with torch.no_grad():
-        for target, src in items:
-            flat = target.detach().view(-1).view(torch.uint8)
-            host = torch.frombuffer(src, dtype=torch.uint8)
-            if flat.device.type != "cuda":
-                flat.copy_(host)
-                continue
-            side = streams.get(flat.device)
-            if side is None:
-                side = streams[flat.device] = torch.cuda.Stream(device=flat.device)  # type: ignore[no-untyped-call]
-                side.wait_stream(torch.cuda.current_stream(flat.device))
-            with torch.cuda.stream(side):
-                flat.copy_(host, non_blocking=True)
-        for side in streams.values():
-            side.synchronize()
+        copy_to_devices(to_device)
 
 
 def materialize(

@@ -317,7 +317,7 @@ class RestoreService:
             stream = self._staging.view(manifest.stream_bytes)
         else:  # a log version's shard, beside its base in the staging buffer
             stream = memoryview(bytearray(manifest.stream_bytes))
-        fetch_stream(manifest, stream, fetcher, order, self._pool, expect=holders)
+        fetch_stream(manifest, stream, fetcher, order, self._pool, expect=holders, binding=binding)
         pieces = gather(
             binding.pieces,
             info,
