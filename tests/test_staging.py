@@ -3,6 +3,7 @@ the buffer before, and the per-layout plan rebuilt when the layout or the buffer
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from tiercheck.core.chunking import plan_layout
 from tiercheck.core.entries import flatten
-from tiercheck.engine.staging import StagingBuffer
+from tiercheck.engine.staging import ShardBytes, StagingBuffer
 
 
 def expected_stream(state: dict[str, Any]) -> bytes:
@@ -67,3 +68,38 @@ def test_plan_follows_layout_and_buffer_changes() -> None:
     big = {**other, "extra": torch.ones(100_000)}  # outgrows the buffer: a new one
     assert stage(buf, big) == expected_stream(big)
     assert stage(buf, make_state(1.0)) == expected_stream(make_state(1.0))
+
+
+def test_shard_bytes_switch_waits_for_readers_of_the_buffer() -> None:
+    """``ShardBytes.switch`` returns only once every reader that began on the staging buffer
+    has ended; reads after it come from the new source (issue 31: the buffer is handed to the
+    next save while slower tiers read the fast tier's copy)."""
+    buf = bytearray(b"a" * 8 + b"b" * 8)
+    src = ShardBytes(memoryview(buf))
+    inside, leave, switched = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bytes] = []
+
+    def reader() -> None:
+        with src.reading():
+            seen.append(bytes(src[0:8]))
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert inside.wait(30)
+
+    def switch() -> None:
+        src.switch(lambda offset, length: b"z" * length)
+        switched.set()
+
+    s = threading.Thread(target=switch)
+    s.start()
+    assert not switched.wait(0.2)  # the reader still holds the buffer
+    leave.set()
+    t.join(30)
+    assert switched.wait(30)
+    s.join(30)
+    assert seen == [b"a" * 8]
+    with src.reading():  # after the switch: the new source, and no wait
+        assert bytes(src[8:16]) == b"z" * 8

@@ -77,7 +77,7 @@ from tiercheck.errors import (
 )
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
 from tiercheck.logversions.planner import LogSource, with_fingerprints
-from tiercheck.runtime.background import Halt
+from tiercheck.runtime.background import Halt, reporting
 from tiercheck.runtime.executors import lower_priority
 from tiercheck.runtime.handles import Failures, SaveHandle, TierState
 from tiercheck.store import guarantees
@@ -160,6 +160,11 @@ class SaveService(SaveQueue):
         # a save stages as soon as the buffer is free, while the save before it still
         # writes its slower tiers from the fastest tier's copy (_hand_over)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-stage")
+        # the slower tiers of a save committed in its fastest tier, and its outcome
+        self._tails = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tiercheck-tail", initializer=lower_priority
+        )
+        self._tail: Future[None] | None = None
         self._tier_pool = ThreadPoolExecutor(
             max_workers=max(2, len(tierset.slots)),
             thread_name_prefix="tiercheck-tier",
@@ -193,12 +198,16 @@ class SaveService(SaveQueue):
     def flush(self) -> None:
         """Block until every save submitted so far has finished."""
         self._pipeline.submit(lambda: None).result()
+        self._tails.submit(lambda: None).result()
 
     def drain(self, timeout: float | None) -> bool:
         """Block until every save submitted so far has finished, or ``timeout`` passed;
         True if they finished."""
+        end = None if timeout is None else time.monotonic() + timeout
         try:
             self._pipeline.submit(lambda: None).result(timeout)
+            left = None if end is None else max(0.0, end - time.monotonic())
+            self._tails.submit(lambda: None).result(left)
         except TimeoutError:
             return False
         return True
@@ -213,6 +222,7 @@ class SaveService(SaveQueue):
         at once; see :meth:`join`)."""
         self._pipeline.shutdown(wait=False, cancel_futures=True)
         self._stager.shutdown(wait=False, cancel_futures=True)
+        self._tails.shutdown(wait=False)  # a tail runs to its end (no commit after the halt)
         self._tier_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             cancelled = [j for j in self._inflight if j.future is not None and j.future.cancelled()]
@@ -225,6 +235,7 @@ class SaveService(SaveQueue):
         """Block until the pipeline's threads have ended (after :meth:`stop`)."""
         self._pipeline.shutdown(wait=True)
         self._stager.shutdown(wait=True)
+        self._tails.shutdown(wait=True)
         self._tier_pool.shutdown(wait=True)
 
     def close(self) -> None:
@@ -234,24 +245,53 @@ class SaveService(SaveQueue):
     # --- the pipeline thread -------------------------------------------------------------
 
     def _run(self, job: _Job) -> None:
-        failed = False
+        self._conclude(job, self._attempt(job, lambda: self._save(job)))
+
+    def _attempt(self, job: _Job, part: Callable[[], Callable[[], None] | None]) -> bool | None:
+        """Run ``part`` of ``job``: True if it failed (its handle says why), None if the rest
+        went to the tail thread (which concludes the job), else False."""
         try:
-            self._save(job)
+            tail = part()
         except BaseException as exc:
-            failed = True
             level = logging.WARNING if isinstance(exc, CommitAborted) else logging.ERROR
             log.log(level, "save of step %d (version %d) failed: %s", job.step, job.version, exc)
             job.handle._fail(exc)
-        finally:
-            written = list(job.protected)
-            self._finished(job)
-            # every tier that did not commit the version gives up what the save wrote there
-            given_up = [
-                name
-                for name, state in job.handle.result_now().tiers.items()
-                if state in ("failed", "missing") or (failed and state != "committed")
-            ]
-            self.maintenance.discard(given_up, written)
+            return True
+        if tail is None:
+            return False
+        job.outstanding = False  # a tail does not hold back the next save() call
+        self._outstanding.release()
+        previous = self._tail
+        if previous is not None:  # one tail at a time: a slower tier that lags holds the
+            previous.exception()  # pipeline here, never the staging of the next save
+        what = f"the save of step {job.step} (version {job.version})"
+
+        def rest() -> Callable[[], None] | None:
+            tail()
+            return None
+
+        def run_tail() -> None:
+            self._conclude(job, self._attempt(job, rest))
+
+        try:
+            self._tail = self._tails.submit(reporting(self.failures, what, run_tail))
+        except RuntimeError:  # stopped: end it here
+            run_tail()
+        return None
+
+    def _conclude(self, job: _Job, failed: bool | None) -> None:
+        """``job`` has ended (``failed`` None: its tail has not yet): release what it held,
+        and have every tier that did not commit it give up what it wrote there."""
+        if failed is None:
+            return
+        written = list(job.protected)
+        self._finished(job)
+        given_up = [
+            name
+            for name, state in job.handle.result_now().tiers.items()
+            if state in ("failed", "missing") or (failed and state != "committed")
+        ]
+        self.maintenance.discard(given_up, written)
 
     def _finished(self, job: _Job) -> None:
         """``job`` ran, or was cancelled: release what it held."""
@@ -265,40 +305,13 @@ class SaveService(SaveQueue):
             hold = job.hold
         if hold is not None:  # cancelled after it was staged ahead
             hold.release()
-        self._outstanding.release()
+        if job.outstanding:
+            job.outstanding = False
+            self._outstanding.release()
 
-    # --- the staging thread --------------------------------------------------------------
-
-    def _stage_ahead(self, job: _Job) -> None:
-        """Stage ``job`` on the staging thread as soon as the buffer is free. A log version
-        (planned on the pipeline thread first) or a save that failed on the caller's
-        thread is staged by the pipeline instead."""
-        if job.deferred or job.failure is not None or job.layout is None:
-            return
-        try:
-            job.staging = self._stager.submit(self._stage, job)
-        except RuntimeError:  # stopped: the pipeline reports the halt
-            job.staging = None
-
-    def _stage(self, job: _Job) -> None:
-        """Step 1 for ``job``, ahead of the pipeline: take the buffer, copy the state."""
-        if self.halt.is_set() or not self.staging.acquire():
-            return
-        hold = Hold(self.staging)
-        with self._lock:
-            if job.finished:  # cancelled meanwhile
-                hold.release()
-                return
-            job.hold = hold
-        assert job.layout is not None
-        event = self.staging.stage(job.leaves, job.layout, ready=job.ready)
-        if event is not None:
-            event.synchronize()
-        job.leaves, job.ready = [], {}  # drop references to the caller's tensors
-        job.handle._time("staged", time.perf_counter() - job.t_call)
-        job.handle._mark_staged()
-
-    def _save(self, job: _Job) -> None:
+    def _save(self, job: _Job) -> Callable[[], None] | None:
+        """Run ``job``; returns the rest of it (its slower tiers, its outcome) when that is
+        left to the tail thread."""
         handle = job.handle
         self.halt.check(f"the save of step {job.step}")
         ahead = job.staging
@@ -392,13 +405,44 @@ class SaveService(SaveQueue):
                 for slot in sync
             }
             self._hand_over(futures, shard, hold)
+            handed = False  # to the tail thread
             try:
-                info, committed, shared_ready = self._vote_and_commit(job, futures, shard)
+                info, committed, shared_ready, rest = self._vote_and_commit(job, futures, shard)
+                if rest is not None and self.world_size == 1 and not hold.held:
+                    # committed in the fastest tier, which holds the shard: the slower
+                    # tiers finish on the tail thread, and the next save goes on meanwhile
+                    if info.role == "base":  # the next diff follows it
+                        self._base_chunks = {info.id: shard.chunks}
+                    if info.role in ("base", "diff"):
+                        self._committed_full.add(info.id)
+                    owned, exchanged = exchange.owned, exchange.ids
+                    mine, leased = leased, []  # the tail lets go of them
+                    handed = True
+
+                    def tail() -> None:
+                        try:
+                            try:
+                                rest()
+                            finally:
+                                for f in futures:
+                                    f.exception()
+                                shard.stream.close()
+                                hold.release()
+                            self._after_commit(
+                                job, info, shard, committed, shared_ready, owned, exchanged
+                            )
+                        finally:
+                            self._release_writes(mine)
+
+                    return tail
+                if rest is not None:
+                    rest()
             finally:
-                for f in futures:  # tier writes read the staged stream: let them all end
-                    f.exception()
-                shard.stream.close()
-                hold.release()
+                if not handed:
+                    for f in futures:  # tier writes read the staged stream: let them end
+                        f.exception()
+                    shard.stream.close()
+                    hold.release()
             self._after_commit(
                 job, info, shard, committed, shared_ready, exchange.owned, exchange.ids
             )
@@ -407,9 +451,13 @@ class SaveService(SaveQueue):
                 if shard is not None:
                     shard.stream.close()
                 hold.release()
-            for slot in leased:
-                assert slot.tier is not None
-                self.leases.release_write(slot.tier)
+            self._release_writes(leased)
+        return None
+
+    def _release_writes(self, leased: list[TierSlot]) -> None:
+        for slot in leased:
+            assert slot.tier is not None
+            self.leases.release_write(slot.tier)
 
     def _hand_over(
         self, futures: Mapping[Future[PlaceResult], TierSlot], shard: _Shard, hold: Hold
@@ -615,12 +663,13 @@ class SaveService(SaveQueue):
         job: _Job,
         futures: Mapping[Future[PlaceResult], TierSlot],
         shard: _Shard,
-    ) -> tuple[VersionInfo, list[TierSlot], list[TierSlot]]:
-        """Vote once one tier holds the shard, then commit each tier as it is prepared.
+    ) -> tuple[VersionInfo, list[TierSlot], list[TierSlot], Callable[[], None] | None]:
+        """Vote once one tier holds the shard, then commit each tier prepared by then.
 
         A fast tier (shm) is thus committed, and reported, without waiting for a slow one
-        (LMDB, a peer). Returns the version, the committed slots and the prepared shared
-        slots, whose commit needs every rank's agreement first (step 6).
+        (LMDB, a peer). Returns the version, the committed slots, the prepared shared
+        slots, whose commit needs every rank's agreement first (step 6), and what commits
+        the tiers still preparing as each finishes (None if none is).
         """
         handle = job.handle
         results: list[PlaceResult] = []
@@ -683,9 +732,12 @@ class SaveService(SaveQueue):
 
         for r in results:
             settle(r)
-        for f in as_completed(pending):
-            settle(f.result())
-        return info, committed, shared_ready
+
+        def rest() -> None:  # the slower tiers, as each is prepared
+            for f in as_completed(pending):
+                settle(f.result())
+
+        return info, committed, shared_ready, rest if pending else None
 
     def _commit(self, slot: TierSlot, info: VersionInfo, handle: SaveHandle, t0: float) -> bool:
         """Append the commit record of ``info`` to ``slot``; report it on ``handle``."""
@@ -755,8 +807,9 @@ class SaveService(SaveQueue):
             self._committed_full.add(info.id)
         elif info.role == "log" and job.proposal is not None and self.logs is not None:
             self.logs.stored(job.proposal)
-        if info.role == "base":
-            # a diff decided against an older base has run by now (saves run in order)
+        if info.role == "base" and all(k <= info.id for k in self._base_chunks):
+            # a diff decided against an older base has run by now (saves run in order; a
+            # tail may end after a newer base's save has set its own)
             self._base_chunks = {info.id: shard.chunks}
         seconds = time.perf_counter() - job.t_call
         handle._time("committed", seconds)

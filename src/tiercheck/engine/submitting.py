@@ -4,7 +4,9 @@
 the caller's thread (and the planning the pipeline thread does in order for log versions):
 a bad input fails here, before anything is written; the version's id and role are decided
 here (a base still being written already counts); the job is queued for the pipeline
-(:mod:`tiercheck.engine.saving`), which runs every save in order.
+(:mod:`tiercheck.engine.saving`), which runs every save in order. A full version is
+staged ahead of the pipeline, on the staging thread, as soon as the staging buffer is
+free (the save before it hands the buffer back once its fastest tier holds it).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.core.entries import Leaf, encode_scalar, flatten
 from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.placing import build_manifest
-from tiercheck.engine.staging import Hold, ready_events
+from tiercheck.engine.staging import Hold, StagingBuffer, ready_events
 from tiercheck.errors import TiercheckError
 from tiercheck.formats.manifest import MAX_INT, ChunkRef, Role
 from tiercheck.logversions.planner import LogProposal, LogSource, build
-from tiercheck.runtime.background import reporting
+from tiercheck.runtime.background import Halt, reporting
 from tiercheck.runtime.handles import Failures, SaveHandle
 from tiercheck.store.budgets import Budgets, Shortfall, version_bytes
 from tiercheck.store.policy import Policy
@@ -66,6 +68,7 @@ class Job:
     staging: Future[None] | None = None  # staged ahead on the staging thread (SaveService)
     hold: Hold | None = None  # its use of the staging buffer, once it has it
     finished: bool = False  # ran or cancelled (under SaveQueue._lock)
+    outstanding: bool = True  # counts in SaveQueue._outstanding (its tail does not)
 
 
 class SaveQueue:
@@ -90,12 +93,12 @@ class SaveQueue:
     _pipeline: ThreadPoolExecutor
     _confirmed: int | None
     _committed_full: set[int]
+    staging: StagingBuffer
+    halt: Halt
+    _stager: ThreadPoolExecutor  # the staging thread (tiercheck-stage)
 
     def _run(self, job: Job) -> None:
         raise NotImplementedError
-
-    def _stage_ahead(self, job: Job) -> None:
-        """Start staging ``job`` now if it can be (the pipeline's side decides)."""
 
     def submit(
         self,
@@ -312,3 +315,34 @@ class SaveQueue:
         if logs is not None and logs.base is not None:
             out.add(logs.base)  # the next log version's base
         return out
+
+    # --- the staging thread --------------------------------------------------------------
+
+    def _stage_ahead(self, job: Job) -> None:
+        """Stage ``job`` on the staging thread as soon as the buffer is free. A log version
+        (planned on the pipeline thread first) or a save that failed on the caller's
+        thread is staged by the pipeline instead."""
+        if job.deferred or job.failure is not None or job.layout is None:
+            return
+        try:
+            job.staging = self._stager.submit(self._stage, job)
+        except RuntimeError:  # stopped: the pipeline reports the halt
+            job.staging = None
+
+    def _stage(self, job: Job) -> None:
+        """Step 1 for ``job``, ahead of the pipeline: take the buffer, copy the state."""
+        if self.halt.is_set() or not self.staging.acquire():
+            return
+        hold = Hold(self.staging)
+        with self._lock:
+            if job.finished:  # cancelled meanwhile
+                hold.release()
+                return
+            job.hold = hold
+        assert job.layout is not None
+        event = self.staging.stage(job.leaves, job.layout, ready=job.ready)
+        if event is not None:
+            event.synchronize()
+        job.leaves, job.ready = [], {}  # drop references to the caller's tensors
+        job.handle._time("staged", time.perf_counter() - job.t_call)
+        job.handle._mark_staged()
