@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import fcntl
 import logging
 import os
 import struct
@@ -245,6 +246,29 @@ def _meta(data: bytes, at: int) -> tuple[int, int, int] | None:
     return psize, last, txnid
 
 
+@contextmanager
+def _creation_done(path: str) -> Iterator[None]:
+    """Wait until no other process is creating the environment at ``path``, and hold that
+    off while the caller reads ``data.mdb``: a shared record lock on byte 0 of
+    ``lock.mdb``, which LMDB holds exclusively while it writes a new file's meta pages (a
+    data.mdb read in that window is empty, not damaged). No ``lock.mdb``: nothing to wait
+    for. Only before the environment is open in this process: closing the descriptor drops
+    every record lock this process holds on the file, LMDB's own included."""
+    try:
+        fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH, 1, 0, os.SEEK_SET)
+        except OSError:
+            pass  # a file system without record locks: read as before
+        yield
+    finally:
+        os.close(fd)
+
+
 def check_data_file(url: str, path: str, *, must_exist: bool) -> None:
     """Raise :class:`TierLost` unless ``path``/data.mdb is an LMDB file whose size covers
     the last page its newest meta page names (``must_exist``: a missing file is lost too).
@@ -256,7 +280,7 @@ def check_data_file(url: str, path: str, *, must_exist: bool) -> None:
     is reported, never mapped nor re-initialised."""
     data_path = os.path.join(path, "data.mdb")
     try:
-        with open(data_path, "rb") as f:
+        with _creation_done(path), open(data_path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(_META_END)
             first = _meta(head, 0)
@@ -841,3 +865,20 @@ class LmdbTier(Tier):
             txn.put(_OWNER_KEY, body)
 
         self._write(txn_owner, "record the owner", "", len(body))
+
+    def claim_owner(self, owner: StoreOwner, *, replacing: StoreOwner | None = None) -> StoreOwner:
+        """Record ``owner`` if ``tiercheck.owner`` still holds ``replacing`` (None: no
+        record): the read, the comparison and the put are one write transaction, which
+        LMDB serialises across processes; the record that holds afterwards
+        (:meth:`Tier.claim_owner`)."""
+        body = owner.to_bytes()
+
+        def txn_claim(txn: lmdb.Transaction, e: _Env) -> StoreOwner:
+            value = txn.get(_OWNER_KEY)
+            current = None if value is None else StoreOwner.from_bytes(bytes(value))
+            if current != replacing:
+                return current if current is not None else owner
+            txn.put(_OWNER_KEY, body)
+            return owner
+
+        return self._write(txn_claim, "record the owner", "", len(body))

@@ -14,8 +14,10 @@ the option ``root=`` says otherwise)::
 Ownership: the first writable open writes ``owner.json`` (``{"kind": "tiercheck-shm",
 "store_id": null, "store": null, "host", "pid", "created", "url"}``);
 :meth:`ShmTier.write_owner` records the owning store's id, root and node in it
-(:meth:`ShmTier.read_owner` reads them back; formats/SPEC.md, "Store identity"), and
-:meth:`ShmTier.bind_store` the root alone. ``tiercheck gc --orphans`` reads it to find
+(:meth:`ShmTier.read_owner` reads them back; formats/SPEC.md, "Store identity"),
+:meth:`ShmTier.claim_owner` does so only if no other store got there first, and
+:meth:`ShmTier.bind_store` the root alone; each reads, compares and writes under an
+exclusive ``flock`` of the segment directory. ``tiercheck gc --orphans`` reads it to find
 segments whose store is gone (:func:`list_segments`, :func:`remove_segment`; see
 :mod:`tiercheck.store.lifecycle`).
 
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import bisect
 import builtins
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -373,8 +376,9 @@ class ShmTier(Tier):
             _os.makedirs(self.path, mode=0o700, exist_ok=True)
             for d in (self._blobs, self._pool_dir, self._tmp):
                 _os.makedirs(d, mode=0o700, exist_ok=True)
-            if read_owner(self.path) is None:
-                self._write_owner(None)
+            with self._owner_lock():  # a claim racing this open keeps its record
+                if read_owner(self.path) is None:
+                    self._write_owner(None)
             self._log_fd = _os.open(self._log_path, os.O_RDWR | os.O_CREAT, 0o600)
             self._recover()
         except OSError as exc:
@@ -383,9 +387,22 @@ class ShmTier(Tier):
 
     # --- opening -------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _owner_lock(self) -> Iterator[None]:
+        """Hold the segment's owner lock (an exclusive ``flock`` on the segment directory,
+        released when its descriptor closes, a dead holder's too): every read-compare-write
+        of ``owner.json`` runs under it, so two claims never both find the segment free."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def _write_owner(
         self, store: str | None, store_host: str | None = None, *, store_id: str | None = None
     ) -> None:
+        """Write ``owner.json`` (the caller holds :meth:`_owner_lock`)."""
         previous = read_owner(self.path) or {}
         if store_id is None and previous.get("store") == store:
             store_id = previous.get("store_id")
@@ -413,7 +430,23 @@ class ShmTier(Tier):
         """Record ``owner`` in ``owner.json`` (written to a temporary name, then renamed)."""
         self._check_writable("record the owner")
         try:
-            self._write_owner(owner.root, owner.host, store_id=owner.store_id)
+            with self._owner_lock():
+                self._write_owner(owner.root, owner.host, store_id=owner.store_id)
+        except OSError as exc:
+            raise self._os_error(exc, "record the owner") from exc
+
+    def claim_owner(self, owner: StoreOwner, *, replacing: StoreOwner | None = None) -> StoreOwner:
+        """Record ``owner`` if ``owner.json`` still records ``replacing`` (None: no store),
+        reading, comparing and writing under the segment's owner lock; the record that
+        holds afterwards (:meth:`Tier.claim_owner`)."""
+        self._check_writable("record the owner")
+        try:
+            with self._owner_lock():
+                current = self.read_owner()
+                if current != replacing:
+                    return current if current is not None else owner
+                self._write_owner(owner.root, owner.host, store_id=owner.store_id)
+                return owner
         except OSError as exc:
             raise self._os_error(exc, "record the owner") from exc
 
@@ -424,11 +457,15 @@ class ShmTier(Tier):
         if self.read_only:
             return
         host = host or socket.gethostname()
-        owner = read_owner(self.path)
-        if owner is not None and (owner.get("store"), owner.get("store_host")) == (root, host):
-            return
         try:
-            self._write_owner(root, host)
+            with self._owner_lock():
+                owner = read_owner(self.path)
+                if owner is not None and (owner.get("store"), owner.get("store_host")) == (
+                    root,
+                    host,
+                ):
+                    return
+                self._write_owner(root, host)
         except OSError as exc:
             raise self._os_error(exc, "record the owner") from exc
 

@@ -419,6 +419,26 @@ class Tier(abc.ABC):
         a reader sees the old record or the new one). Tiers that keep an owner record (shm,
         LMDB, fsspec) implement it; the default records nothing."""
 
+    def claim_owner(self, owner: StoreOwner, *, replacing: StoreOwner | None = None) -> StoreOwner:
+        """Record ``owner`` if the tier's record is still ``replacing`` (None: no record
+        yet), as one atomic compare-and-swap; returns the record that holds afterwards:
+        ``owner`` when this claim won, the other record when it lost (then nothing is
+        written). Two stores claiming one tier at the same moment, from any processes,
+        get one winner. A store opened for writing claims each tier with it
+        (:mod:`tiercheck.store.identity`).
+
+        Tiers that keep an owner record implement it atomically (shm: a lock on the
+        segment; LMDB: one write transaction; fsspec: create-if-absent). The default
+        reads, compares and writes with :meth:`read_owner` and :meth:`write_owner`, which
+        is atomic only for a tier that keeps no record (it grants every claim); a tier
+        that keeps one and can be opened by two processes must override it."""
+        self._check_writable("record the owner")
+        current = self.read_owner()
+        if current != replacing:
+            return current if current is not None else owner
+        self.write_owner(owner)
+        return owner
+
     def bind_store(self, root: str) -> None:  # noqa: B027 - optional hook
         """Record that the store at ``root`` owns this tier (called once, before saving).
 

@@ -257,6 +257,10 @@ class RetryTier(WrapperTier):
     def write_owner(self, owner: StoreOwner) -> None:
         self._call("write_owner", lambda: self.inner.write_owner(owner))
 
+    def claim_owner(self, owner: StoreOwner, *, replacing: StoreOwner | None = None) -> StoreOwner:
+        # a retry after a claim that did land finds this very record: it still wins
+        return self._call("claim_owner", lambda: self.inner.claim_owner(owner, replacing=replacing))
+
 
 class LimitTier(WrapperTier):
     """``inner`` with at most ``max_in_flight`` calls in it at once (module docstring)."""
@@ -326,6 +330,9 @@ class LimitTier(WrapperTier):
 
     def write_owner(self, owner: StoreOwner) -> None:
         self._call(lambda: self.inner.write_owner(owner))
+
+    def claim_owner(self, owner: StoreOwner, *, replacing: StoreOwner | None = None) -> StoreOwner:
+        return self._call(lambda: self.inner.claim_owner(owner, replacing=replacing))
 
 
 def split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

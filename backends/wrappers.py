@@ -7,9 +7,10 @@ unchanged. It forwards *every* method and property of
 :class:`~tiercheck.backends.base.Tier`, including those the base class gives a default
 (``put_parts``, ``begin_put``, ``put_many``, ``put_many_parts``, ``get_parts``, ``size``,
 ``head``, ``replace_log_prefix``, ``usage``, ``set_budget``, ``read_owner``,
-``write_owner``, ``bind_store``): a wrapper that inherited those defaults would silently
-turn a vectored write into a join, hide a memory tier's budget from the engine, or refuse
-log compaction the inner tier can do.
+``write_owner``, ``claim_owner``, ``bind_store``): a wrapper that inherited those defaults
+would silently turn a vectored write into a join, hide a memory tier's budget from the
+engine, make an atomic owner claim a racy one, or refuse log compaction the inner tier can
+do.
 ``tests/backends/test_wrappers.py`` fails when a method is added to ``Tier`` and not here.
 
 Attributes the interface does not name (an LMDB tier's ``path``, a peer tier's ``stats``)
@@ -150,6 +151,9 @@ class WrapperTier(Tier):
 
     def write_owner(self, owner: StoreOwner) -> None:
         self.inner.write_owner(owner)
+
+    def claim_owner(self, owner: StoreOwner, *, replacing: StoreOwner | None = None) -> StoreOwner:
+        return self.inner.claim_owner(owner, replacing=replacing)
 
     def bind_store(self, root: str) -> None:
         self.inner.bind_store(root)

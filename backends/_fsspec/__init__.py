@@ -8,6 +8,10 @@ Layout under the root (the URL's path)::
                                  "owner": the store owning the prefix, {"store_id", "root",
                                  "host"} (formats/SPEC.md "Store identity"), once recorded};
                                  replaced whole, one object per tier
+    owner/<seq:016d>.json        owner claims, {"owner": {"store_id", "root", "host"}}, seq =
+                                 0, 1, ...: each created if absent (as log records are), so
+                                 two stores claiming the prefix at once get one winner; the
+                                 newest is the owner record (the marker's "owner" repeats it)
     blobs/<id[:2]>/<id>          one object per blob, written once (repairs overwrite)
     packs/<name>.pack            layout 2: many blobs in one object, its index at its end
     packs/<name>.drop            ids deleted from that pack while its bytes stay

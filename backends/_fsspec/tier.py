@@ -49,6 +49,8 @@ _MARKER_KIND = "tiercheck-fsspec"
 _LOG_NAME_RE = re.compile(r"^(\d{16})\.rec$")
 _CKPT_NAME_RE = re.compile(r"^(\d{16})\.ckpt$")
 _MAX_APPEND_RACES = 1000
+_OWNER_DIR = "owner"  # owner/<seq:016d>.json: the owner claims, each created if absent
+_OWNER_NAME_RE = re.compile(r"^(\d{16})\.json$")
 
 
 def _byte_view(data: Buffer) -> memoryview:
@@ -272,10 +274,8 @@ class FsspecTier(Tier):
 
     # --- owner ---------------------------------------------------------------------
 
-    def read_owner(self) -> StoreOwner | None:
-        """The ``owner`` the marker records (None: no marker, no owner, or not a record).
-        One object per tier holds both, so a prefix costs one object besides its data."""
-        marker = self._read_marker("read the owner")
+    def _marker_owner(self, what: str) -> StoreOwner | None:
+        marker = self._read_marker(what)
         if marker is None or "owner" not in marker:
             return None
         try:
@@ -283,13 +283,65 @@ class FsspecTier(Tier):
         except (ValueError, TypeError):
             return None
 
+    def _newest_claim(self, what: str) -> tuple[int, StoreOwner | None]:
+        """The number and record of the newest owner claim (-1 and None: no claim yet)."""
+        directory = self._join(self._root, _OWNER_DIR)
+        names = self._call(what, _OWNER_DIR, lambda: self._store.names(directory))
+        seqs = sorted(int(m.group(1)) for n in names if (m := _OWNER_NAME_RE.match(n)))
+        if not seqs:
+            return -1, None
+        path = self._join(directory, f"{seqs[-1]:016d}.json")
+        raw = bytes(self._call(what, _OWNER_DIR, lambda: self._store.read(path, None)))
+        try:
+            return seqs[-1], StoreOwner.from_json(json.loads(raw).get("owner"))
+        except (ValueError, AttributeError):
+            return seqs[-1], None
+
+    def read_owner(self) -> StoreOwner | None:
+        """The owner the newest claim ``owner/<seq>.json`` records, or, before any claim,
+        the ``owner`` of the marker (written by a tiercheck that made no claims); None:
+        neither, or not a record."""
+        seq, owner = self._newest_claim("read the owner")
+        return owner if seq >= 0 else self._marker_owner("read the owner")
+
     def write_owner(self, owner: StoreOwner) -> None:
-        """Record ``owner`` in the marker, which is replaced whole."""
+        """Record ``owner`` whatever the tier recorded before (a claim that replaces the
+        newest, retried while other claims race it)."""
         self._check_writable("record the owner")
-        marker = self._read_marker("record the owner")
+        for _ in range(_MAX_APPEND_RACES):
+            current = self.read_owner()
+            if self.claim_owner(owner, replacing=current) == owner:
+                return
+        raise AlreadyExists(
+            f"recording the owner lost {_MAX_APPEND_RACES} races in a row", url=self.url
+        )
+
+    def claim_owner(self, owner: StoreOwner, *, replacing: StoreOwner | None = None) -> StoreOwner:
+        """Record ``owner`` if the tier still records ``replacing`` (None: no owner): the
+        claim is the object ``owner/<seq>.json`` after the newest, created if absent (as a
+        log record is), so of two claims on one number one is created and the other finds
+        it and loses. The marker's ``owner`` is then rewritten too, for a tiercheck that
+        reads it alone. Returns the record that holds afterwards (:meth:`Tier.claim_owner`)."""
+        self._check_writable("record the owner")
+        what = "record the owner"
+        seq, current = self._newest_claim(what)
+        if seq < 0:
+            current = self._marker_owner(what)
+        if current != replacing:
+            return current if current is not None else owner
+        path = self._join(self._root, _OWNER_DIR, f"{seq + 1:016d}.json")
+        body = memoryview(json.dumps({"owner": owner.to_json()}).encode())
+        try:
+            self._call(what, _OWNER_DIR, partial(self._store.create, path, body))
+        except FileExistsError:
+            # another claim took the number first: the newest record holds
+            won = self._newest_claim(what)[1]
+            return won if won is not None else owner
+        marker = self._read_marker(what)
         if marker is None:  # a writable open creates it; gone since: made again
             marker = {"tier": _MARKER_KIND, "layout": LAYOUT_VERSION if self._packs else 1}
-        self._put_marker({**marker, "owner": owner.to_json()}, "record the owner")
+        self._put_marker({**marker, "owner": owner.to_json()}, what)
+        return owner
 
     # --- blobs ---------------------------------------------------------------------
 

@@ -138,6 +138,7 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "free_memory": lambda t: t.free_memory(),
     "read_owner": lambda t: t.read_owner(),
     "write_owner": lambda t: t.write_owner(StoreOwner("0" * 32, "/nonexistent/store", "h")),
+    "claim_owner": lambda t: t.claim_owner(StoreOwner("0" * 32, "/nonexistent/store", "h")),
     "bind_store": lambda t: t.bind_store("/nonexistent/store"),
     "flush": lambda t: t.flush(),
     "close": lambda t: t.close(),

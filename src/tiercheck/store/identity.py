@@ -44,7 +44,7 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from tiercheck.backends.base import StoreOwner, Tier
-from tiercheck.errors import ConfigError, ForeignTier, StoreCopied
+from tiercheck.errors import ConfigError, ForeignTier, StoreCopied, TierError
 from tiercheck.store.config import (
     CONFIG_NAME,
     TierSpec,
@@ -240,6 +240,9 @@ def _enclosing_store(path: str) -> Path | None:
     return None
 
 
+_CLAIM_ROUNDS = 16
+
+
 def claim(
     tier: Tier,
     spec: TierSpec,
@@ -251,9 +254,36 @@ def claim(
 ) -> None:
     """Check the owner record of ``tier`` (opened from ``spec``; ``owner``, if it was read
     already) against this store and, when writing, record this store in it. Raises
-    ``ForeignTier`` / ``StoreCopied`` (module docstring)."""
+    ``ForeignTier`` / ``StoreCopied`` (module docstring).
+
+    The record is written with :meth:`~tiercheck.backends.base.Tier.claim_owner`, a
+    compare-and-swap against the record judged: when another store's open changed it in
+    between (two stores opened at the same moment on one new tier), this claim loses,
+    writes nothing, and the record that won is judged in turn, so exactly one of them
+    owns the tier and the other gets ``ForeignTier``."""
     if owner == "unread":
         owner = tier.read_owner()
+    mine = StoreOwner(store_id, str(root), socket.gethostname())
+    for _ in range(_CLAIM_ROUNDS):
+        if not _needs_record(owner, spec, store_id, root, read_only=read_only):
+            return
+        won = tier.claim_owner(mine, replacing=owner)
+        if won == mine:
+            return
+        owner = won
+    raise TierError(
+        f"tier {spec.name} ({spec.url}): its owner record changed {_CLAIM_ROUNDS} times while "
+        f"the store at {root} claimed it (other stores are claiming it at the same moment): "
+        "open the store again",
+        url=spec.url,
+    )
+
+
+def _needs_record(
+    owner: StoreOwner | None, spec: TierSpec, store_id: str, root: Path, *, read_only: bool
+) -> bool:
+    """Judge the record ``owner`` of the tier opened from ``spec``: raise for a copy or a
+    foreign tier, True if a writable open must record this store."""
     verdict = relation(owner, store_id, root)
     if verdict == "unowned":
         local = local_path(spec.url)
@@ -283,9 +313,9 @@ def claim(
             root=str(root),
         )
     if read_only or verdict == "copy":
-        return
+        return False
     if verdict == "own" and owner is not None and owner.store_id == store_id:
-        return
+        return False
     if verdict == "moved" and owner is not None:
         log.info("tier %s: its store moved from %s to %s", spec.name, owner.root, root)
-    tier.write_owner(StoreOwner(store_id, str(root), socket.gethostname()))
+    return True

@@ -36,7 +36,7 @@ from typing import ClassVar
 import blake3
 import pytest
 
-from tiercheck.backends.base import Buffer, Capabilities, FailureDomain, Tier
+from tiercheck.backends.base import Buffer, Capabilities, FailureDomain, StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import NotFound, NotSupported, ReadOnlyTier, TierError
 
@@ -564,6 +564,66 @@ class TierConformance:
             ro.delete([bid])
         assert tier.read_log() == [b"rec"]
         assert tier.has([bid, other]) == {bid}
+
+    # --- owner record ---------------------------------------------------------------
+
+    def test_claim_owner(self, tier: Tier) -> None:
+        """A claim is a compare-and-swap: the first store to claim a tier owns it, a later
+        claim finds that record and writes nothing, a claim replacing the record it read
+        wins only if nothing changed it since. A tier that keeps no record grants every
+        claim and records none."""
+        a = StoreOwner("a" * 32, "/stores/a", "node-a")
+        b = StoreOwner("b" * 32, "/stores/b", "node-b")
+        assert tier.claim_owner(a) == a
+        if tier.read_owner() is None:
+            assert tier.claim_owner(b) == b
+            assert tier.read_owner() is None
+            return
+        assert tier.read_owner() == a
+        assert tier.claim_owner(b) == a  # lost: a holds
+        assert tier.read_owner() == a
+        assert tier.claim_owner(a) == a  # claiming again what one holds
+        assert tier.claim_owner(b, replacing=b) == a  # a stale expectation loses
+        moved = StoreOwner(a.store_id, "/stores/a-moved", "node-a")
+        assert tier.claim_owner(moved, replacing=a) == moved
+        assert tier.read_owner() == moved
+        if self.reopenable:
+            again = self._reopen(tier)
+            assert again.read_owner() == moved
+            assert again.claim_owner(b) == moved
+        if self.supports_read_only:
+            ro = self._track(self.open_read_only(tier if not self.reopenable else again))
+            with pytest.raises(ReadOnlyTier):
+                ro.claim_owner(b)
+
+    def test_concurrent_claims_have_one_winner(self, tier: Tier) -> None:
+        """Threads claiming one new tier at the same moment, each for a store of its own:
+        every one is told the same winner, and the record is the winner's."""
+        threads = self.concurrency_threads
+        start = threading.Barrier(threads)
+        owners = [StoreOwner(f"{t:032x}", f"/stores/{t}", "node") for t in range(threads)]
+        won: list[StoreOwner | None] = [None] * threads
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                start.wait()
+                won[t] = tier.claim_owner(owners[t])
+            except BaseException as exc:  # re-raised in the main thread below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if errors:
+            raise errors[0]
+        if tier.read_owner() is None:  # a tier that keeps no record grants every claim
+            assert won == owners
+            return
+        assert len(set(won)) == 1 and won[0] in owners
+        assert tier.read_owner() == won[0]
 
     # --- concurrency ---------------------------------------------------------------
 
