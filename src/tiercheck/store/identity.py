@@ -3,9 +3,11 @@
 A store has an id, drawn when its ``tiercheck.toml`` is first written (``store_id``), and
 the file records the root it was last opened at (``root``). Every tier the store owns
 records the owner in its own way (formats/SPEC.md, "Store identity"): the shm segment's
-``owner.json``, the key ``tiercheck.owner`` of an LMDB environment, the object
-``owner.json`` under an fsspec prefix. Opening the store compares each record with the
-store (:func:`relation`):
+``owner.json``, the key ``tiercheck.owner`` of an LMDB environment, the claims
+``owner/<seq>.json`` under an fsspec prefix. A writable open records itself with an atomic
+compare-and-swap (:meth:`~tiercheck.backends.base.Tier.claim_owner`, :func:`claim`): of
+two stores opened at the same moment on one tier, one owns it and the other finds it
+``foreign``. Opening the store compares each record with the store (:func:`relation`):
 
 - ``own``: the record names this store at this root;
 - ``unowned``: no record yet (a new tier, or one written before tiers had owners): a
