@@ -425,3 +425,28 @@ def test_an_s3_prefix_records_its_owner_and_refuses_another_store(
     ]
     _save(b, 2.0, step=5, tiers=shared)
     assert _restored(b, tiers=shared) == 2.0 and _restored(a) == 1.0
+
+
+@pytest.mark.parametrize("kind", ["shm", "lmdb", "file"])
+def test_a_claim_judged_on_a_stale_record_loses_to_the_store_that_got_there_first(
+    stores: Path, kind: str
+) -> None:
+    """The window of two stores opened at once, made deterministic: store b read the tier
+    as unowned, store a claimed it since; b's claim loses, writes nothing and is refused
+    as foreign (issue 33 item 3). On the old code b overwrote a's record."""
+    from tiercheck.store import identity
+
+    spec = {
+        "shm": TierSpec("shm", "shm://stale", {"root": str(stores / "shm")}),
+        "lmdb": TierSpec("lmdb", f"lmdb://{stores / 'tiers' / 'lmdb'}"),
+        "file": TierSpec("remote", f"file://{stores / 'tiers' / 'remote'}"),
+    }[kind]
+    a, b = stores / "a", stores / "b"
+    with open_tier(spec.url, **spec.options) as tier:
+        assert tier.read_owner() is None  # what b judged
+        identity.claim(tier, spec, "a" * 32, a, read_only=False, owner=None)
+        with pytest.raises(ForeignTier, match=str(a)):
+            identity.claim(tier, spec, "b" * 32, b, read_only=False, owner=None)
+        recorded = tier.read_owner()
+    assert recorded is not None
+    assert (recorded.store_id, recorded.root) == ("a" * 32, str(a))
