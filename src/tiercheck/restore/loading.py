@@ -17,6 +17,8 @@ tensors (:class:`~tiercheck.restore.service.RestoreService` runs that sequence).
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
@@ -65,12 +67,45 @@ def fetch_stream(
         if on_device is not None:
             on_device.verified(ref.offset, ref.length)
 
+    refs = manifest.chunks
+    lanes = _lanes(order)
+    failed = threading.Event()
+
+    def lane(first: int) -> None:
+        # one chunk after another: each is hashed right after its read, still in cache
+        for i in range(first, len(refs), lanes):
+            if failed.is_set():
+                return
+            try:
+                one(i)
+            except BaseException:
+                failed.set()
+                raise
+
     try:
-        map_all(pool, one, range(len(manifest.chunks)))
+        if lanes >= len(refs):
+            map_all(pool, one, range(len(refs)))
+        else:
+            map_all(pool, lane, range(lanes))
     except BaseException:
         if on_device is not None:  # no copy may go on reading staging that is reused
             on_device.abandon()
         raise
+
+
+_MEMORY_RANK = 10  # speed_rank of the tiers in this host's memory (memory 0, shm 10)
+
+
+def _lanes(order: Sequence[TierSlot]) -> int:
+    """How many chunks to read at once. From a tier in host memory a read is a memcpy and
+    its check a hash, both bound by the CPU: one chunk per core keeps each chunk in cache
+    between its read and its hash, where every thread of the pool would hold far more in
+    flight than the cache (1 GiB from shm on 2 cores: 0.31-0.37 s against 0.35-0.42 s).
+    Any other tier waits on I/O: as many at once as the pool has threads."""
+    slots = [s for s in order if s.tier is not None]
+    if slots and slots[0].speed_rank <= _MEMORY_RANK:
+        return max(2, os.cpu_count() or 1)
+    return 1 << 30
 
 
 _BIG_COPY = 1 << 20  # torch copies a tensor this large on several threads

@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import blake3
+
 from tiercheck.backends.base import Tier
 from tiercheck.errors import (
     BlobCorrupt,
@@ -39,6 +41,19 @@ __all__ = ["ChunkFetcher", "FetchStats", "repair_codec"]
 log = logging.getLogger(__name__)
 
 _SCRATCH = 4 * 1024 * 1024 + 4096  # a default-size chunk and its blob header
+
+
+def _verify(raw: memoryview, chunk_id: str) -> None:
+    """Raise :class:`BlobCorrupt` unless BLAKE3 of ``raw`` is ``chunk_id``. One thread per
+    chunk: a restore reads chunks on every thread of its pool already, and BLAKE3's own
+    worker pool on top of that (``max_threads``) costs more than it gains (1 GiB from shm
+    on 2 cores: 0.35-0.42 s with one thread per chunk, 0.45-0.55 s with the pool)."""
+    got = blake3.blake3(raw).hexdigest()
+    if got != chunk_id:
+        raise BlobCorrupt(
+            f"decoded chunk hashes to {got}, not its id (damaged blob or wrong base)",
+            key=chunk_id,
+        )
 
 
 def repair_codec(slot: TierSlot) -> Codec:
@@ -123,8 +138,9 @@ class ChunkFetcher:
             if head is None:
                 head = self._local.head = bytearray(BLOB_HEADER_SIZE)
             size = tier.get_parts(chunk_id, [memoryview(head), dst])
-            raw = raw_payload(head, dst, size, chunk_id)
+            raw = raw_payload(head, dst, size, chunk_id, verify=False)
             if raw is not None:
+                _verify(raw, chunk_id)
                 return raw, size
             if size <= BLOB_HEADER_SIZE + len(dst):  # all of it was read: reassemble
                 blob = self._scratch(size)[:size]
