@@ -120,8 +120,11 @@ def test_a_tier_of_another_store_is_refused_naming_both_roots(stores: Path) -> N
     _save(b, 2.0, tiers=own)
     assert _restored(b) == 2.0
     # reading: the tier of the other store is unavailable, never read as this store's
+    # (b's own version, acknowledged in its own shm tier only, reads as lost with it)
     with Checkpointer(b, tiers=shared, read_only=True) as ckpt:
-        assert ckpt.history() == []
+        assert [(v.step, v.restorable, v.gone) for v in ckpt.history()] == [
+            (1, False, "lost with tier shm")
+        ]
         assert ckpt.tierset.get("shm").tier is None
     assert _restored(a) == 1.0
 

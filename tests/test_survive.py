@@ -103,7 +103,9 @@ def test_lost_shm_segment_reads_from_lmdb_and_remote(
     ls = tc("ls", root, "--json")
     assert ls.returncode == 0, ls.stderr
     versions = json.loads(ls.stdout)["versions"]
-    assert [(v["id"], v["restorable"]) for v in versions] == [(0, True)]
+    # the diff acknowledged in shm alone is listed as lost with it (issue 33 item 4)
+    assert [(v["id"], v["restorable"]) for v in versions] == [(0, True), (1, False)]
+    assert versions[1]["gone"] == "lost with tier shm"
     assert tc("show", root, "0").returncode == 0
     export = tc("export", root, "0", tmp_path / "v0.safetensors")
     assert export.returncode == 0, export.stderr
