@@ -3,8 +3,9 @@ save as soon as the fastest tier holds the shard, and a slower synchronous tier 
 from that tier's copy, so the next save stages (and overwrites the buffer) while it writes.
 
 The slow tier here is held inside the first ``has`` its placement asks (before it reads any
-byte of the shard); the next save must be staged meanwhile, and the slow tier must still store the
-first version's bytes, not the buffer's new contents.
+byte of the shard); the next save must be staged meanwhile, the slow tier must still store the
+first version's bytes, not the buffer's new contents, and the save that reaches it while it is
+busy skips it ("latest wins": ``missing``, with the reason), never waits for it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def open_store(root: Path) -> Checkpointer:
         base_every=1,
         chunk_size=1 << 16,
         tiers={
-            "fast": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=2),
-            "slow": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=2),
+            "fast": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=3),
+            "slow": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=3),
         },
     )
     return Checkpointer(root / "s", tiers=tiers, policy=policy)
@@ -71,9 +72,15 @@ def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> No
         release.set()
         r0, r1 = h0.wait(timeout=60), h1.wait(timeout=60)
         assert r0.tiers == {"fast": "committed", "slow": "committed"}, r0
-        assert r1.tiers == {"fast": "committed", "slow": "committed"}, r1
+        # slow was still writing version 0 when version 1 reached it: skipped, not failed
+        assert r1.tiers == {"fast": "committed", "slow": "missing"}, r1
+        assert "latest wins" in r1.errors["slow"], r1.errors
+        ckpt.flush()
+        s2 = state_of(2)  # slow is free again: it takes the newest version
+        r2 = ckpt.save(2, s2).wait(timeout=60)
+        assert r2.tiers == {"fast": "committed", "slow": "committed"}, r2
         # slow wrote version 0 from fast's copy: version 0's bytes, not version 1's
-        for step, want in ((0, s0), (1, s1)):
+        for step, want in ((0, s0), (2, s2)):
             got = {k: torch.zeros_like(v) for k, v in want.items()}
             ckpt.restore(got, step=step, tiers=["slow"])
             for k in want:

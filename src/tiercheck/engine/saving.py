@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiercheck.engine.coordinator import Coordinator, Vote
+from tiercheck.engine.handover import hand_over, skip_busy
 from tiercheck.engine.placing import (
     PlaceResult,
     ShardStream,
@@ -165,6 +166,7 @@ class SaveService(SaveQueue):
             max_workers=1, thread_name_prefix="tiercheck-tail", initializer=lower_priority
         )
         self._tail: Future[None] | None = None
+        self._busy: set[str] = set()  # the tiers the tail is still writing
         self._tier_pool = ThreadPoolExecutor(
             max_workers=max(2, len(tierset.slots)),
             thread_name_prefix="tiercheck-tier",
@@ -271,7 +273,10 @@ class SaveService(SaveQueue):
             return None
 
         def run_tail() -> None:
-            self._conclude(job, self._attempt(job, rest))
+            try:
+                self._conclude(job, self._attempt(job, rest))
+            finally:
+                self._busy = set()  # its tiers take the next version that reaches them
 
         try:
             self._tail = self._tails.submit(reporting(self.failures, what, run_tail))
@@ -375,6 +380,11 @@ class SaveService(SaveQueue):
                     handle._set_tier(slot.name, "failed", f"{type(exc).__name__}: {exc}")
                     sync.remove(slot)
             sync = self._fit_budgets(job, shard, sync)
+            if self.world_size == 1:  # latest wins: a slower tier still busy skips this one
+                sync, skips = skip_busy(sync, self._busy, job.version, job.step)
+                for name, why in skips.items():
+                    handle._set_tier(name, "missing", why)
+                    job.skipped[name] = why
             fetcher = ChunkFetcher(self.tierset.by_speed(), repair=False)
 
             def base_lookup(cid: str) -> bytes:
@@ -404,11 +414,17 @@ class SaveService(SaveQueue):
                 ): slot
                 for slot in sync
             }
-            self._hand_over(futures, shard, hold)
+            over = hand_over(futures, shard.view, shard.chunks, hold)
             handed = False  # to the tail thread
             try:
                 info, committed, shared_ready, rest = self._vote_and_commit(job, futures, shard)
-                if rest is not None and self.world_size == 1 and not hold.held:
+                if (
+                    rest is not None
+                    and self.world_size == 1
+                    and over is not None
+                    and over.wait()  # the fastest tier has taken the buffer over, or failed
+                    and not hold.held
+                ):
                     # committed in the fastest tier, which holds the shard: the slower
                     # tiers finish on the tail thread, and the next save goes on meanwhile
                     if info.role == "base":  # the next diff follows it
@@ -418,6 +434,8 @@ class SaveService(SaveQueue):
                     owned, exchanged = exchange.owned, exchange.ids
                     mine, leased = leased, []  # the tail lets go of them
                     handed = True
+                    self.maintenance.request(s.name for s in committed)  # room for the next
+                    self._busy = {s.name for f, s in futures.items() if not f.done()}
 
                     def tail() -> None:
                         try:
@@ -458,34 +476,6 @@ class SaveService(SaveQueue):
         for slot in leased:
             assert slot.tier is not None
             self.leases.release_write(slot.tier)
-
-    def _hand_over(
-        self, futures: Mapping[Future[PlaceResult], TierSlot], shard: _Shard, hold: Hold
-    ) -> None:
-        """Free the staging buffer as soon as the fastest tier of this rank holds the shard:
-        the slower tiers read the rest of it from that tier's copy (verified, as migration
-        reads), so the next save stages while they write."""
-        mine = sorted(
-            ((slot.speed_rank, f, slot) for f, slot in futures.items() if not _shared(slot)),
-            key=lambda t: t[0],
-        )
-        if len(futures) < 2 or not mine:
-            return
-        _, first, slot = mine[0]
-        offsets = {ref.offset: ref.id for ref in shard.chunks}
-        fetcher = ChunkFetcher([slot], repair=False)
-
-        def read(offset: int, length: int) -> memoryview:
-            raw, _ = fetcher.fetch(offsets[offset])
-            return raw if len(raw) == length else raw[:length]
-
-        def done(f: Future[PlaceResult]) -> None:
-            if f.cancelled() or f.exception() is not None or not f.result().ok:
-                return
-            shard.view.switch(read)
-            hold.release()
-
-        first.add_done_callback(done)
 
     def _encodes_deltas(self, role: Role) -> bool:
         """Whether a synchronous tier that takes versions of ``role`` stores deltas (then
