@@ -593,6 +593,11 @@ def run(args: argparse.Namespace) -> int:
         "tiercheck_slowdown": median(times["tiercheck"]) / none,
         "dcp_async_slowdown": median(times["dcp_async"]) / none,
     }
+    if quick:  # CI's smoke run of benchmarks/trainer_overhead.py too (issue 31), JSON beside
+        import trainer_overhead
+
+        log("trainer overhead (--quick)")
+        trainer_overhead.main(["--quick", "--out", str(args.out.with_suffix(".trainer.json"))])
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     result["seconds"] = time.perf_counter() - t_start
 
