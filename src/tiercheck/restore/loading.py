@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -86,7 +86,10 @@ def fetch_stream(
         if lanes >= len(refs):
             map_all(pool, one, range(len(refs)))
         else:
-            map_all(pool, lane, range(lanes))
+            # threads of the caller's priority, not the store's background pool (niced):
+            # the caller waits for this as a trainer waits for its staging copy
+            with ThreadPoolExecutor(lanes, thread_name_prefix="tiercheck-restore") as own:
+                map_all(own, lane, range(lanes))
     except BaseException:
         if on_device is not None:  # no copy may go on reading staging that is reused
             on_device.abandon()
@@ -101,7 +104,7 @@ def _lanes(order: Sequence[TierSlot]) -> int:
     its check a hash, both bound by the CPU: one chunk per core keeps each chunk in cache
     between its read and its hash, where every thread of the pool would hold far more in
     flight than the cache (1 GiB from shm on 2 cores: 0.31-0.37 s against 0.35-0.42 s).
-    Any other tier waits on I/O: as many at once as the pool has threads."""
+    Any other tier waits on I/O: as many at once as the store's I/O pool runs."""
     slots = [s for s in order if s.tier is not None]
     if slots and slots[0].speed_rank <= _MEMORY_RANK:
         return max(2, os.cpu_count() or 1)
