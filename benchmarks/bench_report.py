@@ -875,6 +875,7 @@ def write_docs(
             peer_abuse_section(),
             packs_section(),
             retention_section(),
+            __import__("trainer_overhead").section(),  # issue 31
             gpu_section(),
         )
     )
