@@ -876,6 +876,7 @@ def write_docs(
             packs_section(),
             retention_section(),
             __import__("trainer_overhead").section(),  # issue 31
+            __import__("restore").section(),  # issue 32
             gpu_section(),
         )
     )
