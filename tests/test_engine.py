@@ -190,10 +190,12 @@ def test_lost_shm_restores_base_from_lmdb_and_hides_orphan_diffs(tmp_path: Path)
     ckpt.close()
     shutil.rmtree(tmp_path / "shm")  # the node's shared memory is gone
     ckpt = two_tier_store(tmp_path, name)
-    versions = {v.id: v.restorable for v in ckpt.history()}
-    assert versions.get(4) is None  # its only commit record was in the lost tier
+    # its only commit record was in the lost tier: history lists it as lost, not restorable
+    gone = {v.id: (v.restorable, v.gone) for v in ckpt.history() if v.id == 4}
+    assert gone == {4: (False, "lost with tier shm")}
     info = ckpt.restore(state_of(0))
     assert (info.version, info.source) == (3, "lmdb")
+    assert info.lost is not None and 4 in info.lost.versions
     ckpt.close()
 
 
