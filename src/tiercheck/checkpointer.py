@@ -28,8 +28,8 @@ from tiercheck.formats.manifest import Role
 from tiercheck.history.diff import Diff
 from tiercheck.history.diff import diff as diff_versions
 from tiercheck.history.versions import Version, VersionSummary, build_history, open_version
-from tiercheck.restore.service import RestoreService
 from tiercheck.restore.info import RestoreInfo
+from tiercheck.restore.service import RestoreService
 from tiercheck.runtime.background import at_interpreter_exit
 from tiercheck.runtime.executors import Executors
 from tiercheck.runtime.handles import Failures, SaveHandle, SaveResult

@@ -76,7 +76,15 @@ from tiercheck.runtime.background import reporting
 from tiercheck.store.config import TierSpec
 from tiercheck.store.policy import Policy
 
-__all__ = ["DCP_KEY", "RNG_KEY", "TiercheckIO", "escape_keys", "load", "read_pointer", "unescape_keys"]
+__all__ = [
+    "DCP_KEY",
+    "RNG_KEY",
+    "TiercheckIO",
+    "escape_keys",
+    "load",
+    "read_pointer",
+    "unescape_keys",
+]
 
 RNG_KEY = "tiercheck_rng"
 """Key of the random generators' state in a saved checkpoint (removed again on load)."""
