@@ -9,11 +9,10 @@ from tiercheck.backends.base import Capabilities, FailureDomain, PendingPut, Sto
 from tiercheck.backends.registry import available_schemes, open_tier, register_tier
 
 if TYPE_CHECKING:
-    from tiercheck.backends._shm import DEFAULT_ROOT as DEFAULT_SHM_ROOT
-    from tiercheck.backends._shm import Segment, list_segments, remove_segment
+    from tiercheck.backends._shm_segments import DEFAULT_ROOT as DEFAULT_SHM_ROOT
+    from tiercheck.backends._shm_segments import Segment, list_segments, remove_segment
 
-# Imported on first use: the shm module brings the formats package (and NumPy) along,
-# which the peer daemon and ``tiercheck --help`` have no use for.
+# Imported on first use: the peer daemon and ``tiercheck --help`` have no use for them.
 _SHM_NAMES = {
     "DEFAULT_SHM_ROOT": "DEFAULT_ROOT",
     "Segment": "Segment",
@@ -39,7 +38,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _SHM_NAMES:
-        from tiercheck.backends import _shm
+        from tiercheck.backends import _shm_segments
 
-        return getattr(_shm, _SHM_NAMES[name])
+        return getattr(_shm_segments, _SHM_NAMES[name])
     raise AttributeError(f"module 'tiercheck.backends' has no attribute {name!r}")

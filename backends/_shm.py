@@ -70,16 +70,21 @@ import itertools
 import json
 import os
 import re
-import shutil
 import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import psutil
 
+from tiercheck.backends._shm_segments import (
+    _OWNER_KIND,
+    DEFAULT_ROOT,
+    OWNER_FILE,
+    read_owner,
+    shm_free_bytes,
+)
 from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
     BLOB_ID_RE,
@@ -94,21 +99,11 @@ from tiercheck.backends.base import (
     invalid_url,
     parse_budget,
 )
-from tiercheck.core.sizes import tree_bytes
 from tiercheck.errors import NotFound, OverBudget, TierError, TierFull, TierLost
 from tiercheck.formats.framing import frame_record, scan_frames, torn_tail
 
-__all__ = [
-    "DEFAULT_ROOT",
-    "OWNER_FILE",
-    "Segment",
-    "ShmTier",
-    "list_segments",
-    "remove_segment",
-    "shm_free_bytes",
-]
+__all__ = ["ShmTier"]
 
-DEFAULT_ROOT = f"/dev/shm/tiercheck-{os.getuid()}"
 DEFAULT_POOL_LIMIT = 4 << 30
 # Every call that changes the store's files goes through this name, so a test can record
 # an operation trace and replay the states a crash could leave (tests/test_power_loss.py).
@@ -139,15 +134,7 @@ def _read_exact(fd: int, into: memoryview) -> int:
     return pos
 
 
-OWNER_FILE = "owner.json"
-_OWNER_KIND = "tiercheck-shm"
 _COMPACT_NAME = "log.compact"
-
-
-def shm_free_bytes(path: str | os.PathLike[str]) -> int:
-    """Bytes an unprivileged writer can still allocate on the file system of ``path``."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def _write_json_atomic(path: str, obj: dict[str, Any]) -> None:
@@ -158,39 +145,6 @@ def _write_json_atomic(path: str, obj: dict[str, Any]) -> None:
     finally:
         _os.close(fd)
     _os.replace(tmp, path)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One shm store (a directory under an shm root) and what its owner file says.
-
-    ``store`` is the owning store's root on node ``store_host`` and ``store_id`` its id
-    (None: opened without a store, no owner file, or written before stores had ids);
-    ``host`` is the node that created it; ``owned`` says whether an owner file was found
-    at all. ``nbytes`` is the memory its files take (None when not measured).
-    """
-
-    path: str
-    name: str
-    root: str
-    store: str | None
-    store_id: str | None
-    store_host: str | None
-    host: str | None
-    pid: int | None
-    created: float | None
-    owned: bool
-    nbytes: int | None
-
-
-def read_owner(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The owner record of the segment directory ``path``, or None if it has none."""
-    try:
-        with open(os.path.join(path, OWNER_FILE)) as f:
-            obj = json.load(f)
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) and obj.get("kind") == _OWNER_KIND else None
 
 
 def _private_root(root: str) -> None:
@@ -209,66 +163,6 @@ def _private_root(root: str) -> None:
         )
     if root == DEFAULT_ROOT and st.st_mode & 0o077:
         os.chmod(root, 0o700)
-
-
-def _is_segment(path: str) -> bool:
-    return os.path.isdir(os.path.join(path, "blobs")) and os.path.exists(os.path.join(path, "log"))
-
-
-def list_segments(
-    root: str | os.PathLike[str] = DEFAULT_ROOT, *, sizes: bool = True
-) -> builtins.list[Segment]:
-    """Every shm store under ``root`` (an shm root, default ``/dev/shm/tiercheck-UID``).
-
-    ``sizes=False`` skips measuring each store (a walk of its files): the cheap listing.
-    """
-    root = os.fspath(root)
-    try:
-        entries = sorted(e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
-    except FileNotFoundError:
-        return []
-    out = []
-    for path in entries:
-        if not _is_segment(path):
-            continue
-        owner = read_owner(path) or {}
-
-        def field(name: str, kind: type, owner: dict[str, Any] = owner) -> Any:
-            value = owner.get(name)
-            return value if isinstance(value, kind) and not isinstance(value, bool) else None
-
-        created = owner.get("created")
-        out.append(
-            Segment(
-                path=path,
-                name=os.path.basename(path),
-                root=root,
-                store=field("store", str),
-                store_id=field("store_id", str),
-                store_host=field("store_host", str),
-                host=field("host", str),
-                pid=field("pid", int),
-                created=float(created) if isinstance(created, (int, float)) else None,
-                owned=bool(owner),
-                nbytes=tree_bytes(path) if sizes else None,
-            )
-        )
-    return out
-
-
-def remove_segment(path: str | os.PathLike[str]) -> int:
-    """Delete the shm store at ``path`` (all its files); returns the bytes freed.
-
-    Refuses a directory that is not an shm store, so a wrong path deletes nothing.
-    """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        return 0
-    if not _is_segment(path):
-        raise TierError(f"{path} is not a tiercheck shm store; not deleting it")
-    freed = tree_bytes(path)
-    shutil.rmtree(path, ignore_errors=True)
-    return freed
 
 
 class _Pool:

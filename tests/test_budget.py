@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tiercheck.backends import open_tier
-from tiercheck.backends._shm import ShmTier, shm_free_bytes
+from tiercheck.backends._shm import ShmTier
+from tiercheck.backends._shm_segments import shm_free_bytes
 from tiercheck.core.sizes import format_size, parse_size
 from tiercheck.errors import InvalidURL, OverBudget, TierFull
 from tiercheck.testing.conformance import blob

@@ -20,7 +20,7 @@ import torch
 
 from tiercheck import Checkpointer, TierSpec
 from tiercheck.backends import DEFAULT_SHM_ROOT, open_tier
-from tiercheck.backends._shm import read_owner
+from tiercheck.backends._shm_segments import read_owner
 from tiercheck.errors import ForeignTier, StoreCopied, StoreLocked
 from tiercheck.store.config import CONFIG_NAME, load_config
 from tiercheck.store.lifecycle import adopt_store, destroy_store, find_orphans

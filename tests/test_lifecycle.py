@@ -17,7 +17,7 @@ import torch
 
 from tiercheck import Checkpointer, TierSpec
 from tiercheck.backends import DEFAULT_SHM_ROOT, list_segments
-from tiercheck.backends._shm import OWNER_FILE, read_owner
+from tiercheck.backends._shm_segments import OWNER_FILE, read_owner
 from tiercheck.errors import StoreLocked
 from tiercheck.store.config import CONFIG_NAME, load_config
 from tiercheck.store.lifecycle import destroy_store, find_orphans, remove_orphans, warn_orphans
