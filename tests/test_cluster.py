@@ -54,6 +54,7 @@ def by(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == kind]
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_save_aborts_and_previous_restores(dirs: tuple[Path, Path]) -> None:
     root, shm = dirs
     rc, events = torchrun(
@@ -149,6 +150,7 @@ def start_daemon(token: str) -> tuple[subprocess.Popen[str], int]:
     return proc, int(line.rsplit(":", 1)[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "collective"])
 def test_replaced_node_restores_from_peer_and_remote(
     dirs: tuple[Path, Path], transport: str
@@ -182,6 +184,7 @@ def test_replaced_node_restores_from_peer_and_remote(
             proc.wait()
 
 
+@pytest.mark.slow
 def test_dead_peer_daemon_lowers_commit_level_and_restore_falls_back(
     dirs: tuple[Path, Path],
 ) -> None:
@@ -209,6 +212,7 @@ def test_dead_peer_daemon_lowers_commit_level_and_restore_falls_back(
     )
 
 
+@pytest.mark.slow
 def test_data_parallel_replicas_are_written_once_to_the_shared_tier(
     dirs: tuple[Path, Path],
 ) -> None:
@@ -233,6 +237,7 @@ def test_data_parallel_replicas_are_written_once_to_the_shared_tier(
     assert [e["kept"] for e in by(events, "leftover blob")] == [False] * 4
 
 
+@pytest.mark.slow
 def test_the_default_store_under_torchrun_gives_each_rank_its_own_tiers(
     dirs: tuple[Path, Path],
 ) -> None:

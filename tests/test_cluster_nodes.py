@@ -89,6 +89,7 @@ def two_nodes(nproc: int, phase: str, root: Path, shm: Path) -> list[dict[str, A
     return events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_node_lost_restores_from_partner_on_other_node_and_remote(
     dirs: tuple[Path, Path], nproc: int
@@ -128,6 +129,7 @@ def test_node_lost_restores_from_partner_on_other_node_and_remote(
             assert set(e["chunks_from"]) <= {"peer", "remote"}, e
 
 
+@pytest.mark.slow
 def test_node_0_lost_with_the_store_file_restores_the_same_store(
     dirs: tuple[Path, Path],
 ) -> None:

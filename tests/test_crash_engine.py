@@ -61,6 +61,7 @@ def _remove_store(root: Path) -> None:
         subprocess.run(["rm", "-rf", str(path)], check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(4 * 3600 if SOAK else 600)
 def test_sigkill_at_random_points_loses_nothing(tmp_path: Path) -> None:
     summaries: list[dict[str, Any]] = []
@@ -123,6 +124,7 @@ def _round(tmp_path: Path, round_: int) -> list[dict[str, Any]]:
     return summaries
 
 
+@pytest.mark.slow
 def test_sigkill_from_the_test_process(tmp_path: Path) -> None:
     """The same check without fork: pytest runs the trainer, kills it after a random number
     of acknowledged saves, and runs the check in another process."""

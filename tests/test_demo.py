@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tiercheck.backends import list_segments
 from tiercheck.cli.demo import BASE_EVERY, cadence
 
 
+@pytest.mark.slow
 def test_demo_crash_restore_is_bit_identical(tmp_path: Path) -> None:
     root = tmp_path / "store"
     args = ["--steps", "5", "--crash-at", "3", "--root", str(root)]

@@ -192,6 +192,7 @@ def test_restore_repairs_the_fastest_tier(tmp_path: Path) -> None:
 # --- a remote tier that goes down -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_remote_down_during_saves_and_migration(
     tmp_path: Path, s3_server: Any, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:

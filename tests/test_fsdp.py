@@ -47,6 +47,7 @@ def mesh() -> Iterator[DeviceMesh]:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_state_restores_bit_identically_on_any_world_size(
     tmp_path: Path, mesh: DeviceMesh
 ) -> None:

@@ -75,6 +75,7 @@ def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("mixed", "bound"), [(False, 0.40), (True, 0.20)], ids=["fp32", "bf16"])
 def test_fsdp2_log_versions_resume_bit_identically_after_sigkill(
@@ -115,6 +116,7 @@ def test_fsdp2_log_versions_resume_bit_identically_after_sigkill(
         destroy_stores(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_log_version_restored_on_another_world_size_replays_where_it_was_logged(
     tmp_path: Path, one_rank: None

@@ -77,6 +77,7 @@ def _crash_and_resume(
     return a, b
 
 
+@pytest.mark.slow
 def test_lightning_async_resume_after_sigkill_is_bit_identical(work: Path) -> None:
     a, b = _crash_and_resume("ptl_run.py", work, "--async-save")
     assert a["first_epoch"] == 0
@@ -89,6 +90,7 @@ def test_lightning_async_resume_after_sigkill_is_bit_identical(work: Path) -> No
     assert last.stat().st_size < 1024  # a pointer, not the state
 
 
+@pytest.mark.slow
 def test_hf_trainer_resume_after_sigkill_is_bit_identical(work: Path) -> None:
     a, b = _crash_and_resume("hf_run.py", work)
     assert a["resumed"] is None
@@ -116,6 +118,7 @@ def test_pointer_files_round_trip_and_leave_torch_files_alone(tmp_path: Path) ->
         read_pointer(tmp_path / "missing.ckpt")
 
 
+@pytest.mark.slow
 def test_lightning_sharded_strategy_resume_after_sigkill_is_bit_identical(work: Path) -> None:
     """ModelParallelStrategy (FSDP2) on 2 CPU ranks saves through DCP, not through a
     checkpoint IO: the TiercheckIO callback alone routes its saves and loads to tiercheck."""

@@ -292,6 +292,7 @@ def test_cli_shows_the_replay_chain_and_export_replays(
             replay_offline(v)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_each_log_their_shard_and_restore_bit_identically(tmp_path: Path) -> None:
     proc = torchrun(HERE / "dist_scripts" / "log_worker.py", "--root", str(tmp_path))

@@ -55,6 +55,7 @@ def run(world: int, root: Path, shm_root: Path) -> list[dict[str, Any]]:
     return ranks
 
 
+@pytest.mark.slow
 def test_bytes_and_rounds_per_rank_per_save_stay_flat_from_2_to_8_ranks(
     tmp_path: Path, shm_root: Path
 ) -> None:

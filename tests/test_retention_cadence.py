@@ -287,6 +287,7 @@ _TRAINER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_guarded_saves_on_the_default_store_stay_within_the_documented_footprint(
     tmp_path: Path,
 ) -> None:

@@ -114,6 +114,7 @@ def store(tmp_path: Path, flaky: FlakyS3, s3_server: Any, **wrappers: Any) -> Ch
     return Checkpointer(tmp_path / "s", tiers=tiers, policy=policy)
 
 
+@pytest.mark.slow
 def test_save_migration_restore_and_gc_ride_out_a_flaky_endpoint(
     tmp_path: Path, flaky: FlakyS3, s3_server: Any
 ) -> None:
