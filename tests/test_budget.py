@@ -99,9 +99,12 @@ def test_shm_refuses_a_write_past_the_free_memory(shm_root: Path) -> None:
     (no allocation is needed to ask: the parts are views of one small buffer)."""
     with open_tier("shm://free", root=shm_root) as tier:
         assert isinstance(tier, ShmTier)
-        free = shm_free_bytes(tier.path)
+        # bigger than the whole file system, not only than what is free now: another
+        # process freeing memory meanwhile must not let the put start writing
+        st = os.statvfs(tier.path)
+        assert shm_free_bytes(tier.path) <= st.f_blocks * st.f_frsize
         piece = memoryview(bytearray(1 << 20))
-        parts = [piece] * (free // len(piece) + 2)
+        parts = [piece] * (st.f_blocks * st.f_frsize // len(piece) + 2)
         bid = "ab" * 32
         with pytest.raises(OverBudget, match="free"):
             tier.put_parts(bid, parts)
