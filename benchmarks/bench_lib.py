@@ -417,13 +417,34 @@ def dcp_stager() -> Any:
     )
 
 
+def timed_async_save(state: Any, path: Path, stager: Any) -> tuple[float, float, float]:
+    """One ``dcp.async_save`` of ``state`` to ``path`` (two writer threads) through
+    ``stager``: seconds until it returned, until staging completed, until the upload did."""
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    resp = dcp.async_save(
+        state,
+        storage_writer=dcp.FileSystemWriter(path, thread_count=2),
+        async_stager=stager,
+        no_dist=True,
+    )
+    blocked = time.perf_counter() - t0
+    staging = getattr(resp, "staging_completion", None)
+    upload = getattr(resp, "upload_completion", resp)
+    if staging is not None:
+        staging.result()
+    staged = time.perf_counter() - t0
+    upload.result()
+    return blocked, staged, time.perf_counter() - t0
+
+
 def dcp_async(bs: BenchState, where: Path, repeats: int) -> dict[str, Any]:
     """dcp.async_save with a DefaultStager (one stager for every call, as a trainer keeps
     it); ``blocked`` = async_save returning, ``staged`` = staging_completion, ``committed`` =
     upload_completion (FileSystemWriter, fsync on). The first call is reported apart.
     Peak extra RSS is relative to before the stager was made (as tiercheck's is relative
     to before ``prepare``); the stager's shared-memory copy counts once touched."""
-    import torch.distributed.checkpoint as dcp
 
     blocked, staged, committed, cpu, rss = [], [], [], [], []
     gc.collect()
@@ -437,21 +458,10 @@ def dcp_async(bs: BenchState, where: Path, repeats: int) -> dict[str, Any]:
                 c0 = cpu_seconds()
                 with PeakRSS() as mem:
                     mem.base = base_rss
-                    t0 = time.perf_counter()
-                    resp = dcp.async_save(
-                        bs.state,
-                        storage_writer=dcp.FileSystemWriter(path, thread_count=2),
-                        async_stager=stager,
-                        no_dist=True,
-                    )
-                    blocked.append(time.perf_counter() - t0)
-                    staging = getattr(resp, "staging_completion", None)
-                    upload = getattr(resp, "upload_completion", resp)
-                    if staging is not None:
-                        staging.result()
-                    staged.append(time.perf_counter() - t0)
-                    upload.result()
-                    committed.append(time.perf_counter() - t0)
+                    b, s, c = timed_async_save(bs.state, path, stager)
+                    blocked.append(b)
+                    staged.append(s)
+                    committed.append(c)
                 cpu.append(cpu_seconds() - c0)
                 rss.append(mem.extra)
                 shutil.rmtree(path, ignore_errors=True)

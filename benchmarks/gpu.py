@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ from bench_lib import (
     store,
     tc_restores,
     tc_saves,
+    timed_async_save,
 )
 from torch.torch_version import TorchVersion
 
@@ -100,7 +100,6 @@ def dcp_async_stager_per_save(bs: BenchState, where: Path, repeats: int) -> dict
     """``dcp.async_save`` as ``bench_lib.dcp_async`` measures it (``blocked``, ``staged``,
     ``committed``, the first call apart), with a fresh ``DefaultStager`` for every save
     (torch's workaround for #183413); each stager is closed once its save is durable."""
-    import torch.distributed.checkpoint as dcp
 
     blocked, staged, committed = [], [], []
     with scratch(where) as d:
@@ -109,21 +108,10 @@ def dcp_async_stager_per_save(bs: BenchState, where: Path, repeats: int) -> dict
             path = d / f"async-{i}"
             stager = dcp_stager()
             try:
-                t0 = time.perf_counter()
-                resp = dcp.async_save(
-                    bs.state,
-                    storage_writer=dcp.FileSystemWriter(path, thread_count=2),
-                    async_stager=stager,
-                    no_dist=True,
-                )
-                blocked.append(time.perf_counter() - t0)
-                staging = getattr(resp, "staging_completion", None)
-                upload = getattr(resp, "upload_completion", resp)
-                if staging is not None:
-                    staging.result()
-                staged.append(time.perf_counter() - t0)
-                upload.result()
-                committed.append(time.perf_counter() - t0)
+                b, s, c = timed_async_save(bs.state, path, stager)
+                blocked.append(b)
+                staged.append(s)
+                committed.append(c)
             finally:
                 stager.close()
             shutil.rmtree(path, ignore_errors=True)
