@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,9 @@ WORKER = Path(__file__).parent / "dist_scripts" / "fsdp_log_worker.py"
 
 
 def load_worker() -> ModuleType:
+    # the worker imports its neighbour _leave, as torchrun runs it (its folder on the path)
+    if str(WORKER.parent) not in sys.path:
+        sys.path.insert(0, str(WORKER.parent))
     spec = importlib.util.spec_from_file_location("fsdp_log_worker", WORKER)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

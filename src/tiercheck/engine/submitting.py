@@ -100,6 +100,10 @@ class SaveQueue:
     def _run(self, job: Job) -> None:
         raise NotImplementedError
 
+    def _log_leaves_no_room(self, job: Job, proposal: LogProposal) -> str | None:
+        """Why ``job`` may not be the log version ``proposal`` for want of memory."""
+        raise NotImplementedError
+
     def submit(
         self,
         step: int,
@@ -244,6 +248,11 @@ class SaveQueue:
             ok = proposal.reason is None
             if not ok:
                 log.debug("version %d is a full version: %s", job.version, proposal.reason)
+            else:
+                why = self._log_leaves_no_room(job, proposal)
+                if why is not None:
+                    ok = False
+                    log.info("version %d is a full version: %s", job.version, why)
         if self.world_size > 1:
             ok = self.coordinator.all_true(ok)
         with self._lock:

@@ -42,12 +42,21 @@ whose own chunks (those its base lacks) would leave such a tier less than a full
 of room once committed is saved as a *base* instead (:func:`diff_leaves_no_room`): in a
 raw memory tier it takes the same memory (chunks are written once, whatever the role),
 and once committed it lets the versions before it go.
+
+**A log version that would leave no room.** A log version follows a full version and
+keeps it (and that one's base), and every log version of the same full version adds its
+steps' gradients to what the tier must keep: a save every step under ``guard`` grows that
+chain by a step's gradients a save. A log version after which the chain the tier keeps
+alone (its chunks, each once: :func:`chain_bytes`), the log's own bytes and a full next
+version would exceed the budget is saved as a full version instead
+(:func:`log_leaves_no_room`), whose chain is at most a base and a diff; the rule above
+then makes that a base if a diff would not leave room either.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercheck.backends.base import Capabilities, FailureDomain, Tier
@@ -65,10 +74,12 @@ __all__ = [
     "at_least_as_durable",
     "budget_of",
     "bytes_needed",
+    "chain_bytes",
     "default_budget",
     "diff_leaves_no_room",
     "free_memory",
     "is_memory_tier",
+    "log_leaves_no_room",
     "version_bytes",
 ]
 
@@ -198,6 +209,11 @@ class Budgets:
         }
         self._sized_for: int | None = None
 
+    @property
+    def version_size(self) -> int | None:
+        """The bytes of a full version the defaults were last set for (None: not yet)."""
+        return self._sized_for
+
     def size_known(self, version: int) -> None:
         """A version takes ``version`` bytes (:func:`version_bytes`): set the defaults."""
         sized = self._sized_for
@@ -227,6 +243,19 @@ class Budgets:
 def at_least_as_durable(a: Capabilities, b: Capabilities) -> bool:
     """Whether what ``a`` holds survives every failure that what ``b`` holds survives."""
     return a.survives.order >= b.survives.order and (a.persistent or not b.persistent)
+
+
+def _held_elsewhere(
+    name: str, version: int, caps: Mapping[str, Capabilities], catalog: Catalog
+) -> bool:
+    """Whether a tier other than ``name``, at least as durable, holds ``version``."""
+    return any(
+        other != name
+        and at_least_as_durable(c, caps[name])
+        and other in catalog.logs
+        and catalog.logs[other].holds(version)
+        for other, c in caps.items()
+    )
 
 
 def diff_leaves_no_room(
@@ -259,18 +288,52 @@ def diff_leaves_no_room(
         budget = budget_of(slot.tier)
         if budget is None or slot.name not in caps:
             continue
-        elsewhere = any(
-            name != slot.name
-            and at_least_as_durable(c, caps[slot.name])
-            and name in catalog.logs
-            and catalog.logs[name].holds(base)
-            for name, c in caps.items()
-        )
-        if elsewhere or version + keeps + version <= budget:
+        if _held_elsewhere(slot.name, base, caps, catalog) or version + keeps + version <= budget:
             continue
         return (
             f"tier {slot.name} keeps its base alone, and the base ({format_size(version)}), "
             f"this diff's own chunks ({format_size(keeps)}) and a next version would not fit "
+            f"its budget of {format_size(budget)}"
+        )
+    return None
+
+
+def chain_bytes(chain: Mapping[int, Sequence[ChunkRef]], keep: Iterable[int]) -> int:
+    """The bytes a tier takes for the versions ``keep`` of ``chain`` (version -> its
+    chunks): each chunk once, with its blob header (manifests are left out: a few KiB)."""
+    sizes: dict[str, int] = {}
+    for v in keep:
+        for ref in chain.get(v, ()):
+            sizes.setdefault(ref.id, ref.length)
+    return sum(n + BLOB_HEADER_SIZE for n in sizes.values())
+
+
+def log_leaves_no_room(
+    slots: Sequence[TierSlot],
+    *,
+    chain: Mapping[int, Sequence[ChunkRef]],
+    adds: int,
+    version: int,
+    catalog: Catalog,
+    tierset: TierSet,
+) -> str | None:
+    """Why a log version must be saved as a full version instead (the module docstring),
+    or None. ``chain``: the chunks of each committed version the log would need kept (the
+    full version it follows, that one's base, the log versions of it so far); ``adds``:
+    the bytes the log would add (its new steps and what it stores whole); ``version``: the
+    bytes of one full version; ``slots``: the synchronous tiers that take log versions."""
+    caps = {s.name: s.tier.capabilities for s in tierset.slots if s.tier is not None}
+    for slot in slots:
+        budget = budget_of(slot.tier)
+        if budget is None or slot.name not in caps:
+            continue
+        alone = [v for v in chain if not _held_elsewhere(slot.name, v, caps, catalog)]
+        keeps = chain_bytes(chain, alone) + adds
+        if keeps + version <= budget:
+            continue
+        return (
+            f"tier {slot.name} would keep {format_size(keeps)} for the log and the versions "
+            f"it follows, and with a next version ({format_size(version)}) that would not fit "
             f"its budget of {format_size(budget)}"
         )
     return None
