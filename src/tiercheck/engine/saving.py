@@ -77,18 +77,18 @@ from tiercheck.errors import (
     TiercheckError,
 )
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
-from tiercheck.logversions.planner import LogProposal, LogSource, with_fingerprints
+from tiercheck.logversions.planner import LogSource, with_fingerprints
 from tiercheck.runtime.background import Halt, reporting
 from tiercheck.runtime.executors import lower_priority
 from tiercheck.runtime.handles import Failures, SaveHandle, TierState
 from tiercheck.store import guarantees
 from tiercheck.store.budgets import (
     Budgets,
+    Chains,
     Shortfall,
     budget_of,
     bytes_needed,
     diff_leaves_no_room,
-    log_leaves_no_room,
     version_bytes,
 )
 from tiercheck.store.catalog import LiveCatalog, append_record
@@ -188,9 +188,7 @@ class SaveService(SaveQueue):
         # used on the pipeline thread only
         self._base_chunks: dict[int, tuple[ChunkRef, ...]] = {}  # the last committed base's
         self._rebased: dict[int, int] = {}  # failed base -> the diff that became the base
-        # the committed versions since the newest committed base: role, base, chunks (what
-        # a log version's chain keeps in a tier: budgets.log_leaves_no_room)
-        self._chain: dict[int, tuple[Role, int | None, tuple[ChunkRef, ...]]] = {}
+        self._chain = Chains()  # what a log version's chain keeps in a tier
         self.logs: LogSource | None = None  # the guarded optimizer's update log
         self._committed_full: set[int] = set()  # full versions committed by this process
         # the newest version every rank has committed (agreed at open, then each confirmed
@@ -435,7 +433,7 @@ class SaveService(SaveQueue):
                         self._base_chunks = {info.id: shard.chunks}
                     if info.role in ("base", "diff"):
                         self._committed_full.add(info.id)
-                    self._note_chain(info, shard.chunks)
+                    self._chain.committed(info, shard.chunks)
                     owned, exchanged = exchange.owned, exchange.ids
                     mine, leased = leased, []  # the tail lets go of them
                     handed = True
@@ -469,7 +467,7 @@ class SaveService(SaveQueue):
             self._after_commit(
                 job, info, shard, committed, shared_ready, exchange.owned, exchange.ids
             )
-            self._note_chain(info, shard.chunks)
+            self._chain.committed(info, shard.chunks)
         finally:
             if hold.held:
                 if shard is not None:
@@ -477,46 +475,6 @@ class SaveService(SaveQueue):
                 hold.release()
             self._release_writes(leased)
         return None
-
-    def _note_chain(self, info: VersionInfo, chunks: tuple[ChunkRef, ...]) -> None:
-        """Keep the chunks of committed ``info`` while a log version may follow it."""
-        if any(role == "base" and v > info.id for v, (role, _, _) in self._chain.items()):
-            return
-        if info.role == "base":
-            self._chain = {}
-        self._chain[info.id] = (info.role, info.base, chunks)
-
-    def _log_leaves_no_room(self, job: _Job, proposal: LogProposal) -> str | None:
-        """Why ``job`` must be a full version rather than the log version ``proposal``:
-        a memory tier would keep too much for a next version to fit
-        (:func:`tiercheck.store.budgets.log_leaves_no_room`). Pipeline thread."""
-        logs, size = self.logs, self.budgets.version_size
-        if logs is None or logs.base is None or size is None or job.layout is None:
-            return None
-        full = self._chain.get(logs.base)
-        if full is None:  # committed before this process knew it: nothing to count with
-            return None
-        keep = {logs.base, *(v for v, (role, base, _) in self._chain.items() if base == logs.base)}
-        if full[0] == "diff" and full[1] is not None:
-            keep.add(full[1])
-        chain = {v: self._chain[v][2] for v in keep if v in self._chain}
-        whole = max(0, job.layout.stream_bytes - proposal.replayed_bytes)
-        slots = [
-            s
-            for s in self.tierset.slots
-            if s.tier is not None
-            and s.policy is not None
-            and s.policy.mode == "sync"
-            and s.policy.wants("log")
-        ]
-        return log_leaves_no_room(
-            slots,
-            chain=chain,
-            adds=proposal.new_bytes + whole,
-            version=size,
-            catalog=self.catalog.snapshot(),
-            tierset=self.tierset,
-        )
 
     def _release_writes(self, leased: list[TierSlot]) -> None:
         for slot in leased:

@@ -31,8 +31,10 @@ from tiercheck.formats.manifest import MAX_INT, ChunkRef, Role
 from tiercheck.logversions.planner import LogProposal, LogSource, build
 from tiercheck.runtime.background import Halt, reporting
 from tiercheck.runtime.handles import Failures, SaveHandle
-from tiercheck.store.budgets import Budgets, Shortfall, version_bytes
+from tiercheck.store.budgets import Budgets, Chains, Shortfall, log_leaves_no_room, version_bytes
+from tiercheck.store.catalog import LiveCatalog
 from tiercheck.store.policy import Policy
+from tiercheck.store.tierset import TierSet
 
 __all__ = ["Job", "SaveQueue"]
 
@@ -93,6 +95,9 @@ class SaveQueue:
     _pipeline: ThreadPoolExecutor
     _confirmed: int | None
     _committed_full: set[int]
+    _chain: Chains
+    tierset: TierSet
+    catalog: LiveCatalog
     staging: StagingBuffer
     halt: Halt
     _stager: ThreadPoolExecutor  # the staging thread (tiercheck-stage)
@@ -101,8 +106,22 @@ class SaveQueue:
         raise NotImplementedError
 
     def _log_leaves_no_room(self, job: Job, proposal: LogProposal) -> str | None:
-        """Why ``job`` may not be the log version ``proposal`` for want of memory."""
-        raise NotImplementedError
+        """Why ``job`` must be a full version rather than the log version ``proposal``
+        (:func:`tiercheck.store.budgets.log_leaves_no_room`). Pipeline thread."""
+        logs, size = self.logs, self.budgets.version_size
+        if logs is None or logs.base is None or size is None or job.layout is None:
+            return None
+        chain = self._chain.of_log(logs.base)
+        if chain is None:  # committed before this process knew it: nothing to count with
+            return None
+        whole = max(0, job.layout.stream_bytes - proposal.replayed_bytes)
+        return log_leaves_no_room(
+            self.tierset,
+            chain=chain,
+            adds=proposal.new_bytes + whole,
+            version=size,
+            catalog=self.catalog.snapshot(),
+        )
 
     def submit(
         self,

@@ -63,13 +63,14 @@ from tiercheck.backends.base import Capabilities, FailureDomain, Tier
 from tiercheck.core.sizes import format_size
 from tiercheck.errors import NotSupported, OverBudget, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
-from tiercheck.formats.manifest import ChunkRef
+from tiercheck.formats.manifest import ChunkRef, VersionInfo
 from tiercheck.store.catalog import Catalog
 from tiercheck.store.tierset import TierSet, TierSlot
 
 __all__ = [
     "SLACK",
     "Budgets",
+    "Chains",
     "Shortfall",
     "at_least_as_durable",
     "budget_of",
@@ -308,24 +309,54 @@ def chain_bytes(chain: Mapping[int, Sequence[ChunkRef]], keep: Iterable[int]) ->
     return sum(n + BLOB_HEADER_SIZE for n in sizes.values())
 
 
+class Chains:
+    """The chunks of each version committed since the newest committed base (as the
+    save service committed them), from which :meth:`of_log` gives a log version's chain."""
+
+    def __init__(self) -> None:
+        self._versions: dict[int, tuple[str, int | None, tuple[ChunkRef, ...]]] = {}
+
+    def committed(self, info: VersionInfo, chunks: tuple[ChunkRef, ...]) -> None:
+        """``info`` is committed with ``chunks``."""
+        if any(role == "base" and v > info.id for v, (role, _, _) in self._versions.items()):
+            return  # older than the newest base: no log will follow it
+        if info.role == "base":
+            self._versions = {}
+        self._versions[info.id] = (info.role, info.base, chunks)
+
+    def of_log(self, full: int) -> dict[int, tuple[ChunkRef, ...]] | None:
+        """What a log version of full version ``full`` keeps: ``full``, its base if it is
+        a diff, the log versions of it so far (version -> chunks); None if ``full`` was
+        not committed here."""
+        entry = self._versions.get(full)
+        if entry is None:
+            return None
+        keep = {full, *(v for v, (_, base, _) in self._versions.items() if base == full)}
+        if entry[0] == "diff" and entry[1] is not None:
+            keep.add(entry[1])
+        return {v: self._versions[v][2] for v in keep if v in self._versions}
+
+
 def log_leaves_no_room(
-    slots: Sequence[TierSlot],
+    tierset: TierSet,
     *,
     chain: Mapping[int, Sequence[ChunkRef]],
     adds: int,
     version: int,
     catalog: Catalog,
-    tierset: TierSet,
 ) -> str | None:
     """Why a log version must be saved as a full version instead (the module docstring),
-    or None. ``chain``: the chunks of each committed version the log would need kept (the
-    full version it follows, that one's base, the log versions of it so far); ``adds``:
-    the bytes the log would add (its new steps and what it stores whole); ``version``: the
-    bytes of one full version; ``slots``: the synchronous tiers that take log versions."""
+    or None. ``chain``: the chunks of each committed version the log would need kept
+    (:meth:`Chains.of_log`); ``adds``: the bytes the log would add (its new steps and what
+    it stores whole); ``version``: the bytes of one full version. Judged for each
+    synchronous tier with a budget that takes log versions."""
     caps = {s.name: s.tier.capabilities for s in tierset.slots if s.tier is not None}
-    for slot in slots:
+    for slot in tierset.slots:
         budget = budget_of(slot.tier)
-        if budget is None or slot.name not in caps:
+        tp = slot.policy
+        if budget is None or slot.name not in caps or tp is None:
+            continue
+        if tp.mode != "sync" or not tp.wants("log"):
             continue
         alone = [v for v in chain if not _held_elsewhere(slot.name, v, caps, catalog)]
         keeps = chain_bytes(chain, alone) + adds
