@@ -311,6 +311,24 @@ def test_retention_never_drops_a_base_a_kept_diff_needs() -> None:
     assert plan_drops(tl, TierPolicy(keep_bases=1)) == [0, 1]
 
 
+def test_a_base_tier_keeps_a_log_it_took_in_place_of_a_memory_tier_only_while_newest() -> None:
+    """LMDB (bases only) takes a log or diff version when shm, over its budget, could not:
+    a stopgap, dropped once a newer version is there, not kept as long as its base (which
+    left LMDB 2.4 states after gc where the footprint formula says 2)."""
+    from tiercheck.formats.manifest import VersionInfo
+    from tiercheck.store.catalog import TierLog
+    from tiercheck.upkeep.retention import Protection, plan_drops
+
+    tl = TierLog("lmdb")
+    for vid, role, base in [(0, "base", None), (1, "log", 0), (2, "diff", 0), (3, "base", None)]:
+        tl.committed[vid] = VersionInfo(vid, vid, role, base, 1, (), 0.0, 0)  # type: ignore[arg-type]
+    bases_only = TierPolicy(versions="base", keep_bases=2)
+    assert plan_drops(tl, bases_only, protect=Protection(frozenset({3}))) == [1, 2]
+    assert plan_drops(tl, TierPolicy(keep_bases=2)) == []  # a tier of every version keeps them
+    del tl.committed[3]  # while the diff is the newest there, it stays with its base
+    assert plan_drops(tl, bases_only, protect=Protection(frozenset({2}))) == [1]
+
+
 def test_unchanged_content_is_stored_once(store: Checkpointer) -> None:
     big = {"frozen": torch.randn(40_000), "lora": torch.zeros(100)}
     r0 = store.save(0, big).wait()

@@ -149,12 +149,19 @@ def plan_drops(
     keep_bases = set(bases if policy.keep_bases is None else bases[-policy.keep_bases :])
     keep_bases |= milestones(policy, [info[v] for v in bases])
     diffs = [v for v in held if info[v].role == "diff" and info[v].base in keep_bases]
+    if not policy.wants("diff"):
+        # a tier that keeps bases took a diff or log version only when no other tier could
+        # (a memory tier over its budget): it keeps that one while it is the newest
+        # (protect.keep), not for as long as its base
+        diffs = []
     if policy.keep_diffs is not None:
         diffs = diffs[-policy.keep_diffs :] if policy.keep_diffs else []
     # a log version follows a full version (a base or a diff): kept while that one is,
     # counted with the diffs by keep_diffs
     full = keep_bases | set(diffs)
     logs = [v for v in held if info[v].role == "log" and info[v].base in full]
+    if not policy.wants("log"):
+        logs = []
     if policy.keep_diffs is not None:
         logs = logs[-policy.keep_diffs :] if policy.keep_diffs else []
     if last_resort:  # making room: only what must stay (and what a version in flight needs)
