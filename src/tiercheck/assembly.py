@@ -349,6 +349,8 @@ class Engine:
             raise CheckpointError("this Checkpointer is closed")
         if grace is not None and grace < 0:
             raise ConfigError(f"grace must be >= 0 seconds, got {grace}")
+        if not dry_run:  # retention first: what it drops is swept with the rest
+            self.maintenance.request(s.name for s in self.tierset.slots)
         self.flush()
         self.refresh()
         return self.maintenance.collect(dry_run=dry_run, grace=grace)
@@ -366,6 +368,8 @@ class Engine:
                 self.saves.drain(_left(deadline))  # one still running is named below
             if self.migrations is not None:
                 unfinished = self.migrations.stop(timeout=_left(deadline), abandon=abandon)
+            if not abandon:  # the retention the last saves asked for: what it drops is freed
+                self.maintenance.flush(_left(deadline))
         finally:
             self.closed = True
             running = self._shut_down(deadline)

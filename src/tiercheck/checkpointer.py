@@ -223,7 +223,8 @@ class Checkpointer:
     # --- retention and GC -----------------------------------------------------------------
 
     def gc(self, *, dry_run: bool = False, grace: float | None = None) -> list[GCReport]:
-        """Sweep unreferenced blobs from every tier (past the grace period: the policy's,
+        """Apply each tier's retention, then sweep unreferenced blobs from every tier
+        (past the grace period: the policy's,
         or ``grace`` seconds, counted from when each blob was written where its tier says,
         else from when first seen unreferenced). Blobs of saves and migrations in flight are
         never swept, in this process or in others sharing a tier; a shared tier another

@@ -134,11 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         parents=[common],
         help="delete blobs no kept version references, or orphaned shm segments",
-        description="Mark and sweep every tier: blobs referenced by no version the tier keeps "
-        "are deleted once past the grace period. Takes the writer lock unless --dry-run. A "
-        "tier shared with a process that is writing to it is skipped (its write lease says "
-        "so). With --orphans (and no ROOT): list your shm segments on this node whose store "
-        "is gone or no longer names them; --yes deletes them.",
+        description="Apply each tier's retention, then mark and sweep every tier: blobs "
+        "referenced by no version the tier keeps are deleted once past the grace period. "
+        "Takes the writer lock unless --dry-run. A tier shared with a process that is "
+        "writing to it is skipped (its write lease says so). With --orphans (and no ROOT): "
+        "list your shm segments on this node whose store is gone or no longer names them; "
+        "--yes deletes them.",
     )
     p.add_argument("root", metavar="ROOT", nargs="?", help="store root")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
