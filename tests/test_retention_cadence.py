@@ -288,12 +288,6 @@ _TRAINER = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="known regression of issue 31's hand-over and latest-wins path (commits cfdc075, "
-    "42e27fa): after 200 guarded saves and gc --grace 0, LMDB holds 34.2 MB for 2 bases of "
-    "12.6 MB (2.7x, bound 2.04x); see the closing note of this stop",
-    strict=False,
-)
 def test_guarded_saves_on_the_default_store_stay_within_the_documented_footprint(
     tmp_path: Path,
 ) -> None:

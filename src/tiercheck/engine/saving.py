@@ -168,6 +168,7 @@ class SaveService(SaveQueue):
         )
         self._tail: Future[None] | None = None
         self._busy: set[str] = set()  # the tiers the tail is still writing
+        self._busy_version: int | None = None  # the version it writes there
         self._tier_pool = ThreadPoolExecutor(
             max_workers=max(2, len(tierset.slots)),
             thread_name_prefix="tiercheck-tier",
@@ -439,6 +440,7 @@ class SaveService(SaveQueue):
                     handed = True
                     self.maintenance.request(s.name for s in committed)  # room for the next
                     self._busy = {s.name for f, s in futures.items() if not f.done()}
+                    self._busy_version = info.id
 
                     def tail() -> None:
                         try:
@@ -620,6 +622,12 @@ class SaveService(SaveQueue):
                     slot.tier, shard.chunks, shard.manifest_id, len(shard.manifest_bytes)
                 )
                 short = self.maintenance.make_room(slot, need)
+                tail = self._tail
+                if short is not None and tail is not None and not tail.done():
+                    # what keeps the room may be a version a slower tier is still taking
+                    # over (the base a log decided to follow): once there, it may go here
+                    tail.exception()
+                    short = self.maintenance.make_room(slot, need)
             except TiercheckError as exc:  # counting failed: the tier still refuses past it
                 log.warning("could not make room in tier %s: %s", slot.name, exc)
                 short = None

@@ -96,6 +96,8 @@ class SaveQueue:
     _confirmed: int | None
     _committed_full: set[int]
     _chain: Chains
+    _busy: set[str]
+    _busy_version: int | None
     tierset: TierSet
     catalog: LiveCatalog
     staging: StagingBuffer
@@ -121,6 +123,9 @@ class SaveQueue:
             adds=proposal.new_bytes + whole,
             version=size,
             catalog=self.catalog.snapshot(),
+            writing={self._busy_version: set(busy)}
+            if (busy := self._busy) and self._busy_version is not None
+            else None,
         )
 
     def submit(

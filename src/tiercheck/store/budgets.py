@@ -247,14 +247,19 @@ def at_least_as_durable(a: Capabilities, b: Capabilities) -> bool:
 
 
 def _held_elsewhere(
-    name: str, version: int, caps: Mapping[str, Capabilities], catalog: Catalog
+    name: str,
+    version: int,
+    caps: Mapping[str, Capabilities],
+    catalog: Catalog,
+    writing: Iterable[str] = (),
 ) -> bool:
-    """Whether a tier other than ``name``, at least as durable, holds ``version``."""
+    """Whether a tier other than ``name``, at least as durable, holds ``version`` (or is
+    writing it: ``writing`` names those tiers)."""
+    writing = set(writing)
     return any(
         other != name
         and at_least_as_durable(c, caps[name])
-        and other in catalog.logs
-        and catalog.logs[other].holds(version)
+        and (other in writing or (other in catalog.logs and catalog.logs[other].holds(version)))
         for other, c in caps.items()
     )
 
@@ -344,12 +349,16 @@ def log_leaves_no_room(
     adds: int,
     version: int,
     catalog: Catalog,
+    writing: Mapping[int, Iterable[str]] | None = None,
 ) -> str | None:
     """Why a log version must be saved as a full version instead (the module docstring),
     or None. ``chain``: the chunks of each committed version the log would need kept
     (:meth:`Chains.of_log`); ``adds``: the bytes the log would add (its new steps and what
-    it stores whole); ``version``: the bytes of one full version. Judged for each
+    it stores whole); ``version``: the bytes of one full version; ``writing``: the tiers
+    still writing a version of the chain (a slower tier behind the hand-over), counted as
+    holding it, since a next version finds it there as a rule. Judged for each
     synchronous tier with a budget that takes log versions."""
+    writing = writing or {}
     caps = {s.name: s.tier.capabilities for s in tierset.slots if s.tier is not None}
     for slot in tierset.slots:
         budget = budget_of(slot.tier)
@@ -358,7 +367,9 @@ def log_leaves_no_room(
             continue
         if tp.mode != "sync" or not tp.wants("log"):
             continue
-        alone = [v for v in chain if not _held_elsewhere(slot.name, v, caps, catalog)]
+        alone = [
+            v for v in chain if not _held_elsewhere(slot.name, v, caps, catalog, writing.get(v, ()))
+        ]
         keeps = chain_bytes(chain, alone) + adds
         if keeps + version <= budget:
             continue
