@@ -202,3 +202,31 @@ def test_saving_never_stops(
         _run(ckpt, range(last + 1, last + 1 + RUNS[1]), state, rng, loss)
     finally:
         ckpt.destroy()
+
+
+def test_a_diff_in_flight_pins_the_base_it_will_follow_not_the_one_it_was_planned_against(
+    tmp_path: Path,
+) -> None:
+    """A diff is planned when ``save()`` is called; if the save before it becomes a base
+    instead (a dense diff would leave shm no room), the diff follows that one. It pinned
+    the base it was planned against all the same, which with the newest version filled
+    shm's budget of two copies: in the trainer-overhead loop (shm alone, guard, a save every
+    step, 1 GiB) 42 of 60 saves aborted, ``it needs 1.0 GiB more, 2.0 GiB of its budget of
+    2.0 GiB is held by versions it must keep``; now 0 of 60."""
+    from types import SimpleNamespace
+
+    name = f"tc-pinned-{uuid.uuid4().hex[:10]}"
+    ckpt = Checkpointer(tmp_path / "store", tiers=[f"shm://{name}"])
+    try:
+        saves = ckpt._engine.saves  # type: ignore[union-attr]
+        assert saves is not None
+        saves._rebased = {0: 1}  # version 1, planned as a diff of 0, became a base
+        with saves._lock:
+            saves._inflight.append(SimpleNamespace(base=0))  # version 2, planned against 0
+        try:
+            assert saves.pinned() == {1}
+        finally:
+            with saves._lock:
+                saves._inflight.clear()
+    finally:
+        ckpt.destroy()

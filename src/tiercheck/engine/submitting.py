@@ -96,6 +96,7 @@ class SaveQueue:
     _confirmed: int | None
     _committed_full: set[int]
     _chain: Chains
+    _rebased: dict[int, int]
     _busy: set[str]
     _busy_version: int | None
     tierset: TierSet
@@ -340,8 +341,9 @@ class SaveQueue:
     def pinned(self) -> set[int]:
         """Bases that in-flight diffs follow, and the newest version every rank committed:
         retention must not drop them yet."""
+        rebased = self._rebased  # a diff planned against a base that became a diff's
         with self._lock:
-            out = {j.base for j in self._inflight if j.base is not None}
+            out = {rebased.get(j.base, j.base) for j in self._inflight if j.base is not None}
             if self._confirmed is not None:
                 out.add(self._confirmed)
         logs = self.logs
