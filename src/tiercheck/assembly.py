@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tiercheck.backends.base import FailureDomain
 from tiercheck.core.chunking import plan_layout
 from tiercheck.core.entries import flatten
 from tiercheck.engine.coordinator import Coordinator, DistCoordinator, LocalCoordinator
@@ -368,8 +369,16 @@ class Engine:
                 self.saves.drain(_left(deadline))  # one still running is named below
             if self.migrations is not None:
                 unfinished = self.migrations.stop(timeout=_left(deadline), abandon=abandon)
-            if not abandon:  # the retention the last saves asked for: what it drops is freed
-                self.maintenance.flush(_left(deadline))
+            if not abandon:  # the retention the last saves asked for in the tiers of this
+                # machine (quick, and what it drops is memory and disk freed); a remote's is
+                # left to the next open, as a slow or unreachable remote must not hold close
+                local = [
+                    s.name
+                    for s in self.tierset.slots
+                    if s.tier is not None
+                    and s.tier.capabilities.survives.order <= FailureDomain.PROCESS.order
+                ]
+                self.maintenance.flush(_left(deadline), tiers=local)
         finally:
             self.closed = True
             running = self._shut_down(deadline)

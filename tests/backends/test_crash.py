@@ -122,7 +122,9 @@ def _run_and_kill(
         os.kill(proc.pid, signal.SIGKILL)
         # Lines the child printed before the signal landed are acknowledgements too.
         # Read them through the same buffered reader: readline may have buffered some.
-        lines += proc.stdout.read().decode().split("\n")
+        # The last piece is a line the kill cut short (print writes "a", " ", "12" and the
+        # newline one by one when unbuffered), or empty: an acknowledgement only once whole.
+        lines += proc.stdout.read().decode().split("\n")[:-1]
         proc.wait()
     finally:
         if proc.poll() is None:

@@ -52,6 +52,7 @@ __all__ = [
     "build_manifest",
     "commit_on",
     "hash_stream",
+    "keeps_bases_on_disk",
     "place_shard",
     "streamable",
 ]
@@ -466,3 +467,17 @@ def commit_on(slot: TierSlot, info: VersionInfo) -> str | None:
         log.warning("tier %s failed to record commit of %s: %s", slot.name, info.id, exc)
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def keeps_bases_on_disk(slot: TierSlot) -> bool:
+    """A tier of this node's disk that keeps a bounded number of bases (LMDB): its retention
+    runs before its next write, so that its pages hold ``keep_bases`` and the one being
+    written, however far the maintenance threads lag behind the saves."""
+    tier, tp = slot.tier, slot.policy
+    return (
+        tier is not None
+        and tp is not None
+        and tp.keep_bases is not None
+        and tier.capabilities.persistent
+        and not tier.capabilities.shared
+    )

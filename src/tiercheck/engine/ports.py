@@ -58,6 +58,10 @@ class Upkeep(Protocol):
         """Ask for maintenance of ``tiers`` after a commit."""
         ...
 
+    def flush(self, timeout: float | None = None, tiers: Iterable[str] | None = None) -> bool:
+        """Wait for the maintenance requested so far (of ``tiers``; None: all)."""
+        ...
+
     def make_room(self, slot: TierSlot, needed: int) -> Shortfall | None:
         """Free ``needed`` bytes in ``slot``'s budget, or say what is still short."""
         ...

@@ -61,6 +61,7 @@ from tiercheck.engine.placing import (
     ShardStream,
     build_manifest,
     commit_on,
+    keeps_bases_on_disk,
     place_shard,
     streamable,
 )
@@ -831,6 +832,8 @@ class SaveService(SaveQueue):
         handle._finish(error, [s.name for s in targets])
         self.migrations.submit(info, handle, targets, owned=owned, reservation=reservation)
         self.maintenance.request(s.name for s in committed)
+        if info.role == "base":  # a disk tier drops its oldest base before it takes the next
+            self.maintenance.flush(tiers=[s.name for s in committed if keeps_bases_on_disk(s)])
 
     def _judge(
         self, job: _Job, info: VersionInfo, confirmed: bool, reason: str, anywhere: bool

@@ -128,12 +128,13 @@ class Maintenance:
                 run = reporting(self.failures, "maintenance", self._run)
                 self._lane(name).submit(self._as, name, f"maintenance of tier {name}", run, name)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Block until the maintenance requested so far has run on every lane (at once once
-        halted), or ``timeout`` passed; True unless it did."""
+    def flush(self, timeout: float | None = None, tiers: Iterable[str] | None = None) -> bool:
+        """Block until the maintenance requested so far has run on every lane (or those of
+        ``tiers``; at once once halted), or ``timeout`` passed; True unless it did."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        names = self._names() if tiers is None else [n for n in self._names() if n in set(tiers)]
         try:
-            futs = [self._submit(name, "flush", lambda: None) for name in self._names()]
+            futs = [self._submit(name, "flush", lambda: None) for name in names]
         except Halted:
             return True
         for fut in futs:
