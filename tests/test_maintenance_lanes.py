@@ -47,7 +47,11 @@ def test_make_room_does_not_wait_behind_another_tiers_gc(tmp_path: Path) -> None
         # slow's lane is held in its listing; fast must still make room for this save
         res = ckpt.save(2, {"w": torch.randn(NUMEL)}).wait(timeout=60)
         assert res.tiers["fast"] == "committed", res
-        assert res.tiers["slow"] == "committed", res
+        # slow takes its next base once its retention ran (or 5 s passed): while its lane is
+        # held, this save skips it as a busy tier ("latest wins"), never as a failed one
+        assert res.tiers["slow"] in ("committed", "missing"), res
+        if res.tiers["slow"] == "missing":
+            assert "latest wins" in res.errors["slow"], res
     finally:
         release.set()
         ckpt.destroy()

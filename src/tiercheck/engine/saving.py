@@ -833,7 +833,8 @@ class SaveService(SaveQueue):
         self.migrations.submit(info, handle, targets, owned=owned, reservation=reservation)
         self.maintenance.request(s.name for s in committed)
         if info.role == "base":  # a disk tier drops its oldest base before it takes the next
-            self.maintenance.flush(tiers=[s.name for s in committed if keeps_bases_on_disk(s)])
+            disk = [s.name for s in committed if keeps_bases_on_disk(s)]
+            self.maintenance.flush(5.0, tiers=disk)  # at most 5 s: a lane held up is passed
 
     def _judge(
         self, job: _Job, info: VersionInfo, confirmed: bool, reason: str, anywhere: bool
