@@ -142,6 +142,7 @@ def test_corrupt_blob_in_each_tier_detected_fallback_repaired(
     ckpt = three_tiers(tmp_path)
     for step in range(2):
         ckpt.save(step, state_of(step)).wait()
+        ckpt.flush()  # every tier takes each version (one still busy skips it: latest wins)
     info = ckpt.refresh().versions[1]
     slot = ckpt.tierset.get(victim)
     assert slot.tier is not None
