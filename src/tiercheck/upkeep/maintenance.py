@@ -132,7 +132,8 @@ class Maintenance:
         """Block until the maintenance requested so far has run on every lane (or those of
         ``tiers``; at once once halted), or ``timeout`` passed; True unless it did."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        names = self._names() if tiers is None else [n for n in self._names() if n in set(tiers)]
+        wanted = None if tiers is None else set(tiers)
+        names = [n for n in self._names() if wanted is None or n in wanted]
         try:
             futs = [self._submit(name, "flush", lambda: None) for name in names]
         except Halted:
