@@ -188,10 +188,9 @@ class SaveService(SaveQueue):
         self._plan_base: tuple[int, tuple[Any, ...]] | None = None  # version, layout signature
         self._plan_since = 0  # diffs decided since that base
         # used on the pipeline thread only
+        self._base_chunks: dict[int, tuple[ChunkRef, ...]] = {}  # the last committed base's
         self._rebased: dict[int, int] = {}  # failed base -> the diff that became the base
-        # the versions committed since the newest base, with their chunks: what a diff is
-        # encoded against and what a log version's chain keeps in a tier
-        self._chain = Chains()
+        self._chain = Chains()  # what a log version's chain keeps in a tier
         self.logs: LogSource | None = None  # the guarded optimizer's update log
         self._committed_full: set[int] = set()  # full versions committed by this process
         # the newest version every rank has committed (agreed at open, then each confirmed
@@ -432,9 +431,11 @@ class SaveService(SaveQueue):
                 ):
                     # committed in the fastest tier, which holds the shard: the slower
                     # tiers finish on the tail thread, and the next save goes on meanwhile
+                    if info.role == "base":  # the next diff follows it
+                        self._base_chunks = {info.id: shard.chunks}
                     if info.role in ("base", "diff"):
                         self._committed_full.add(info.id)
-                    self._chain.committed(info, shard.chunks)  # the next diff follows it
+                    self._chain.committed(info, shard.chunks)
                     owned, exchanged = exchange.owned, exchange.ids
                     mine, leased = leased, []  # the tail lets go of them
                     handed = True
@@ -551,7 +552,7 @@ class SaveService(SaveQueue):
         """
         assert job.base is not None
         base = self._rebased.get(job.base, job.base)
-        chunks = self._chain.base_chunks(base)
+        chunks = self._base_chunks.get(base)
         if chunks is not None:
             job.base = job.handle.base = base
             return chunks
@@ -809,6 +810,10 @@ class SaveService(SaveQueue):
             self._committed_full.add(info.id)
         elif info.role == "log" and job.proposal is not None and self.logs is not None:
             self.logs.stored(job.proposal)
+        if info.role == "base" and all(k <= info.id for k in self._base_chunks):
+            # a diff decided against an older base has run by now (saves run in order; a
+            # tail may end after a newer base's save has set its own)
+            self._base_chunks = {info.id: shard.chunks}
         seconds = time.perf_counter() - job.t_call
         handle._time("committed", seconds)
         went = [s.name for s in committed]

@@ -316,8 +316,7 @@ def chain_bytes(chain: Mapping[int, Sequence[ChunkRef]], keep: Iterable[int]) ->
 
 class Chains:
     """The chunks of each version committed since the newest committed base (as the
-    save service committed them, on its pipeline thread): :meth:`base_chunks` gives what a
-    diff is encoded against, :meth:`of_log` a log version's chain."""
+    save service committed them), from which :meth:`of_log` gives a log version's chain."""
 
     def __init__(self) -> None:
         self._versions: dict[int, tuple[str, int | None, tuple[ChunkRef, ...]]] = {}
@@ -329,11 +328,6 @@ class Chains:
         if info.role == "base":
             self._versions = {}
         self._versions[info.id] = (info.role, info.base, chunks)
-
-    def base_chunks(self, base: int) -> tuple[ChunkRef, ...] | None:
-        """The chunks of ``base`` if it is the newest committed base, else None."""
-        entry = self._versions.get(base)
-        return entry[2] if entry is not None and entry[0] == "base" else None
 
     def of_log(self, full: int) -> dict[int, tuple[ChunkRef, ...]] | None:
         """What a log version of full version ``full`` keeps: ``full``, its base if it is
