@@ -230,3 +230,49 @@ def test_a_diff_in_flight_pins_the_base_it_will_follow_not_the_one_it_was_planne
                 saves._inflight.clear()
     finally:
         ckpt.destroy()
+
+
+def test_a_chain_only_shm_holds_after_lmdb_is_lost_does_not_stop_saving(tmp_path: Path) -> None:
+    """The default store's shm kept a base and a dense diff of it (4 of its 5 MiB) while
+    LMDB held the base; LMDB is then lost, so shm must keep both (the newest restorable
+    version) and a next version (2 MiB) does not fit. No synchronous tier without a
+    budget is left, and every save aborted (``CommitAborted: version 4 aborted: tier shm
+    skipped version 4 (step 4): it needs 2.0 MiB more, 4.0 MiB of its budget of 5.0 MiB is
+    held by versions it must keep``). The full suite met this state now and then, when
+    LMDB was still writing the first base as the second save was planned (so it became a
+    base too); here it is made by forcing that base. Now the remote takes the version,
+    and shm lets the old chain go at the next save."""
+    root = tmp_path / "store"
+    state = {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+
+    def dense(step: int) -> None:
+        state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
+        state["step"].fill_(step)
+
+    ckpt = Checkpointer(root)
+    try:
+        dense(0)
+        ckpt.save(0, state).wait()
+        dense(1)
+        ckpt.save(1, state, role="base").wait()
+        dense(2)
+        ckpt.save(2, state).wait()
+        state["w"][:1024] += 1.0  # a sparse change: the diff shares the dense one's chunks
+        state["step"].fill_(3)
+        ckpt.save(3, state).wait()
+    finally:
+        ckpt.close()
+    _lose("lmdb-damaged", ckpt, root, [])
+    ckpt = Checkpointer(root)
+    try:
+        held = ckpt.tierset.get("shm").tier.usage()  # type: ignore[union-attr]
+        assert held is not None and held > 2 * 4 * NUMEL  # the base and the dense diff
+        for step in range(4, 8):
+            dense(step)
+            res = ckpt.save(step, state).wait()
+            assert res.committed_tiers, res
+            _check_budgets(ckpt)
+        out = {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+        assert ckpt.restore(out).step == 7 and torch.equal(out["w"], state["w"])
+    finally:
+        ckpt.destroy()

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +40,9 @@ from tiercheck.formats.manifest import (
     pack_manifest,
 )
 from tiercheck.runtime.executors import lower_priority
+from tiercheck.runtime.handles import SaveHandle, TierState
 from tiercheck.runtime.parallel import map_all
+from tiercheck.store.budgets import budget_of
 from tiercheck.store.catalog import append_record
 from tiercheck.store.deltas import elem_size, held_bases
 from tiercheck.store.tierset import TierSlot
@@ -458,6 +460,16 @@ def place_shard(
     return result
 
 
+def note_placed(handle: SaveHandle, r: PlaceResult) -> None:
+    """Report on ``handle`` what ``r`` wrote, how long it took and, if it failed, why."""
+    handle._written(r.tier, r.bytes_written, r.chunks_written)
+    handle._time(f"prepared:{r.tier}", r.seconds)
+    if not r.ok:
+        # past the tier's memory budget: the tier is skipped for this version, not failed
+        state: TierState = "missing" if isinstance(r.exception, OverBudget) else "failed"
+        handle._set_tier(r.tier, state, r.error)
+
+
 def commit_on(slot: TierSlot, info: VersionInfo) -> str | None:
     """Append the commit record to ``slot``; return an error string instead of raising."""
     assert slot.tier is not None
@@ -481,3 +493,28 @@ def keeps_bases_on_disk(slot: TierSlot) -> bool:
         and tier.capabilities.persistent
         and not tier.capabilities.shared
     )
+
+
+def fallback_slot(
+    by_speed: Sequence[TierSlot], skipped: Collection[str], world_size: int
+) -> TierSlot | None:
+    """The tier that takes a version every tier that wants it skipped for lack of room.
+
+    The fastest reachable tier without a budget, not skipped: a synchronous tier of this
+    process first, whatever versions it usually takes (a diff goes to LMDB, which keeps
+    bases); where there is none (LMDB lost), a single-process store writes the version
+    to an asynchronous or shared one (the remote) now, before it is acknowledged. The
+    version is committed somewhere rather than not at all; the memory tier's budget,
+    the trainer's memory, is never exceeded. With several ranks a shared tier takes a
+    version only when every rank agrees to write it there, so that fallback is left out.
+    """
+    usable = [
+        s for s in by_speed
+        if s.tier is not None and s.policy is not None and s.name not in skipped
+        and budget_of(s.tier) is None
+    ]  # fmt: skip
+    for slot in usable:
+        assert slot.tier is not None and slot.policy is not None
+        if slot.policy.mode == "sync" and not slot.tier.capabilities.shared:
+            return slot
+    return usable[0] if usable and world_size == 1 else None

@@ -61,7 +61,9 @@ from tiercheck.engine.placing import (
     ShardStream,
     build_manifest,
     commit_on,
+    fallback_slot,
     keeps_bases_on_disk,
+    note_placed,
     place_shard,
     streamable,
 )
@@ -81,7 +83,7 @@ from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
 from tiercheck.logversions.planner import LogSource, with_fingerprints
 from tiercheck.runtime.background import Halt, reporting
 from tiercheck.runtime.executors import lower_priority
-from tiercheck.runtime.handles import Failures, SaveHandle, TierState
+from tiercheck.runtime.handles import Failures, SaveHandle
 from tiercheck.store import guarantees
 from tiercheck.store.budgets import (
     Budgets,
@@ -374,16 +376,8 @@ class SaveService(SaveQueue):
                 # others let go of their write leases: until then their blobs (ids it never
                 # sees) are named by no record, so it sweeps none of these tiers meanwhile
                 job.held += self.fence.hold(s.name for s in self.tierset.slots if _shared(s))
-            sync = self._sync_slots(job)
-            for slot in [s for s in sync if _shared(s)]:
-                assert slot.tier is not None
-                try:
-                    self.leases.acquire_write(slot.tier)
-                    leased.append(slot)
-                except TiercheckError as exc:
-                    handle._set_tier(slot.name, "failed", f"{type(exc).__name__}: {exc}")
-                    sync.remove(slot)
-            sync = self._fit_budgets(job, shard, sync)
+            sync = self._lease(self._sync_slots(job), leased, handle)
+            sync = self._lease(self._fit_budgets(job, shard, sync), leased, handle)  # fallback
             if self.world_size == 1:  # latest wins: a slower tier still busy skips this one
                 sync, skips = skip_busy(sync, self._busy, job.version, job.step)
                 for name, why in skips.items():
@@ -478,6 +472,23 @@ class SaveService(SaveQueue):
                 hold.release()
             self._release_writes(leased)
         return None
+
+    def _lease(
+        self, slots: list[TierSlot], leased: list[TierSlot], handle: SaveHandle
+    ) -> list[TierSlot]:
+        """``slots`` less the shared ones whose write lease (added to ``leased``) failed."""
+        out = []
+        for slot in slots:
+            if _shared(slot) and slot not in leased:
+                assert slot.tier is not None
+                try:
+                    self.leases.acquire_write(slot.tier)
+                except TiercheckError as exc:
+                    handle._set_tier(slot.name, "failed", f"{type(exc).__name__}: {exc}")
+                    continue
+                leased.append(slot)
+            out.append(slot)
+        return out
 
     def _release_writes(self, leased: list[TierSlot]) -> None:
         for slot in leased:
@@ -641,25 +652,16 @@ class SaveService(SaveQueue):
             job.skipped[slot.name] = why
         if kept or not job.skipped:
             return kept
-        for slot in self.tierset.by_speed():
-            tp, tier = slot.policy, slot.tier
-            if (
-                tier is None
-                or tp is None
-                or tp.mode != "sync"
-                or slot.name in job.skipped
-                or tier.capabilities.shared
-                or budget_of(tier) is not None
-            ):
-                continue
-            log.warning(
-                "version %d (step %d) goes to tier %s instead: no tier that takes it has room",
-                job.version,
-                job.step,
-                slot.name,
-            )
-            return [slot]
-        return kept
+        other = fallback_slot(self.tierset.by_speed(), job.skipped, self.world_size)
+        if other is None:
+            return kept
+        log.warning(
+            "version %d (step %d) goes to tier %s instead: no tier that takes it has room",
+            job.version,
+            job.step,
+            other.name,
+        )
+        return [other]
 
     def _vote_and_commit(
         self,
@@ -696,7 +698,7 @@ class SaveService(SaveQueue):
         if not decision.commit:
             results += [f.result() for f in pending]
             for r in results:
-                _note_placed(handle, r)
+                note_placed(handle, r)
                 if r.ok:
                     slot = self.tierset.get(r.tier)
                     assert slot.tier is not None
@@ -721,7 +723,7 @@ class SaveService(SaveQueue):
         shared_ready: list[TierSlot] = []
 
         def settle(r: PlaceResult) -> None:
-            _note_placed(handle, r)
+            note_placed(handle, r)
             if not r.ok:
                 if isinstance(r.exception, OverBudget):  # a write the tier refused: a skip
                     job.shortfalls[r.tier] = Shortfall.refused(r.tier, r.exception)
@@ -773,8 +775,10 @@ class SaveService(SaveQueue):
         queue the migrations and request maintenance."""
         handle = job.handle
         targets, later = self.migrations.targets(info)
-        for name, why in later.items():  # their cadence is not due: the faster tiers keep it
-            handle._set_tier(name, "missing", why)
+        done = {s.name for s in committed}  # a fallback committed it there already
+        targets = [s for s in targets if s.name not in done]
+        for name in later.keys() - done:  # their cadence is not due: the faster tiers keep it
+            handle._set_tier(name, "missing", later[name])
         reservation = self.migrations.reserve(info, targets, [*exchanged, *info.shards])
         try:
             # every tier by name (the same names on every rank, whichever opened): the
@@ -888,12 +892,3 @@ class SaveService(SaveQueue):
 
 def _shared(slot: TierSlot) -> bool:
     return slot.tier is not None and slot.tier.capabilities.shared
-
-
-def _note_placed(handle: SaveHandle, r: PlaceResult) -> None:
-    handle._written(r.tier, r.bytes_written, r.chunks_written)
-    handle._time(f"prepared:{r.tier}", r.seconds)
-    if not r.ok:
-        # past the tier's memory budget: the tier is skipped for this version, not failed
-        state: TierState = "missing" if isinstance(r.exception, OverBudget) else "failed"
-        handle._set_tier(r.tier, state, r.error)
