@@ -79,16 +79,22 @@ def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[
     return tuple(ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, windows))
 
 
-def streamable(slots: Sequence[TierSlot], role: Role) -> list[TierSlot]:
+def streamable(
+    slots: Sequence[TierSlot], role: Role, unsized: Collection[str] = ()
+) -> list[TierSlot]:
     """The synchronous tiers that take a version of ``role`` and can take its blobs while
     the stream is being hashed: a tier of this rank alone (a shared tier learns which
     chunks are this rank's from the exchange of chunk ids) whose blobs need nothing but
     the chunk's bytes (not a delta against a base) and with no memory budget (room is made
-    in such a tier before it is written, for the whole shard, from every chunk's id)."""
+    in such a tier before it is written, for the whole shard, from every chunk's id), nor
+    one to come (``unsized``: a default budget set once the version's size is known, after
+    the hash; a write streamed then would be refused past it before room was made)."""
     out = []
     for slot in slots:
         tp, tier = slot.policy, slot.tier
         if tier is None or tp is None or tp.mode != "sync" or not tp.wants(role):
+            continue
+        if slot.name in unsized:
             continue
         if tier.capabilities.shared or (tp.codec == "delta" and role == "diff"):
             continue

@@ -531,7 +531,7 @@ class SaveService(SaveQueue):
             handle._mark_staged()
         view = ShardBytes(self.staging.view(layout.stream_bytes))
         stream = ShardStream(
-            streamable(self.tierset.slots, job.role),
+            streamable(self.tierset.slots, job.role, self.budgets.unsized()),
             pool=self.pool,
             view=view,
             zstd_level=self.policy.zstd_level,

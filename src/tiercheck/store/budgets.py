@@ -215,6 +215,11 @@ class Budgets:
         """The bytes of a full version the defaults were last set for (None: not yet)."""
         return self._sized_for
 
+    def unsized(self) -> frozenset[str]:
+        """The tiers that will get a default budget but have none yet (no version size
+        known): until then they must not be written ahead of making room in them."""
+        return frozenset(self._defaulted) if self._sized_for is None else frozenset()
+
     def size_known(self, version: int) -> None:
         """A version takes ``version`` bytes (:func:`version_bytes`): set the defaults."""
         sized = self._sized_for
