@@ -322,3 +322,42 @@ def test_the_first_save_after_opening_makes_room_before_it_writes_to_a_memory_ti
         assert ckpt.restore(out).step == 2 and torch.equal(out["w"], state["w"])
     finally:
         ckpt.destroy()
+
+
+def test_a_base_a_migration_still_reads_goes_from_shm_when_lmdb_holds_it(tmp_path: Path) -> None:
+    """A migration to the remote pins the version it copies (and its base) where it reads
+    them; making room in shm set that pin aside only for a newest version's chain held by
+    a more durable tier. So with the remote slow, shm kept the first base beside the
+    second (4 of its 5 MiB) though LMDB held it, and skipped the next version (``tier shm
+    skipped version 2 (step 2): it needs 2.0 MiB more, 4.0 MiB of its budget of 5.0 MiB
+    is held by versions it must keep; the version is committed on lmdb instead``): a diff
+    written to LMDB on the save's path. This is also the state that, with LMDB lost
+    afterwards, left shm no room at all (the test above). Now a version a more durable
+    tier holds may go from shm to make room; the migration reads it from LMDB."""
+    from tiercheck.testing.faults import inject
+
+    state = {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+
+    def dense(step: int) -> None:
+        state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
+        state["step"].fill_(step)
+
+    ckpt = Checkpointer(tmp_path / "store")
+    try:
+        inject(ckpt, "remote").latency(1.5, "put", count=1)  # the first base's migration
+        dense(0)
+        ckpt.save(0, state).wait()
+        dense(1)
+        ckpt.save(1, state, role="base").wait()
+        migrations = ckpt._engine.migrations  # type: ignore[union-attr]
+        assert migrations is not None and 0 in migrations.pinned()
+        dense(2)
+        res = ckpt.save(2, state).wait()
+        assert res.tiers["shm"] == "committed", res.errors
+        _check_budgets(ckpt)
+        assert ckpt.wait_migrations(30.0)
+        assert ckpt.refresh().restorable(0)  # the remote took it, read from LMDB
+        out = {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+        assert ckpt.restore(out).step == 2 and torch.equal(out["w"], state["w"])
+    finally:
+        ckpt.destroy()

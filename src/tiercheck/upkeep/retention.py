@@ -76,9 +76,10 @@ class Protection:
     ``keep``: the tier's newest restorable version (unless a newer version is restorable
     from tiers at least as durable), and every version such a newest version of any tier
     needs (its base, its log chain) of which this tier is the most durable holder.
-    ``elsewhere``: versions a newest version needs that this tier holds but a more durable
-    tier keeps; only making room under a budget may drop them here (the last resort of
-    :meth:`tiercheck.upkeep.maintenance.Maintenance.make_room`).
+    ``elsewhere``: versions this tier holds that a more durable tier holds too (a newest
+    version's base that LMDB keeps, a base a migration to the remote still reads, which it
+    then reads from LMDB); only making room under a budget may drop them here (the last
+    resort of :meth:`tiercheck.upkeep.maintenance.Maintenance.make_room`).
     """
 
     keep: frozenset[int] = frozenset()
@@ -126,7 +127,9 @@ def protection(catalog: Catalog, tier: str, caps: Mapping[str, Capabilities]) ->
     top = tops[tier]
     if top is not None:
         keep.add(top)
-    return Protection(frozenset(keep), frozenset(mine - keep))
+    durable = [u for u in order if rank(u) > rank(tier)]
+    also = {c for c in logs[tier].held() if any(logs[u].holds(c) for u in durable)}
+    return Protection(frozenset(keep), frozenset((mine | also) - keep))
 
 
 def plan_drops(
