@@ -132,3 +132,34 @@ def test_work_cancelled_at_shutdown_is_done_for_its_waiters() -> None:
         release.set()
         pools.shutdown(wait=True)
     assert all(f.done() for f in busy)
+
+
+def test_a_slow_remote_never_holds_a_save_behind_its_migration(tmp_path: Path) -> None:
+    """A migration's threads wait for the remote to take its writes (a raw blob is copied
+    out on the reading thread, the window waits for the rest). They were the threads that
+    also placed a save's shard in shm (``tiercheck-io``): with the remote slow, a save's
+    ``wait()`` waited for the migration before it. Here the default store's remote takes
+    no blob until the saves are done; on the old code no save after the first finished
+    until the remote's writes gave up waiting. Now migrations read and encode on
+    ``tiercheck-migrate-io``."""
+    release = threading.Event()
+    held: list[str | None] = []
+
+    def slow(event: FaultEvent) -> None:
+        if event.key is not None and event.key.startswith("0" * 16):
+            return  # the remote's own marker, written by its maintenance
+        if not release.wait(30.0):
+            held.append(event.key)
+
+    ckpt = Checkpointer(tmp_path / "store")
+    try:
+        inject(ckpt, "remote").hook(slow, "put")
+        for step in range(3):  # the first base's migration waits at the remote
+            ckpt.save(step, state_of(step)).wait()
+        assert not held, f"{len(held)} remote writes waited for the saves to finish"
+        release.set()
+        assert ckpt.wait_migrations(60)
+        assert ckpt.history()[0].tiers["remote"] == "committed"
+    finally:
+        release.set()
+        ckpt.destroy()

@@ -150,7 +150,7 @@ class Engine:
             catalog=self.catalog,
             fence=fence,
             leases=leases,
-            pool=self.pool,
+            pool=self.executors.migrating,
             writes=self.executors.writes,
             maintenance=self.maintenance,
             failures=self.failures,

@@ -2,8 +2,12 @@
 
 Every parallel step of the engine runs on one of these, never on a pool made for the call:
 
-- ``io`` (``tiercheck-io``): reads, verifies and encodes chunks (migration, restore, the
-  reads of history and verify) and places a save's shard in its tiers;
+- ``io`` (``tiercheck-io``): reads, verifies and encodes chunks (restore, the reads of
+  history and verify) and places a save's shard in its tiers;
+- ``migrating`` (``tiercheck-migrate-io``): a migration's reads, verification and encoding.
+  Apart from ``io`` because a migration's threads wait for room in its write window, as
+  long as the target (a remote) takes to write: on a shared pool a slow remote held a
+  save's placement in shm and LMDB behind it;
 - ``writes`` (``tiercheck-write``, :data:`WRITE_WINDOW` threads):
   a migration's writes to its target, overlapped with the encoding of the next chunks;
 - ``hashing`` (``tiercheck-hash``): slices of a save's small chunks hashed in parallel
@@ -68,20 +72,23 @@ class Executors:
     """The store's pools (module docstring)."""
 
     io: ThreadPoolExecutor
+    migrating: ThreadPoolExecutor
     writes: ThreadPoolExecutor
     hashing: ThreadPoolExecutor
     logs: ThreadPoolExecutor
 
     @classmethod
     def start(cls, threads: int | None = None) -> Executors:
-        """Pools sized for this machine, at a lower priority: ``threads`` I/O threads
-        (default one per core, at least 2), a hashing thread per core but one (at least 1),
-        :data:`WRITE_WINDOW` writers (a migration's window; they wait on I/O)."""
+        """Pools sized for this machine, at a lower priority: ``threads`` I/O threads and as
+        many for migrations (default one per core, at least 2), a hashing thread per core
+        but one (at least 1), :data:`WRITE_WINDOW` writers (a migration's window; they wait
+        on I/O)."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         cores = cores or os.cpu_count() or 2
         low = lower_priority
         return cls(
             io=_Pool(threads or max(2, cores), "tiercheck-io", low),
+            migrating=_Pool(threads or max(2, cores), "tiercheck-migrate-io", low),
             writes=_Pool(WRITE_WINDOW, "tiercheck-write", low),
             hashing=_Pool(max(1, cores - 1), "tiercheck-hash", low),
             logs=_Pool(LOG_READERS, "tiercheck-log", low),
@@ -89,5 +96,5 @@ class Executors:
 
     def shutdown(self, *, wait: bool, cancel_futures: bool = False) -> None:
         """Shut every pool down (work not started is cancelled with ``cancel_futures``)."""
-        for pool in (self.io, self.writes, self.hashing, self.logs):
+        for pool in (self.io, self.migrating, self.writes, self.hashing, self.logs):
             pool.shutdown(wait=wait, cancel_futures=cancel_futures)
