@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -250,13 +251,16 @@ def test_a_chain_only_shm_holds_after_lmdb_is_lost_does_not_stop_saving(tmp_path
         state["step"].fill_(step)
 
     ckpt = Checkpointer(root)
-    try:
+    try:  # each save waits for every tier (flush): LMDB holds each base before the next save
         dense(0)
         ckpt.save(0, state).wait()
+        ckpt.flush()
         dense(1)
         ckpt.save(1, state, role="base").wait()
+        ckpt.flush()
         dense(2)
         ckpt.save(2, state).wait()
+        ckpt.flush()
         state["w"][:1024] += 1.0  # a sparse change: the diff shares the dense one's chunks
         state["step"].fill_(3)
         ckpt.save(3, state).wait()
@@ -334,7 +338,7 @@ def test_a_base_a_migration_still_reads_goes_from_shm_when_lmdb_holds_it(tmp_pat
     written to LMDB on the save's path. This is also the state that, with LMDB lost
     afterwards, left shm no room at all (the test above). Now a version a more durable
     tier holds may go from shm to make room; the migration reads it from LMDB."""
-    from tiercheck.testing.faults import inject
+    from tiercheck.testing.faults import FaultEvent, inject
 
     state = {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
 
@@ -342,9 +346,15 @@ def test_a_base_a_migration_still_reads_goes_from_shm_when_lmdb_holds_it(tmp_pat
         state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
         state["step"].fill_(step)
 
+    release = threading.Event()  # the first base's migration waits for it at the remote
+
+    def hold(event: FaultEvent) -> None:  # not the remote's own marker (0000000000000000...)
+        if event.key is not None and not event.key.startswith("0" * 16):
+            release.wait(60.0)
+
     ckpt = Checkpointer(tmp_path / "store")
     try:
-        inject(ckpt, "remote").latency(1.5, "put", count=1)  # the first base's migration
+        inject(ckpt, "remote").hook(hold, "put")
         dense(0)
         ckpt.save(0, state).wait()
         dense(1)
@@ -352,11 +362,15 @@ def test_a_base_a_migration_still_reads_goes_from_shm_when_lmdb_holds_it(tmp_pat
         migrations = ckpt._engine.migrations  # type: ignore[union-attr]
         assert migrations is not None and 0 in migrations.pinned()
         dense(2)
-        res = ckpt.save(2, state).wait()
+        try:
+            res = ckpt.save(2, state).wait()
+        finally:
+            release.set()
         assert res.tiers["shm"] == "committed", res.errors
         _check_budgets(ckpt)
         assert ckpt.wait_migrations(30.0)
-        assert ckpt.refresh().restorable(0)  # the remote took it, read from LMDB
+        ckpt.refresh()
+        assert ckpt.history()[0].tiers["remote"] == "committed"  # read from LMDB
         out = {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
         assert ckpt.restore(out).step == 2 and torch.equal(out["w"], state["w"])
     finally:
