@@ -185,6 +185,7 @@ def test_lost_shm_restores_base_from_lmdb_and_hides_orphan_diffs(tmp_path: Path)
     ckpt = two_tier_store(tmp_path, name)
     for step in range(5):  # v0 base, v1 v2 diffs, v3 base, v4 diff
         ckpt.save(step, state_of(step)).wait()
+        ckpt.flush()  # LMDB commits a base after shm, on the tail: under load, later
     roles = {v.id: (v.role, v.tiers["lmdb"]) for v in ckpt.history()}
     assert roles[3] == ("base", "committed") and roles[4] == ("diff", "missing")
     ckpt.close()
