@@ -666,6 +666,7 @@ def test_a_delta_tier_that_lost_the_base_stores_the_diff_whole(tmp_path: Path) -
     w = torch.randn(16 * 1024, generator=torch.Generator().manual_seed(0))
     with memory_and_delta_tier(tmp_path, "d", every) as ckpt:
         ckpt.save(0, {"w": w}).wait()
+        ckpt.flush()  # "d" has taken version 0 (under load it was still busy: latest wins)
         tier = ckpt.tierset.get("d").tier
         assert tier is not None
         tier.delete(list(tier.list()))  # the base's blobs are lost from this tier only
