@@ -127,9 +127,11 @@ def protection(catalog: Catalog, tier: str, caps: Mapping[str, Capabilities]) ->
     top = tops[tier]
     if top is not None:
         keep.add(top)
+    # every version held here that a more durable tier holds too (this covers ``mine -
+    # keep``: a needed version's most durable holder, when not this tier, ranks above it)
     durable = [u for u in order if rank(u) > rank(tier)]
     also = {c for c in logs[tier].held() if any(logs[u].holds(c) for u in durable)}
-    return Protection(frozenset(keep), frozenset((mine | also) - keep))
+    return Protection(frozenset(keep), frozenset(also - keep))
 
 
 def plan_drops(
