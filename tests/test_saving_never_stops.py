@@ -34,6 +34,21 @@ NUMEL = 1 << 19  # 2 MiB of fp32: a version is larger than the default budget's 
 RUNS = (4, 26)  # saves before the tier is lost, and after
 
 
+def _state() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+
+
+def _out() -> dict[str, torch.Tensor]:
+    """A state to restore into (its bytes left as they come)."""
+    return {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+
+
+def _dense(state: dict[str, torch.Tensor], step: int) -> None:
+    """Change every byte of ``state["w"]``, as dense training does, and set its step."""
+    state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
+    state["step"].fill_(step)
+
+
 def _default(root: Path, name: str) -> Checkpointer:
     return Checkpointer(root)
 
@@ -156,11 +171,11 @@ def _run(
     acked: int | None = None
     for step in steps:
         if rng.random() < 0.8:
-            state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
+            _dense(state, step)
         else:  # a sparse change: one chunk
             i = rng.randrange(NUMEL - 1024)
             state["w"][i : i + 1024] += 1.0
-        state["step"].fill_(step)
+            state["step"].fill_(step)
         h = ckpt.save(step, state)
         try:
             res = h.wait()  # committed: a skip never fails a save, saving never stops
@@ -172,7 +187,7 @@ def _run(
         _check_budgets(ckpt)
         # nothing acknowledged is lost: the newest acknowledged version stays restorable
         assert acked is not None and ckpt.refresh().restorable(acked), (step, res)
-    out = {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+    out = _out()
     info = ckpt.restore(out)
     assert info.step == steps[-1]
     assert torch.equal(out["w"], state["w"]) and int(out["step"]) == steps[-1]
@@ -186,7 +201,7 @@ def test_saving_never_stops(
     root = tmp_path / "store"
     name = f"tc-never-{uuid.uuid4().hex[:10]}"
     rng = random.Random(f"{config}-{loss}")
-    state = {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+    state = _state()
     open_ = CONFIGS[config]
     ckpt = open_(root, name)
     try:
@@ -244,21 +259,17 @@ def test_a_chain_only_shm_holds_after_lmdb_is_lost_does_not_stop_saving(tmp_path
     base too); here it is made by forcing that base. Now the remote takes the version,
     and shm lets the old chain go at the next save."""
     root = tmp_path / "store"
-    state = {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
-
-    def dense(step: int) -> None:
-        state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
-        state["step"].fill_(step)
+    state = _state()
 
     ckpt = Checkpointer(root)
     try:  # each save waits for every tier (flush): LMDB holds each base before the next save
-        dense(0)
+        _dense(state, 0)
         ckpt.save(0, state).wait()
         ckpt.flush()
-        dense(1)
+        _dense(state, 1)
         ckpt.save(1, state, role="base").wait()
         ckpt.flush()
-        dense(2)
+        _dense(state, 2)
         ckpt.save(2, state).wait()
         ckpt.flush()
         state["w"][:1024] += 1.0  # a sparse change: the diff shares the dense one's chunks
@@ -272,11 +283,11 @@ def test_a_chain_only_shm_holds_after_lmdb_is_lost_does_not_stop_saving(tmp_path
         held = ckpt.tierset.get("shm").tier.usage()  # type: ignore[union-attr]
         assert held is not None and held > 2 * 4 * NUMEL  # the base and the dense diff
         for step in range(4, 8):
-            dense(step)
+            _dense(state, step)
             res = ckpt.save(step, state).wait()
             assert res.committed_tiers, res
             _check_budgets(ckpt)
-        out = {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+        out = _out()
         assert ckpt.restore(out).step == 7 and torch.equal(out["w"], state["w"])
     finally:
         ckpt.destroy()
@@ -301,15 +312,11 @@ def test_the_first_save_after_opening_makes_room_before_it_writes_to_a_memory_ti
     tiers = [TierSpec("shm", f"shm://{name}")]
     policy = Policy(chunk_size=1 << 16, tiers={"shm": TierPolicy(versions="all", keep_bases=2)})
     root = tmp_path / "store"
-    state = {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
-
-    def dense(step: int) -> None:
-        state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
-        state["step"].fill_(step)
+    state = _state()
 
     with Checkpointer(root, tiers=tiers, policy=policy) as ckpt:
         for step in range(2):
-            dense(step)
+            _dense(state, step)
             ckpt.save(step, state, role="base").wait()
     ckpt = Checkpointer(root, tiers=tiers, policy=policy)
     try:
@@ -318,11 +325,11 @@ def test_the_first_save_after_opening_makes_room_before_it_writes_to_a_memory_ti
         plan = inject(ckpt, "shm")
         plan.latency(0.01, "put")
         plan.latency(0.5, "delete", count=1)
-        dense(2)
+        _dense(state, 2)
         res = ckpt.save(2, state).wait()
         assert res.committed_tiers == ("shm",), res
         _check_budgets(ckpt)
-        out = {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+        out = _out()
         assert ckpt.restore(out).step == 2 and torch.equal(out["w"], state["w"])
     finally:
         ckpt.destroy()
@@ -340,11 +347,7 @@ def test_a_base_a_migration_still_reads_goes_from_shm_when_lmdb_holds_it(tmp_pat
     tier holds may go from shm to make room; the migration reads it from LMDB."""
     from tiercheck.testing.faults import FaultEvent, inject
 
-    state = {"w": torch.zeros(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
-
-    def dense(step: int) -> None:
-        state["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)))
-        state["step"].fill_(step)
+    state = _state()
 
     release = threading.Event()  # the first base's migration waits for it at the remote
 
@@ -355,13 +358,13 @@ def test_a_base_a_migration_still_reads_goes_from_shm_when_lmdb_holds_it(tmp_pat
     ckpt = Checkpointer(tmp_path / "store")
     try:
         inject(ckpt, "remote").hook(hold, "put")
-        dense(0)
+        _dense(state, 0)
         ckpt.save(0, state).wait()
-        dense(1)
+        _dense(state, 1)
         ckpt.save(1, state, role="base").wait()
         migrations = ckpt._engine.migrations  # type: ignore[union-attr]
         assert migrations is not None and 0 in migrations.pinned()
-        dense(2)
+        _dense(state, 2)
         try:
             res = ckpt.save(2, state).wait()
         finally:
@@ -371,7 +374,7 @@ def test_a_base_a_migration_still_reads_goes_from_shm_when_lmdb_holds_it(tmp_pat
         assert ckpt.wait_migrations(30.0)
         ckpt.refresh()
         assert ckpt.history()[0].tiers["remote"] == "committed"  # read from LMDB
-        out = {"w": torch.empty(NUMEL), "step": torch.zeros((), dtype=torch.int64)}
+        out = _out()
         assert ckpt.restore(out).step == 2 and torch.equal(out["w"], state["w"])
     finally:
         ckpt.destroy()
