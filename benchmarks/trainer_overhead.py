@@ -609,8 +609,13 @@ def summarize(runs: dict[str, dict[str, Any]], staging: float, state_bytes: int)
         )
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Draw the steps and the per-mode ratios to ``path``; False where matplotlib is not
+    installed (a GPU machine's image may lack it: the JSON and the table say everything)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -644,6 +649,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def table(result: dict[str, Any]) -> str:
@@ -829,13 +835,14 @@ def _run(args: argparse.Namespace, modes: list[str]) -> int:
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
     os.replace(tmp, args.out)
-    plot(result, args.plot)
+    plotted = plot(result, args.plot)
     print(table(result))
     print(
         f"staging copy {staging * 1e3:.0f} ms; base at shm+LMDB {base['tc_base_shm_lmdb_s']:.2f} s "
         f"vs torch.save+fsync {base['torch_save_fsync_s']:.2f} s ({base['ratio']:.2f}x)"
     )
-    log(f"wrote {args.out} and {args.plot} ({result['seconds']:.0f} s)")
+    drawn = f" and {args.plot}" if plotted else " (no plot: matplotlib is not installed)"
+    log(f"wrote {args.out}{drawn} ({result['seconds']:.0f} s)")
     return 0
 
 
