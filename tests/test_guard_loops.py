@@ -92,11 +92,15 @@ class Loop:
 
 
 class Store:
-    """A store on a memory tier of its own under ``root``; destroyed on exit."""
+    """A store on a memory tier of its own under ``root``; destroyed on exit. ``budget``:
+    the tier's memory budget (default: sized by the store for two full versions)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, budget: str | None = None) -> None:
         name = f"gl{next(_names)}"
-        shm = TierSpec("shm", f"shm://{name}", {"root": str(root / f"{name}-shm")})
+        options = {"root": str(root / f"{name}-shm")}
+        if budget is not None:
+            options["budget"] = budget
+        shm = TierSpec("shm", f"shm://{name}", options)
         self.ckpt = tiercheck.Checkpointer(root / name, tiers=[shm])
 
     def __enter__(self) -> tiercheck.Checkpointer:
@@ -325,7 +329,9 @@ def test_cuda_gradients_are_copied_on_a_side_stream_before_they_change(root: Pat
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = {"model": model, "optim": opt}
     x = torch.randn(64, 512, device="cuda")
-    with Store(root) as ckpt:
+    # room for the base (24 MiB), the logs after it (8 MiB a step) and a next base: the
+    # default budget, two full versions, leaves a log no room beside a next base
+    with Store(root, budget="128MiB") as ckpt:
         ckpt.guard(opt)
         handles = []
         for _ in range(4):
