@@ -38,7 +38,11 @@ def hand_over(
     """Once the fastest tier of this rank among ``futures`` (the placements of one shard)
     holds it, point ``view`` at that tier's copy and release ``hold``. Returns an event set
     once that is decided (handed back, or not: the tier failed); None where there is
-    nothing to hand over to (one tier, or only shared tiers)."""
+    nothing to hand over to (only shared tiers).
+
+    A lone tier hands the buffer back too: its commit (a record appended after the vote,
+    which may wait for the tier's maintenance) no longer holds back the next save's
+    staging."""
     mine = sorted(
         (
             (slot.speed_rank, f, slot)
@@ -47,7 +51,7 @@ def hand_over(
         ),
         key=lambda t: t[0],
     )
-    if len(futures) < 2 or not mine:
+    if not mine:
         return None
     _, first, slot = mine[0]
     over = threading.Event()
