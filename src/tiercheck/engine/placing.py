@@ -80,7 +80,7 @@ def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[
 
 
 def streamable(
-    slots: Sequence[TierSlot], role: Role, unsized: Collection[str] = ()
+    slots: Sequence[TierSlot], role: Role, unsized: Collection[str] = (), busy: Collection[str] = ()
 ) -> list[TierSlot]:
     """The synchronous tiers that take a version of ``role`` and can take its blobs while
     the stream is being hashed: a tier of this rank alone (a shared tier learns which
@@ -88,13 +88,16 @@ def streamable(
     the chunk's bytes (not a delta against a base) and with no memory budget (room is made
     in such a tier before it is written, for the whole shard, from every chunk's id), nor
     one to come (``unsized``: a default budget set once the version's size is known, after
-    the hash; a write streamed then would be refused past it before room was made)."""
+    the hash; a write streamed then would be refused past it before room was made). Nor a
+    tier ``busy`` still writing an earlier version: it skips this one (latest wins), and
+    blobs streamed to it would be written for nothing (and read from the staging buffer,
+    which they would hold until written)."""
     out = []
     for slot in slots:
         tp, tier = slot.policy, slot.tier
         if tier is None or tp is None or tp.mode != "sync" or not tp.wants(role):
             continue
-        if slot.name in unsized:
+        if slot.name in unsized or slot.name in busy:
             continue
         if tier.capabilities.shared or (tp.codec == "delta" and role == "diff"):
             continue
