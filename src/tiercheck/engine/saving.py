@@ -70,7 +70,7 @@ from tiercheck.engine.placing import (
 from tiercheck.engine.ports import Migrations, Upkeep
 from tiercheck.engine.staging import Hold, ShardBytes, StagingBuffer
 from tiercheck.engine.submitting import Job as _Job
-from tiercheck.engine.submitting import SaveQueue
+from tiercheck.engine.submitting import SaveQueue, Superseded
 from tiercheck.errors import (
     CheckpointError,
     CommitAborted,
@@ -182,6 +182,7 @@ class SaveService(SaveQueue):
         self.budgets = Budgets(tierset)
         # the planner and the in-flight list: changed under _lock, which guards no I/O
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)
         self._inflight: list[_Job] = []
         self._next_id = next_id
         self._takes_diffs = takes_diffs
@@ -260,6 +261,10 @@ class SaveService(SaveQueue):
         went to the tail thread (which concludes the job), else False."""
         try:
             tail = part()
+        except Superseded as exc:  # latest wins: skipped, not failed
+            log.info("%s", exc)
+            job.handle._supersede(str(exc))
+            return False
         except BaseException as exc:
             level = logging.WARNING if isinstance(exc, CommitAborted) else logging.ERROR
             log.log(level, "save of step %d (version %d) failed: %s", job.step, job.version, exc)
@@ -530,8 +535,9 @@ class SaveService(SaveQueue):
             handle._time("staged", time.perf_counter() - job.t_call)
             handle._mark_staged()
         view = ShardBytes(self.staging.view(layout.stream_bytes))
+        busy = self._busy if self.world_size == 1 else set()  # they skip it (latest wins)
         stream = ShardStream(
-            streamable(self.tierset.slots, job.role, self.budgets.unsized()),
+            streamable(self.tierset.slots, job.role, self.budgets.unsized(), busy),
             pool=self.pool,
             view=view,
             zstd_level=self.policy.zstd_level,
@@ -638,7 +644,7 @@ class SaveService(SaveQueue):
                 if short is not None and tail is not None and not tail.done():
                     # what keeps the room may be a version a slower tier is still taking
                     # over (the base a log decided to follow): once there, it may go here
-                    tail.exception()
+                    self.wait_or_superseded(job, tail)
                     short = self.maintenance.make_room(slot, need)
             except TiercheckError as exc:  # counting failed: the tier still refuses past it
                 log.warning("could not make room in tier %s: %s", slot.name, exc)

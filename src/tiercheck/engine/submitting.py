@@ -36,9 +36,13 @@ from tiercheck.store.catalog import LiveCatalog
 from tiercheck.store.policy import Policy
 from tiercheck.store.tierset import TierSet
 
-__all__ = ["Job", "SaveQueue"]
+__all__ = ["Job", "SaveQueue", "Superseded"]
 
 log = logging.getLogger("tiercheck.engine.saving")
+
+
+class Superseded(Exception):
+    """A save given up, before any tier committed it, for a newer one (latest wins)."""
 
 
 @dataclass(eq=False)
@@ -86,6 +90,7 @@ class SaveQueue:
     budgets: Budgets
     logs: LogSource | None
     _lock: threading.Lock
+    _queued: threading.Condition  # on _lock: a save was queued (or a wait may end)
     _inflight: list[Job]
     _next_id: int
     _takes_diffs: bool
@@ -220,6 +225,7 @@ class SaveQueue:
             job.deferred, job.forced = deferred, forced
             job.logical = layout.stream_bytes if layout is not None else 0
             self._inflight.append(job)
+            self._queued.notify_all()  # a save waiting for room may give way to this one
         job.ready = ready_events(leaves)  # what the copies wait for on each GPU
         if layout is not None:
             handle._logical = layout.stream_bytes
@@ -330,6 +336,34 @@ class SaveQueue:
         """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""
         with self._lock:
             self._next_id = max(self._next_id, max_id + 1)
+
+    def wait_or_superseded(self, job: Job, busy: Future[Any]) -> None:
+        """Wait for ``busy`` (a slower tier still taking an earlier version over, which
+        holds the room ``job`` needs in the fastest tier), or raise :class:`Superseded`
+        once a newer save is queued behind ``job``: that one takes the staging buffer and
+        ``job`` ends skipped (latest wins), so the trainer never waits for room. One process
+        only (ranks agree on every version) and never a log version (the next log version
+        of its base would lack its steps)."""
+        if self.world_size > 1 or job.role == "log":
+            busy.exception()
+            return
+
+        def wake(_: Future[Any]) -> None:
+            with self._queued:
+                self._queued.notify_all()
+
+        busy.add_done_callback(wake)
+        with self._queued:
+            while not busy.done():
+                newer = [j.step for j in self._inflight if j.version > job.version]
+                if newer:
+                    raise Superseded(
+                        f"the save of step {job.step} (version {job.version}) was skipped "
+                        f"for the save of step {newer[-1]}: the fastest tier had no room "
+                        "while a slower tier still took an earlier version from it "
+                        "(latest wins)"
+                    )
+                self._queued.wait()
 
     def wait_staged(self) -> None:
         """Block until every save so far has been staged (or failed); never raises."""

@@ -147,6 +147,17 @@ class SaveHandle:
         if not targets:
             self._migrated.set()
 
+    def _supersede(self, why: str) -> None:
+        """Given up for a newer save before any tier committed it: skipped, not failed;
+        each tier that was to take it is ``missing``, with ``why``."""
+        with self._lock:
+            for name, state in self._tiers.items():
+                if state == "pending":
+                    self._tiers[name] = "missing"
+                    self._errors[name] = why
+        self.skipped = True
+        self._finish(None)
+
     def _fail(self, exc: BaseException) -> None:
         """The save failed before it committed anywhere."""
         self._finish(exc)
