@@ -463,12 +463,15 @@ def test_skip_when_busy_reports_skipped(tmp_path: Path) -> None:
         assert first.wait().version == 0
 
 
-def test_guard_waits_for_staging(tmp_path: Path) -> None:
-    """A guarded step waits until the last save has been staged. The save before it holds
-    the pipeline (its log append waits on ``gate``), so the save of ``model`` stays
-    unstaged; the step runs on a thread that is traced: once it is either inside the guard's
-    wait or done, the gate opens. Without the guard the step is done before that, and
-    changes the weights the save then copies."""
+@pytest.mark.parametrize("log", [False, True])
+def test_guard_never_lets_the_step_change_what_a_save_copies(tmp_path: Path, log: bool) -> None:
+    """A guarded step never changes weights a save copies afterwards. The save before it
+    holds the staging buffer and the pipeline (its log append waits on ``gate``), so the
+    save of ``model`` stays unstaged; the step runs on a thread that is traced: once it is
+    either inside the guard's wait or done, the gate opens. Without the update log the
+    save gives way (latest wins: skipped, and the step goes on at once); with it, the save
+    is planned on the pipeline thread and the step waits until it has been staged. Without
+    the guard the step is done before that, and changes the weights the save then copies."""
     plan = FaultPlan()
     gate = threading.Event()
     plan.hook(lambda event: gate.wait(), "append")
@@ -476,7 +479,7 @@ def test_guard_waits_for_staging(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Checkpointer(tmp_path / "s", tiers=[("fast", mem())], policy=small_policy()) as ckpt:
         inject(ckpt, "fast", plan)
-        remove = ckpt.guard(opt, log=False)
+        remove = ckpt.guard(opt, log=log)
         ckpt.save(0, state_of(0))  # its append waits on the gate: the pipeline is held
         h = ckpt.save(1, {"model": model})
         saved = {k: v.clone() for k, v in model.state_dict().items()}
@@ -506,9 +509,14 @@ def test_guard_waits_for_staging(tmp_path: Path) -> None:
         stepper.join()
         h.wait()
         assert staged_at_step == [True]
-        restored = ckpt.restore({"model": torch.nn.Linear(4, 4)}, version=h.wait().version)
-        for key, value in restored.state["model"].state_dict().items():
-            assert torch.equal(value, saved[key]), key  # the weights before the step
+        assert h.skipped is not log
+        if not log:
+            assert "latest wins" in h.result().why_skipped
+            assert 1 not in [v.step for v in ckpt.history()]
+        else:
+            restored = ckpt.restore({"model": torch.nn.Linear(4, 4)}, version=h.wait().version)
+            for key, value in restored.state["model"].state_dict().items():
+                assert torch.equal(value, saved[key]), key  # the weights before the step
         remove()
 
 

@@ -291,7 +291,7 @@ class Engine:
 
         def hook(*_: Any) -> None:
             if saves is not None:
-                saves.wait_staged()
+                saves.give_way()  # latest wins: never wait for an earlier save's tiers
 
         # registered before the log's own hook: the log captures a step only once the
         # save before it has been staged (and the version planned)

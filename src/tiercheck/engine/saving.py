@@ -330,6 +330,8 @@ class SaveService(SaveQueue):
         left to the tail thread."""
         handle = job.handle
         self.halt.check(f"the save of step {job.step}")
+        if job.superseded is not None:
+            raise Superseded(job.superseded)
         ahead = job.staging
         staging_failed: BaseException | None = None
         if ahead is not None and not ahead.cancelled():
@@ -561,12 +563,9 @@ class SaveService(SaveQueue):
         return _Shard(view, chunks, manifest, mbytes, mid, base_chunks, stream)
 
     def _resolve_base(self, job: _Job) -> tuple[ChunkRef, ...] | None:
-        """The chunks of diff ``job``'s base; if that base failed, make ``job`` a base.
-
-        A diff decided while its base was still being written finds the base committed by
-        now (saves run in order) unless the base failed. Then the first such diff becomes
-        the base instead, and the later diffs decided against the failed base use it.
-        """
+        """The chunks of diff ``job``'s base, committed by now (saves run in order) unless
+        it failed or gave way: then ``job`` becomes the base, and the later diffs decided
+        against that one use it."""
         assert job.base is not None
         base = self._rebased.get(job.base, job.base)
         chunks = self._base_chunks.get(base)
@@ -576,7 +575,7 @@ class SaveService(SaveQueue):
         self._rebased[job.base] = job.version
         job.role, job.base = "base", None
         job.handle.role, job.handle.base = "base", None
-        log.warning("version %d is a base: the base it was to follow failed", job.version)
+        log.warning("version %d is a base: its base failed or gave way", job.version)
         return None
 
     def _sync_slots(self, job: _Job) -> list[TierSlot]:

@@ -75,6 +75,7 @@ class Job:
     hold: Hold | None = None  # its use of the staging buffer, once it has it
     finished: bool = False  # ran or cancelled (under SaveQueue._lock)
     outstanding: bool = True  # counts in SaveQueue._outstanding (its tail does not)
+    superseded: str | None = None  # gave way before it was staged (latest wins): why
 
 
 class SaveQueue:
@@ -179,9 +180,10 @@ class SaveQueue:
             raise
         if self.policy.on_busy == "skip" and not self._outstanding.acquire(blocking=False):
             handle = SaveHandle(step, None, None, None)
-            handle.skipped = True
-            handle._finish(None)
-            log.info("save of step %d skipped: the previous save is still running", step)
+            handle._supersede(
+                f"the save of step {step} was skipped: the previous save is still running"
+            )
+            log.info("%s", handle.why_skipped)
             return handle
         if self.policy.on_busy != "skip":
             self._outstanding.acquire()
@@ -372,6 +374,47 @@ class SaveQueue:
         for h in handles:
             h._staged.wait()
 
+    def give_way(self) -> None:
+        """:meth:`wait_staged` for a trainer about to change its state (``guard``): a save
+        not yet staged because an earlier one still holds the staging buffer (its fastest
+        tier does not hold it yet) gives way instead of holding the trainer back. It ends
+        skipped (latest wins: its handle's ``skipped``, its tiers ``missing``); the next
+        save is staged once the buffer is free. One process only (ranks agree on every
+        version), and never a version planned on the pipeline thread (a log version: the
+        next one of its base would lack its steps), which is waited for."""
+        if self.world_size == 1:
+            with self._lock:
+                holders = [j for j in self._inflight if j.hold is not None and j.hold.held]
+                for job in self._inflight:
+                    if holders and job not in holders and self._may_give_way(job):
+                        self._supersede_unstaged(job, holders[0])
+        self.wait_staged()
+
+    def _may_give_way(self, job: Job) -> bool:
+        """Under ``_lock``: ``job`` may still give way (nothing of it was staged)."""
+        return (
+            job.hold is None
+            and not job.finished
+            and job.superseded is None
+            and not job.deferred
+            and job.failure is None
+            and job.layout is not None
+            and not job.handle._staged.is_set()
+        )
+
+    def _supersede_unstaged(self, job: Job, holder: Job) -> None:
+        """Under ``_lock``: ``job`` gives way; the pipeline ends it skipped."""
+        job.superseded = (
+            f"the save of step {job.step} (version {job.version}) was skipped: the staging "
+            f"buffer still held the save of step {holder.step} (version {holder.version}) "
+            "when the trainer went on (latest wins)"
+        )
+        job.leaves, job.ready = [], {}  # the trainer changes them now: never copy them
+        if job.outstanding:  # the next save() call does not wait for it
+            job.outstanding = False
+            self._outstanding.release()
+        job.handle._mark_staged()
+
     def pinned(self) -> set[int]:
         """Bases that in-flight diffs follow, and the newest version every rank committed:
         retention must not drop them yet."""
@@ -404,7 +447,7 @@ class SaveQueue:
             return
         hold = Hold(self.staging)
         with self._lock:
-            if job.finished:  # cancelled meanwhile
+            if job.finished or job.superseded is not None:  # cancelled or gave way meanwhile
                 hold.release()
                 return
             job.hold = hold

@@ -56,6 +56,7 @@ class SaveResult:
     errors: Mapping[str, str]
     timings: Mapping[str, float]
     skipped: bool = False
+    why_skipped: str = ""  # why no tier took it (``skipped``)
 
     @property
     def committed_tiers(self) -> tuple[str, ...]:
@@ -91,6 +92,7 @@ class SaveHandle:
         self.role = role
         self.base = base
         self.skipped = False
+        self.why_skipped = ""
         self._staged = threading.Event()
         self._done = threading.Event()
         self._migrated = threading.Event()
@@ -155,7 +157,7 @@ class SaveHandle:
                 if state == "pending":
                     self._tiers[name] = "missing"
                     self._errors[name] = why
-        self.skipped = True
+        self.skipped, self.why_skipped = True, why
         self._finish(None)
 
     def _fail(self, exc: BaseException) -> None:
@@ -266,6 +268,7 @@ class SaveHandle:
                 errors=dict(self._errors),
                 timings=dict(self._timings),
                 skipped=self.skipped,
+                why_skipped=self.why_skipped,
             )
 
     def __repr__(self) -> str:
