@@ -37,7 +37,8 @@ steps' states are equal). The optimizer step is the only thing that may wait for
 the time blocked per save (the save call plus the wait before the next optimizer step),
 the steps between saves over ``none`` (``between_x``: steps that neither save nor follow a
 save), host memory above the state (private: ``RssAnon``; shm: the store's segments, or
-``RssShmem`` for DCP) over the state size, and failed saves. Separately: the staging copy
+``RssShmem`` for DCP) over the state size, failed saves, and saves that gave way (skipped,
+latest wins). Separately: the staging copy
 (one ``copy_`` of the state into a warm buffer), and a base committed to shm + LMDB by a
 fresh default store against ``torch.save`` + fsync of the same state to the same disk.
 """
@@ -653,8 +654,11 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = "| mode | mean step | slowest | between saves | blocked/save | memory/state | failed |"
-    rows = [head, "|---|---|---|---|---|---|---|"]
+    head = (
+        "| mode | mean step | slowest | between saves | blocked/save | memory/state | failed "
+        "| skipped |"
+    )
+    rows = [head, "|---|---|---|---|---|---|---|---|"]
     for name, r in result["modes"].items():
         bl = r["blocked_per_save_mean_s"]
         bw = r["between_x"]
@@ -662,7 +666,7 @@ def table(result: dict[str, Any]) -> str:
             f"| {name} (every {r['every']}) | {r['mean_x']:.3f}x | {r['max_x']:.2f}x | "
             f"{'-' if bw is None else f'{bw:.3f}x'} | "
             f"{'-' if bl is None else f'{bl * 1e3:.0f} ms'} | {r['memory_x']:.2f}x | "
-            f"{r['failed']} |"
+            f"{r['failed']} | {r['skipped'] if name != 'none' else '-'} |"
         )
     return "\n".join(rows)
 
