@@ -11,17 +11,14 @@ file that rank 0 writes too; the store must still be the same store afterwards.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _dist import free_port
+from _dist import free_port, launch
 
 WORKER = Path(__file__).parent / "dist_scripts" / "node_worker.py"
 pytestmark = pytest.mark.timeout(120)
@@ -38,54 +35,43 @@ def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 def two_nodes(nproc: int, phase: str, root: Path, shm: Path) -> list[dict[str, Any]]:
     """Run both nodes' torchrun launches concurrently; return every rank's events."""
     port = str(free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
+    launches = [
+        launch(
+            WORKER,
+            phase,
+            "--root",
+            str(root),
+            "--shm-root",
+            str(shm),
+            "--steps",
+            str(STEPS),
+            nproc=nproc,
+            rendezvous=[
                 "--nnodes",
                 "2",
-                "--nproc-per-node",
-                str(nproc),
                 "--node-rank",
                 str(node),
                 "--master-addr",
                 "127.0.0.1",
                 "--master-port",
                 port,
-                str(WORKER),
-                phase,
-                "--root",
-                str(root),
-                "--shm-root",
-                str(shm),
-                "--steps",
-                str(STEPS),
             ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
         )
         for node in (0, 1)
     ]
-    outputs = []
+    results = []
     try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=90)[0])
+        for run in launches:
+            results.append(run.wait(timeout=90))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for run in launches:
+            run.kill()
     events = []
     for path in sorted(root.glob(f"events-{phase}-*.jsonl")):
         events += [json.loads(line) for line in path.read_text().splitlines()]
         path.unlink()
-    codes = [proc.returncode for proc in procs]
-    assert codes == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    codes = [r.returncode for r in results]
+    assert codes == [0, 0], "\n".join((r.stdout + r.stderr)[-3000:] for r in results)
     return events
 
 

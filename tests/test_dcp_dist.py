@@ -8,13 +8,13 @@ stay the newest one and load intact.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+import _dist
 import pytest
 import torch
 from _dist import free_port
@@ -33,23 +33,20 @@ pytestmark = pytest.mark.slow
 
 
 def torchrun(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        "--local-addr",
-        "127.0.0.1",
-        str(SCRIPTS / "dcp_worker.py"),
+    return _dist.torchrun(
+        SCRIPTS / "dcp_worker.py",
         *args,
-    ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        rendezvous=[
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "--local-addr",
+            "127.0.0.1",
+        ],
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+        timeout=120,
+    )
 
 
 def load_on_one_rank(root: Path, checkpoint_id: str | None = None) -> dict[str, Any]:
