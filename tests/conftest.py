@@ -14,6 +14,10 @@ leaks an shm segment.
   that stops it must start it again (use ``with s3_server.down(): ...``).
 - ``s3_bucket`` (function): a fresh bucket; yields ``(url, storage_options)`` where url is
   ``s3://BUCKET/tier``.
+- ``_quick_migration_retries`` (autouse): a failed migration is retried after 50 ms
+  doubling to 1 s, not 1 s doubling to 60 s (``tiercheck.upkeep.migration``): the tests
+  of failing migrations wait for their retries (three tries each) and test what the
+  retries do, not how long a real remote is given to come back.
 
 Dummy credentials are set in the environment for the whole session, shared AWS config
 files and instance metadata are switched off, and proxies are bypassed for loopback, so
@@ -190,6 +194,14 @@ def _segments() -> dict[str, Any]:
     from tiercheck.backends import DEFAULT_SHM_ROOT, list_segments
 
     return {s.path: s for s in list_segments(DEFAULT_SHM_ROOT, sizes=False)}
+
+
+@pytest.fixture(autouse=True)
+def _quick_migration_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiercheck.upkeep import migration
+
+    monkeypatch.setattr(migration, "RETRY_FIRST", 0.05)
+    monkeypatch.setattr(migration, "RETRY_MAX", 1.0)
 
 
 @pytest.fixture(autouse=True)
