@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _fresh
 import pytest
 import torch
 from _blobs import newer_major
@@ -88,8 +89,8 @@ def store(tmp_path: Path) -> Store:
 def tc(*args: str | Path, ok: tuple[int, ...] | None = (0,)) -> subprocess.CompletedProcess[str]:
     """Run ``python -m tiercheck ARGS``; check the exit status is in ``ok`` (None: any)."""
     env = {**os.environ, "COLUMNS": "200"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tiercheck", *map(str, args)],
+    proc = _fresh.run(
+        ["-m", "tiercheck", *map(str, args)],
         capture_output=True,
         text=True,
         env=env,

@@ -14,13 +14,13 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import textwrap
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import _fresh
 import lmdb
 import pytest
 import torch
@@ -207,8 +207,8 @@ def _age_lmdb_times(path: Path, seconds: float) -> int:
 def test_gc_without_flags_frees_what_a_process_that_exited_left(tmp_path: Path) -> None:
     root = tmp_path / "root"
     lmdb_path, files = tmp_path / "lmdb", tmp_path / "files"
-    subprocess.run(
-        [sys.executable, "-c", _WRITER, str(root), f"lmdb://{lmdb_path}", f"file://{files}"],
+    _fresh.run(
+        ["-c", _WRITER, str(root), f"lmdb://{lmdb_path}", f"file://{files}"],
         check=True,
         timeout=300,
     )
@@ -220,8 +220,8 @@ def test_gc_without_flags_frees_what_a_process_that_exited_left(tmp_path: Path) 
         os.utime(p, (hour_ago, hour_ago))
 
     def gc(*flags: str) -> dict[str, dict[str, int]]:
-        proc = subprocess.run(
-            [sys.executable, "-m", "tiercheck", "gc", str(root), "--json", *flags],
+        proc = _fresh.run(
+            ["-m", "tiercheck", "gc", str(root), "--json", *flags],
             capture_output=True,
             text=True,
             timeout=300,

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _fresh
 import lmdb
 import pytest
 import torch
@@ -48,9 +49,7 @@ def _segment(root: Path) -> Path:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tiercheck", *args], capture_output=True, text=True, timeout=120
-    )
+    return _fresh.run(["-m", "tiercheck", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture

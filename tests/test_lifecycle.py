@@ -9,9 +9,9 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import _fresh
 import pytest
 import torch
 
@@ -45,9 +45,7 @@ def _shm_bytes(store: Path) -> int:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tiercheck", *args], capture_output=True, text=True, timeout=120
-    )
+    return _fresh.run(["-m", "tiercheck", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_segment_records_its_owner(tmp_path: Path) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import _fresh
 import pytest
 import torch
 
@@ -61,8 +61,8 @@ def test_dense_training_resumes_bit_identically_in_a_new_process(tmp_path: Path)
         assert max(shm) < 0.45 * full, (shm, full)
         ckpt.close()
         out = tmp_path / "resumed.json"
-        subprocess.run(
-            [sys.executable, str(HERE / "log_versions_run.py"), str(store), str(out)],
+        _fresh.run(
+            [str(HERE / "log_versions_run.py"), str(store), str(out)],
             check=True,
             timeout=300,
         )

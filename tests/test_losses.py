@@ -11,10 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import _fresh
 import pytest
 import torch
 
@@ -71,8 +70,8 @@ def test_a_restore_after_a_reboot_says_which_steps_were_lost(
                 ckpt.version(gone[-1].id)
             with pytest.raises(NoRestorableVersion, match="lost with tier shm"):
                 ckpt.restore({"model": torch.nn.Linear(64, 64)}, step=100)
-        out = subprocess.run(
-            [sys.executable, "-m", "tiercheck", "ls", str(root)],
+        out = _fresh.run(
+            ["-m", "tiercheck", "ls", str(root)],
             capture_output=True,
             text=True,
             env={**os.environ, "COLUMNS": "200"},
@@ -136,9 +135,7 @@ def test_a_damaged_lmdb_left_alone_is_not_an_empty_store(tmp_path: Path) -> None
         with open(data, "r+b") as f:
             f.truncate(4096)
         # in a subprocess: a truncated LMDB can SIGBUS the reader
-        out = subprocess.run(
-            [sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=120
-        )
+        out = _fresh.run(["-c", script, str(root)], capture_output=True, text=True, timeout=120)
         assert "the store is empty" not in out.stdout, out.stdout + out.stderr
         assert "lmdb" in out.stdout and "NoRestorableVersion" in out.stdout, out.stdout + out.stderr
         assert "damaged" in out.stdout or "unreachable" in out.stdout, out.stdout

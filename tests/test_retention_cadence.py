@@ -10,12 +10,11 @@ model + AdamW in two trainer processes on the default store, then ``tiercheck gc
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import _fresh
 import lmdb
 import pytest
 import torch
@@ -305,16 +304,16 @@ def test_guarded_saves_on_the_default_store_stay_within_the_documented_footprint
 
 def _footprint_within_formula(root: Path) -> None:
     for seed in range(2):
-        proc = subprocess.run(
-            [sys.executable, "-c", _TRAINER, str(root), "30", str(seed)],
+        proc = _fresh.run(
+            ["-c", _TRAINER, str(root), "30", str(seed)],
             capture_output=True,
             text=True,
             timeout=300,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         assert proc.returncode == 0, proc.stderr
-    gc = subprocess.run(
-        [sys.executable, "-m", "tiercheck", "gc", str(root), "--grace", "0", "--json"],
+    gc = _fresh.run(
+        ["-m", "tiercheck", "gc", str(root), "--grace", "0", "--json"],
         capture_output=True,
         text=True,
         timeout=120,

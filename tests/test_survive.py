@@ -13,11 +13,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import _fresh
 import lmdb
 import pytest
 import torch
@@ -56,8 +56,8 @@ def store(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 
 
 def tc(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tiercheck", *map(str, args)],
+    return _fresh.run(
+        ["-m", "tiercheck", *map(str, args)],
         capture_output=True,
         text=True,
         env={**os.environ, "COLUMNS": "200"},
@@ -83,8 +83,8 @@ _RESTORE = textwrap.dedent(
 
 
 def restore_in_subprocess(root: Path, mode: str) -> dict[str, object]:
-    proc = subprocess.run(
-        [sys.executable, "-c", _RESTORE, str(root), mode, str(N)],
+    proc = _fresh.run(
+        ["-c", _RESTORE, str(root), mode, str(N)],
         capture_output=True,
         text=True,
         timeout=120,

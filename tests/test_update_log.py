@@ -10,11 +10,10 @@ import copy
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import _fresh
 import pytest
 import torch
 import update_log_run as ulr
@@ -129,9 +128,8 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path: Path) -> None:
     for _ in range(ulr.AFTER):
         run.step()
     out = tmp_path / "resumed.json"
-    subprocess.run(
+    _fresh.run(
         [
-            sys.executable,
             str(RUNNER),
             "resume",
             str(tmp_path / "store"),

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
+import _fresh
 import lmdb
 import pytest
 
@@ -111,8 +112,6 @@ tier.close()
 def test_a_reader_adopts_a_map_another_process_grew(tmp_path: Path) -> None:
     """A read-only open made before a writer in another process grew the map reads what
     was written after (LMDB's MapResizedError: the reader takes the new size)."""
-    import subprocess
-    import sys
 
     import blake3
 
@@ -121,9 +120,7 @@ def test_a_reader_adopts_a_map_another_process_grew(tmp_path: Path) -> None:
         tier.put(*blob(1000))
     with _open(tmp_path / "store", read_only=True) as reader:
         start = reader.map_size
-        done = subprocess.run(
-            [sys.executable, "-c", GROWER, url], capture_output=True, text=True, timeout=120
-        )
+        done = _fresh.run(["-c", GROWER, url], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         last, grown = done.stdout.split()
         assert int(grown) > start
@@ -225,16 +222,14 @@ print("ok", len(kept))
 
 
 def test_writemap_on_a_full_disk_is_tier_full_not_sigbus(tmp_path: Path) -> None:
-    import subprocess
-    import sys
 
     from test_faults import small_tmpfs  # type: ignore[import-not-found,unused-ignore]
 
     with small_tmpfs(tmp_path / "small", "32m") as mounted:
         if not mounted:
             pytest.skip("cannot mount a small tmpfs here")
-        proc = subprocess.run(
-            [sys.executable, "-c", _FILL_A_SMALL_DISK, str(tmp_path / "small" / "db")],
+        proc = _fresh.run(
+            ["-c", _FILL_A_SMALL_DISK, str(tmp_path / "small" / "db")],
             capture_output=True,
             text=True,
             timeout=120,
