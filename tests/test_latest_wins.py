@@ -3,8 +3,10 @@
 With ``guard``, ``optimizer.step()`` waits only for the copy of its own state: a save
 queued behind an earlier one that still holds the staging buffer (its fastest tier does
 not hold the bytes yet) gives way instead, ends *skipped* (not failed) on its handle, and
-the next save is staged once the buffer is free. Real shm tier; the earlier save's shm
-write is held with a fault-injection hook that forwards everything else.
+the next save is staged once the buffer is free. A save waiting for room in the fastest
+tier behind a slower tier's write of an earlier version gives way to a newer queued save
+in the same way. Real shm and LMDB tiers; the write held is held with a fault-injection
+hook that forwards everything else.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 import torch
 
 from tiercheck import Checkpointer
+from tiercheck.store.config import TierSpec
+from tiercheck.store.policy import Policy, TierPolicy
 from tiercheck.testing.faults import FaultEvent, inject
 
 
@@ -61,3 +65,56 @@ def test_guard_gives_way_to_an_earlier_save_that_holds_the_staging_buffer(
         assert info.step == 2
         assert torch.equal(out["w"], torch.full_like(w, -1.0))
         ckpt.destroy()
+
+
+def test_a_save_waiting_for_room_behind_a_slower_tier_gives_way_to_a_newer_save(
+    tmp_path: Path,
+) -> None:
+    """shm (room for one version) keeps base 0 until LMDB holds it too; LMDB's write of
+    base 0 is held. Save 1 then waits for room in shm behind LMDB's write; once save 2 is
+    queued behind it, save 1 gives way (skipped, not failed) while LMDB is still held, and
+    save 2 takes the staging buffer. Before the give-way, save 1 waited for the whole LMDB
+    write (here: until the test let it go), and save 2 behind it."""
+    n = 1 << 18  # 1 MiB of fp32
+    gate, entered = threading.Event(), threading.Event()
+
+    def stall(_: FaultEvent) -> None:
+        entered.set()
+        gate.wait(60)
+
+    tiers = [
+        TierSpec("shm", f"shm://tc-lw-{uuid.uuid4().hex[:12]}", {"budget": "1.5MiB"}),
+        TierSpec("lmdb", f"lmdb://{tmp_path}/lmdb"),
+    ]
+    policy = Policy(
+        base_every=1,
+        tiers={
+            "shm": TierPolicy(versions="all", mode="sync"),
+            "lmdb": TierPolicy(versions="base", mode="sync", keep_bases=2),
+        },
+    )
+    states = [{"w": torch.randn(n, generator=torch.Generator().manual_seed(s))} for s in range(3)]
+    with Checkpointer(tmp_path / "s", tiers=tiers, policy=policy) as ckpt:
+        try:
+            inject(ckpt, "lmdb").hook(stall, "append", count=1)  # its commit record
+            try:
+                first = ckpt.save(0, states[0])
+                assert entered.wait(30), "base 0 never reached LMDB's commit"
+                second = ckpt.save(1, states[1])
+                third = ckpt.save(2, states[2])
+                second.wait(30)  # skipped while LMDB still holds base 0's write
+                assert not gate.is_set()
+            finally:
+                gate.set()
+            assert second.skipped, second.result()
+            assert "latest wins" in second.result().errors["shm"]
+            # committed, on LMDB: shm keeps base 0, its newest version, until a newer one is
+            # restorable (a memory tier always keeps something to restore fast)
+            assert third.wait(30).tiers["lmdb"] == "committed"
+            assert first.wait(30).tiers["lmdb"] == "committed"
+            ckpt.flush()
+            assert [v.step for v in ckpt.history() if v.restorable] == [0, 2]
+            out = {"w": torch.empty(n)}
+            assert ckpt.restore(out).step == 2 and torch.equal(out["w"], states[2]["w"])
+        finally:
+            ckpt.destroy()
