@@ -4,15 +4,14 @@ Each launch runs torchrun's own entry point, ``torch.distributed.run.main``, wit
 arguments its command line takes; its elastic agent starts every rank as a fresh Python
 process, as ``torchrun`` does. Only the launcher itself is not a fresh interpreter: it is
 forked from a server process (multiprocessing's ``forkserver``, started once per test
-worker) that imported ``torch.distributed.run`` once. ``import torch`` costs about 2 s of
-CPU, and the suite launches torchrun about 60 times; the ranks, the code under test, still
-pay their own imports.
+worker, shared with :mod:`_fresh`) that imported ``torch.distributed.run`` once.
+``import torch`` costs about 2 s of CPU, and the suite launches torchrun about 60 times;
+the ranks, the code under test, still pay their own imports.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import socket
 import subprocess
@@ -22,8 +21,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-_SERVER = multiprocessing.get_context("forkserver")
-_SERVER.set_forkserver_preload(["torch.distributed.run"])
+from _fresh import SERVER, redirect_output
 
 
 def free_port() -> int:
@@ -36,10 +34,7 @@ def free_port() -> int:
 def _launcher(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
     """The launcher process: torchrun's main with ``argv``, its output (and its ranks')
     in the files ``out`` and ``err``, its exit status torchrun's."""
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(f, fd)
-        os.close(f)
+    redirect_output(out, err)
     os.environ.clear()
     os.environ.update(env)
     code = 0
@@ -67,7 +62,7 @@ class TorchRun:
         self._dir = tempfile.mkdtemp(prefix="torchrun-")
         self._out = os.path.join(self._dir, "out")
         self._err = os.path.join(self._dir, "err")
-        self._proc = _SERVER.Process(
+        self._proc = SERVER.Process(
             target=_launcher, args=(list(argv), dict(env), self._out, self._err), daemon=False
         )
         self._proc.start()

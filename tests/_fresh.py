@@ -26,8 +26,18 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-_SERVER = multiprocessing.get_context("forkserver")
-_SERVER.set_forkserver_preload(["torch", "tiercheck", "torch.distributed.run"])
+# one server per test worker, for these runs and for torchrun's launcher (tests/_dist.py)
+SERVER = multiprocessing.get_context("forkserver")
+SERVER.set_forkserver_preload(["torch", "tiercheck", "torch.distributed.run"])
+
+
+def redirect_output(out: str, err: str) -> None:
+    """In a forked child: its stdout and stderr (fds 1 and 2) into the files ``out`` and
+    ``err``, which its own children inherit."""
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str | None, out: str, err: str) -> None:
@@ -36,10 +46,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str | None, out: str, err:
     import threading
     import types
 
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(f, fd)
-        os.close(f)
+    redirect_output(out, err)
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
@@ -93,7 +100,7 @@ def run(
     args = [sys.executable, *argv]
     with tempfile.TemporaryDirectory(prefix="fresh-") as scratch:
         out, err = os.path.join(scratch, "out"), os.path.join(scratch, "err")
-        proc = _SERVER.Process(
+        proc = SERVER.Process(
             target=_child,
             args=(
                 list(argv),
