@@ -771,6 +771,9 @@ def main(argv: list[str] | None = None) -> int:
             else REPO / "docs/benchmarks/trainer_overhead.png"
         )
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:  # before any mode runs, not after the first ones took minutes
+        p.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if "none" not in modes:
         modes.insert(0, "none")
     with _quiet_store_dirs():
