@@ -400,6 +400,18 @@ class Tier(abc.ABC):
         """
         raise self._unsupported("a memory budget")
 
+    def preallocate(self, sizes: Sequence[int]) -> int:
+        """Make blobs of these sizes cheap to put later, where the tier can: a memory tier
+        that recycles the pages of deleted blobs (shm) allocates them now, so that the
+        puts that take them write into pages that are already there. Returns the bytes
+        made ready; never more than the tier's ``budget`` (and its other limits) allow.
+
+        The engine calls it at ``Checkpointer.prepare``, outside the training step, for
+        the versions a memory tier's budget holds (:mod:`tiercheck.store.budgets`). The
+        default makes nothing ready (0).
+        """
+        return 0
+
     def free_memory(self) -> int | None:
         """Bytes free now in the memory this tier's blobs live in, or None where that is
         not known from this process (the default: a disk or remote tier, another node).

@@ -146,6 +146,9 @@ class WrapperTier(Tier):
     def free_memory(self) -> int | None:
         return self.inner.free_memory()
 
+    def preallocate(self, sizes: Sequence[int]) -> int:
+        return self.inner.preallocate(sizes)
+
     def read_owner(self) -> StoreOwner | None:
         return self.inner.read_owner()
 

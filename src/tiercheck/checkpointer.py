@@ -144,7 +144,11 @@ class Checkpointer:
 
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Allocate the staging buffer for ``state`` now, so the first save pays nothing;
-        the default memory budgets (:mod:`tiercheck.store.budgets`) are set for its size too."""
+        the default memory budgets (:mod:`tiercheck.store.budgets`) are set for its size
+        too, and the shm tier writes the pages of its first two versions' blobs
+        (``Tier.preallocate``), so that no save in the training loop writes into fresh
+        pages. Call it before the training loop: it takes about one copy of the state's
+        bytes per version prepared."""
         self._engine.prepare(state)
 
     def guard(

@@ -125,6 +125,51 @@ def test_pool_survives_reopen_and_limit(root: Path) -> None:
         assert tier.pool_bytes == 8192  # the limit: the third delete freed its memory
 
 
+def test_preallocate_pools_written_pages_within_the_budget(root: Path) -> None:
+    """Checkpointer.prepare's call: each segment's pages are allocated now (st_blocks), a
+    put of that size takes one and creates nothing, and blobs plus pool stay within the
+    budget: the size that would pass it and every size after it are left out."""
+    size = 256 * 1024
+    with _open(root, budget=3 * size + 100) as tier:
+        assert tier.preallocate([size, size, size, size, 10]) == 3 * size
+        pooled = [os.path.join(tier.path, "pool", n) for n in os.listdir(tier.path + "/pool")]
+        assert len(pooled) == 3
+        for path in pooled:
+            st = os.stat(path)
+            assert st.st_size == size
+            assert st.st_blocks * 512 >= size  # written: no page left to fault in later
+        assert tier.usage() == 0 and tier.pool_bytes == 3 * size
+        items = [blob(size, seed=i) for i in range(2)]
+        tier.put_many(items)
+        assert (tier.segments_reused, tier.segments_created) == (2, 0)
+        assert tier.usage() == 2 * size and tier.pool_bytes == size
+        assert [bytes(tier.get(bid)) for bid, _ in items] == [data for _, data in items]
+        assert tier.preallocate([size]) == 0  # blobs plus pool are at the budget
+        assert _tmp_files(tier) == []
+    with _open(root, read_only=True) as reader, pytest.raises(ReadOnlyTier):
+        reader.preallocate([size])
+
+
+def test_preallocate_stops_when_shm_is_full(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process took the memory between the check and the write: ENOSPC ends the
+    preallocation with what it made, leaves no partial segment and raises nothing."""
+    with _open(root) as tier:
+        real_write = _shm._write_all
+        writes = 0
+
+        def write_all(fd: int, data: memoryview, offset: int) -> None:
+            nonlocal writes
+            writes += 1
+            if writes > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real_write(fd, data, offset)
+
+        monkeypatch.setattr(_shm, "_write_all", write_all)
+        assert tier.preallocate([4096, 4096, 4096]) == 4096
+        assert tier.pool_bytes == 4096
+        assert _tmp_files(tier) == []
+
+
 def test_torn_log_tail_is_ignored_then_truncated(root: Path) -> None:
     with _open(root) as tier:
         tier.append(b"one")

@@ -136,6 +136,7 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "usage": lambda t: t.usage(),
     "set_budget": lambda t: t.set_budget("1MiB"),
     "free_memory": lambda t: t.free_memory(),
+    "preallocate": lambda t: t.preallocate([4096]),
     "read_owner": lambda t: t.read_owner(),
     "write_owner": lambda t: t.write_owner(StoreOwner("0" * 32, "/nonexistent/store", "h")),
     "claim_owner": lambda t: t.claim_owner(StoreOwner("0" * 32, "/nonexistent/store", "h")),

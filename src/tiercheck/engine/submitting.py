@@ -27,6 +27,7 @@ from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.placing import build_manifest
 from tiercheck.engine.staging import Hold, StagingBuffer, ready_events
 from tiercheck.errors import TiercheckError
+from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.formats.manifest import MAX_INT, ChunkRef, Role
 from tiercheck.logversions.planner import LogProposal, LogSource, build
 from tiercheck.runtime.background import Halt, reporting
@@ -321,7 +322,8 @@ class SaveQueue:
 
     def note_state(self, tree: Any, leaves: list[Leaf]) -> None:
         """The state to be saved is known (``Checkpointer.prepare``): set the default memory
-        budgets for its size now rather than at the first save."""
+        budgets for its size now rather than at the first save, and allocate the memory
+        tiers' pages for the first two versions (:meth:`Budgets.preallocate`)."""
         layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
         _, mbytes, _ = build_manifest(
@@ -333,6 +335,10 @@ class SaveQueue:
             tree=tree,
         )
         self.budgets.size_known(version_bytes(layout.stream_bytes, len(placeholder), len(mbytes)))
+        # the pages of the first two versions' blobs (what a default budget holds), now:
+        # each chunk's, and the manifest's (compressed, so at most this long)
+        blobs = [n + BLOB_HEADER_SIZE for _, n in layout.windows]
+        self.budgets.preallocate([*blobs, len(mbytes) + BLOB_HEADER_SIZE] * 2)
 
     def note_version_ids(self, max_id: int) -> None:
         """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""
