@@ -145,10 +145,11 @@ class Checkpointer:
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Allocate the staging buffer for ``state`` now, so the first save pays nothing;
         the default memory budgets (:mod:`tiercheck.store.budgets`) are set for its size
-        too, and the shm tier writes the pages of its first two versions' blobs
-        (``Tier.preallocate``), so that no save in the training loop writes into fresh
-        pages. Call it before the training loop: it takes about one copy of the state's
-        bytes per version prepared."""
+        too, and the tiers ready the pages of their first two versions' blobs
+        (``Tier.preallocate``: shm writes them into its pool, LMDB reserves their disk
+        blocks and reads them into the page cache), so that no save in the training
+        loop writes into fresh pages. Call it before the training loop: it costs about
+        one pass over the state's bytes per version and tier prepared."""
         self._engine.prepare(state)
 
     def guard(

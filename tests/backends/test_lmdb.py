@@ -12,7 +12,7 @@ import _fresh
 import lmdb
 import pytest
 
-from tiercheck.backends import _lmdb
+from tiercheck.backends import _lmdb, _lmdb_env
 from tiercheck.backends._lmdb import LmdbTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
@@ -248,6 +248,46 @@ def test_writemap_off(tmp_path: Path) -> None:
         assert len(list(tier.list())) == 1
 
 
+def test_preallocate_readies_the_pages_the_next_puts_write(tmp_path: Path) -> None:
+    """``Checkpointer.prepare``'s call: the map grows to hold the sizes past the pages in
+    use and their disk blocks are reserved (and read into the page cache), so the puts
+    that follow neither grow the map nor reserve more; without writemap nothing is done,
+    and a read-only tier refuses."""
+    sizes = [1 << 20] * 8
+    with _open(tmp_path / "db", map_size=1 << 20) as tier:
+        e = tier._e()
+        ready = tier.preallocate(sizes)
+        assert ready >= sum(sizes)
+        info = e.env.info()
+        assert info["map_size"] >= ready
+        reserved = e.reserved
+        assert os.stat(tmp_path / "db" / "data.mdb").st_blocks * 512 >= reserved >= ready
+        items = [blob(n, seed=i) for i, n in enumerate(sizes)]
+        assert tier.put_many(items) == len(items)
+        assert (e.env.info()["map_size"], e.reserved) == (info["map_size"], reserved)
+        assert [bytes(tier.get(bid)) for bid, _ in items] == [d for _, d in items]
+    with _open(tmp_path / "off", writemap=False) as tier:
+        assert tier.preallocate(sizes) == 0
+    with _open(tmp_path / "db", read_only=True) as tier, pytest.raises(ReadOnlyTier):
+        tier.preallocate(sizes)
+
+
+def test_preallocate_on_a_full_disk_readies_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preallocation is a help, never a failure: ENOSPC from the reservation is 0 bytes
+    ready, and the puts report the full disk themselves."""
+    with _open(tmp_path / "db") as tier:
+
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(_lmdb.os, "posix_fallocate", full)
+        assert tier.preallocate([64 << 20]) == 0
+        with pytest.raises(TierFull):
+            tier.put(*blob(64 << 20))
+
+
 def test_put_many_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_lmdb, "_BATCH_BYTES", 10_000)
     with _open(tmp_path / "db") as tier:
@@ -269,7 +309,7 @@ def test_one_environment_per_path(tmp_path: Path) -> None:
     a.close()  # idempotent
     assert bytes(b.get(bid)) == data  # the environment stays open for b
     b.close()
-    assert os.path.realpath(tmp_path / "db") not in _lmdb._envs
+    assert os.path.realpath(tmp_path / "db") not in _lmdb_env._envs
 
 
 def test_read_only_env_blocks_writable_open(tmp_path: Path) -> None:

@@ -322,8 +322,8 @@ class SaveQueue:
 
     def note_state(self, tree: Any, leaves: list[Leaf]) -> None:
         """The state to be saved is known (``Checkpointer.prepare``): set the default memory
-        budgets for its size now rather than at the first save, and allocate the memory
-        tiers' pages for the first two versions (:meth:`Budgets.preallocate`)."""
+        budgets for its size now rather than at the first save, and ready the tiers' pages
+        for the first two versions (:meth:`TierSet.preallocate`)."""
         layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
         _, mbytes, _ = build_manifest(
@@ -338,7 +338,7 @@ class SaveQueue:
         # the pages of the first two versions' blobs (what a default budget holds), now:
         # each chunk's, and the manifest's (compressed, so at most this long)
         blobs = [n + BLOB_HEADER_SIZE for _, n in layout.windows]
-        self.budgets.preallocate([*blobs, len(mbytes) + BLOB_HEADER_SIZE] * 2)
+        self.tierset.preallocate([*blobs, len(mbytes) + BLOB_HEADER_SIZE] * 2)
 
     def note_version_ids(self, max_id: int) -> None:
         """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""

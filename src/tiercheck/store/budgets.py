@@ -245,29 +245,6 @@ class Budgets:
                 format_size(version),
             )
 
-    def preallocate(self, sizes: Sequence[int]) -> None:
-        """Ready every writable memory tier for blobs of ``sizes`` (``Tier.preallocate``:
-        shm allocates their pages now), as far as each tier's budget allows. Called at
-        ``Checkpointer.prepare`` with the blobs of the two versions a default budget
-        holds, so that neither of the first two saves writes into fresh pages while the
-        trainer runs (tmpfs allocates and zeroes a page on its first write). A tier that
-        fails is logged: a save never depends on it."""
-        for slot in self.tierset.open():
-            tier = slot.tier
-            if tier is None or tier.read_only or not is_memory_tier(tier):
-                continue
-            try:
-                ready = tier.preallocate(sizes)
-            except TierError as exc:
-                log.warning("could not preallocate memory in tier %s: %s", slot.name, exc)
-                continue
-            if ready:
-                log.info(
-                    "tier %s: %s of pages allocated ahead of the first saves",
-                    slot.name,
-                    format_size(ready),
-                )
-
 
 def at_least_as_durable(a: Capabilities, b: Capabilities) -> bool:
     """Whether what ``a`` holds survives every failure that what ``b`` holds survives."""

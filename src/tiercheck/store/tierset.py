@@ -16,6 +16,7 @@ from pathlib import Path
 from tiercheck.backends.base import StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.backends.resilience import open_wrapped, split_options, wrapping
+from tiercheck.core.sizes import format_size
 from tiercheck.errors import ConfigError, ForeignTier, InvalidURL, TierError
 from tiercheck.store import identity
 from tiercheck.store.config import StoreConfig, TierSpec, resolve_references
@@ -207,6 +208,27 @@ class TierSet:
 
     def tiers(self) -> dict[str, Tier]:
         return {s.name: s.tier for s in self.slots if s.tier is not None}
+
+    def preallocate(self, sizes: Sequence[int]) -> None:
+        """Ready every writable tier of this process for blobs of ``sizes``
+        (``Tier.preallocate``: shm writes their pages into its pool within its budget,
+        LMDB brings the pages it will write into the page cache). Called at
+        ``Checkpointer.prepare`` with the blobs of the first two versions, so that
+        neither writes into fresh pages while the trainer runs. A tier that fails is
+        logged: a save never depends on it."""
+        for slot in self.open():
+            tier = slot.tier
+            if tier is None or tier.read_only or tier.capabilities.shared:
+                continue
+            try:
+                ready = tier.preallocate(sizes)
+            except TierError as exc:
+                log.warning("could not preallocate pages in tier %s: %s", slot.name, exc)
+                continue
+            if ready:
+                log.info(
+                    "tier %s: %s of pages ready for the first saves", slot.name, format_size(ready)
+                )
 
     def close(self) -> None:
         for s in self.slots:
