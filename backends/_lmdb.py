@@ -93,6 +93,7 @@ from tiercheck.backends.base import (
     StoreOwner,
     Tier,
     check_blob_id,
+    copy_bytes,
     invalid_url,
     scatter,
 )
@@ -125,7 +126,7 @@ def _joined(e: _Env, views: builtins.list[memoryview]) -> memoryview:
     out = memoryview(e.join)
     pos = 0
     for v in views:
-        out[pos : pos + len(v)] = v
+        copy_bytes(out[pos : pos + len(v)], v)
         pos += len(v)
     return out[:n]
 

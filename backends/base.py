@@ -488,8 +488,23 @@ class Tier(abc.ABC):
             raise ValueError(
                 f"buffer of {len(out)} bytes too small for blob of {n} bytes ({url} {blob_id})"
             )
-        out[:n] = data
+        copy_bytes(out[:n], data)
         return out[:n]
+
+
+_GIL_FREE_COPY = 64 * 1024  # copy_bytes hands a copy this large to numpy
+
+
+def copy_bytes(dst: memoryview, src: Buffer) -> None:
+    """``dst[:] = src`` (same length), without holding the GIL for a large copy: a
+    memoryview's slice assignment copies under the GIL (a trainer's Python thread stalls
+    behind a background thread copying chunks), numpy's copy releases it."""
+    if len(dst) >= _GIL_FREE_COPY:
+        import numpy as np  # here: the peer daemon and the CLI's browsing never load it
+
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        dst[:] = src
 
 
 def scatter(data: Buffer, parts: Sequence[memoryview]) -> int:
@@ -503,7 +518,7 @@ def scatter(data: Buffer, parts: Sequence[memoryview]) -> int:
         if pos >= len(view):
             break
         n = min(len(part), len(view) - pos)
-        part[:n] = view[pos : pos + n]
+        copy_bytes(part[:n], view[pos : pos + n])
         pos += n
     return len(view)
 

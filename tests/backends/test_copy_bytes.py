@@ -1,0 +1,52 @@
+"""``copy_bytes`` and ``scatter``: the copies tiers make of blob bytes (a join for LMDB, a
+blob read into the caller's parts), handed to numpy above 64 KiB so that they run without
+the GIL (a memoryview's slice assignment holds it for the whole copy: with a background
+thread scattering 16 MiB blobs, a Python loop in the foreground ran 3.1 M iterations a
+second against 4.8 M with numpy's copy; 8 M alone)."""
+
+from __future__ import annotations
+
+import array
+
+import pytest
+
+from tiercheck.backends import base
+from tiercheck.backends.base import copy_bytes, scatter
+
+
+@pytest.mark.parametrize("n", [0, 1, 4096, 64 * 1024 - 1, 64 * 1024, 3 << 20])
+def test_copy_bytes_copies_every_byte_small_or_large(n: int) -> None:
+    src = bytes((i * 7 + 3) % 256 for i in range(n))
+    dst = bytearray(n)
+    copy_bytes(memoryview(dst), src)
+    assert dst == src
+
+
+def test_copy_bytes_reads_any_contiguous_buffer() -> None:
+    """A tensor's bytes arrive as a memoryview of its format (float32 here): copied as
+    bytes, whatever the format."""
+    floats = array.array("f", (float(i) for i in range(1 << 16)))  # 256 KiB
+    dst = bytearray(len(floats) * 4)
+    copy_bytes(memoryview(dst), memoryview(floats).cast("B"))
+    assert dst == floats.tobytes()
+    copy_bytes(memoryview(dst), floats)
+    assert dst == floats.tobytes()
+
+
+def test_copy_bytes_refuses_a_length_mismatch_as_slice_assignment_does() -> None:
+    for n in (100, base._GIL_FREE_COPY + 100):
+        with pytest.raises(ValueError):
+            copy_bytes(memoryview(bytearray(n)), bytes(n - 1))
+
+
+def test_scatter_fills_parts_in_order_and_stops_at_the_end_of_the_data() -> None:
+    data = bytes(range(256)) * 1024  # 256 KiB
+    parts = [
+        memoryview(bytearray(100)),
+        memoryview(bytearray(200_000)),
+        memoryview(bytearray(70_000)),
+    ]
+    assert scatter(data, parts) == len(data)
+    joined = b"".join(bytes(p) for p in parts)
+    assert joined[: len(data)] == data
+    assert bytes(parts[2][len(data) - 200_100 :]) == bytes(70_000 - (len(data) - 200_100))
