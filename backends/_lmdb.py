@@ -577,9 +577,12 @@ class LmdbTier(Tier):
                     return 0  # a full disk: the puts will say so
                 raise TierError(f"preallocate failed at {self.path}: {exc}", url=self.url) from exc
             end = min(e.reserved, start + total)
-        buf = memoryview(bytearray(min(_RESERVE_STEP, max(0, end - start))))
-        for at in range(start, end, len(buf)):  # outside the lock: puts may go on
-            os.preadv(e.data_fd, [buf[: end - at]], at)
+            first = max(start, e.readied)  # a second prepare() reads only what is new
+            e.readied = max(e.readied, end)
+        if first < end:
+            buf = memoryview(bytearray(min(_RESERVE_STEP, end - first)))
+            for at in range(first, end, len(buf)):  # outside the lock: puts may go on
+                os.preadv(e.data_fd, [buf[: end - at]], at)
         return max(0, end - start)
 
     def usage(self) -> int:

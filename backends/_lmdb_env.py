@@ -104,6 +104,8 @@ class _Env:
     # writemap: data.mdb opened for posix_fallocate, and the bytes reserved so far
     data_fd: int | None = None
     reserved: int = 0
+    # LmdbTier.preallocate: how far into data.mdb the page cache was already read
+    readied: int = 0
 
 
 _envs: dict[str, _Env] = {}

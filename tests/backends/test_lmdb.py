@@ -262,6 +262,9 @@ def test_preallocate_readies_the_pages_the_next_puts_write(tmp_path: Path) -> No
         assert info["map_size"] >= ready
         reserved = e.reserved
         assert os.stat(tmp_path / "db" / "data.mdb").st_blocks * 512 >= reserved >= ready
+        assert e.readied >= ready
+        assert tier.preallocate(sizes) == ready  # again: the same pages, nothing new to read
+        assert (e.env.info()["map_size"], e.reserved) == (info["map_size"], reserved)
         items = [blob(n, seed=i) for i, n in enumerate(sizes)]
         assert tier.put_many(items) == len(items)
         assert (e.env.info()["map_size"], e.reserved) == (info["map_size"], reserved)
