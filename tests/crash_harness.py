@@ -414,6 +414,7 @@ def life(
             start = ckpt.restore(run.state()).step + 1
         except NoRestorableVersion:
             start = 0
+    ckpt.prepare(run.state())  # as a trainer that prepares: a kill may land in its preallocation
     for s in range(start, start + steps):
         run.step(s)
         out(f"SAVE {s} {run.digest()}\n")
