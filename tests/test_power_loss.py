@@ -515,6 +515,36 @@ def test_shm_tier_keeps_every_acknowledged_record_through_a_killed_writer(
     check_states(states, tmp_path, check)
 
 
+def test_shm_preallocation_then_a_killed_writer_keeps_every_acknowledged_record(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``prepare()``'s preallocation writes pool segments through the recorded ``_os``
+    (nothing goes around it), and a kill anywhere in it or in the puts that take its
+    segments leaves a segment that opens and holds every acknowledged record."""
+    rec = Recorder(str(shm_dir))
+    monkeypatch.setattr(_shm, "_os", rec)
+    tier = open_tier("shm://power-loss", root=str(shm_dir))
+    assert isinstance(tier, _shm.ShmTier)
+    assert tier.preallocate([3000] * 6) == 6 * 3000
+    _tier_workload(tier, rec, count=2)
+    assert tier.segments_reused > 0
+    tier.close()
+    monkeypatch.undo()
+    rec.check_trace()
+
+    states = process_crash_states(rec.ops, rec.base, seed=SEED)
+    assert len(states) > 20
+
+    def check(where: Path, state: CrashState) -> None:
+        t = open_tier("shm://power-loss", root=str(where))
+        try:
+            check_log(t, acked_number(state), state)
+        finally:
+            t.close()
+
+    check_states(states, tmp_path, check)
+
+
 def test_checkpointer_over_shm_tier_after_a_killed_writer_and_after_power_loss(
     shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
