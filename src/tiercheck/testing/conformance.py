@@ -514,6 +514,20 @@ class TierConformance:
         after = tier.usage()
         assert after is not None and after < grown
 
+    def test_preallocate_changes_nothing_a_reader_sees(self, tier: Tier) -> None:
+        """``preallocate`` (``Checkpointer.prepare``) only readies room: it returns the
+        bytes made ready (0 is fine), adds no blob, no log record and no usage, and the
+        puts after it store what they are given."""
+        before = tier.usage()
+        ready = tier.preallocate([100_000, 100_000, 4096])
+        assert isinstance(ready, int) and ready >= 0
+        assert list(tier.list()) == [] and tier.read_log() == []
+        assert tier.usage() == before
+        items = [blob(100_000, seed=320), blob(4096, seed=321)]
+        for bid, data in items:
+            tier.put(bid, data)
+        assert [bytes(tier.get(bid)) for bid, _ in items] == [data for _, data in items]
+
     # --- lifecycle -----------------------------------------------------------------
 
     def test_reopen(self, tier: Tier) -> None:
