@@ -489,45 +489,24 @@ def test_checkpointer_over_file_tier_restores_the_newest_acknowledged_step_after
 # --- the shm tier --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("preallocated", [False, True], ids=["plain", "preallocated"])
 def test_shm_tier_keeps_every_acknowledged_record_through_a_killed_writer(
-    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preallocated: bool
 ) -> None:
     """tmpfs has no disk: its promise is a killed process (every call that returned stays,
-    in order; the write the kill lands in may be torn), not power loss."""
+    in order; the write the kill lands in may be torn), not power loss. ``preallocated``:
+    ``prepare()``'s preallocation first, its pool segments written through the recorded
+    ``_os`` (nothing goes around it), so the kill may land in it or in the puts that take
+    its segments."""
     rec = Recorder(str(shm_dir))
     monkeypatch.setattr(_shm, "_os", rec)
     tier = open_tier("shm://power-loss", root=str(shm_dir))
+    if preallocated:
+        assert isinstance(tier, _shm.ShmTier)
+        assert tier.preallocate([3000] * 6) == 6 * 3000
     _tier_workload(tier, rec)
-    tier.close()
-    monkeypatch.undo()
-    rec.check_trace()
-
-    states = process_crash_states(rec.ops, rec.base, seed=SEED)
-    assert len(states) > 20
-
-    def check(where: Path, state: CrashState) -> None:
-        t = open_tier("shm://power-loss", root=str(where))
-        try:
-            check_log(t, acked_number(state), state)
-        finally:
-            t.close()
-
-    check_states(states, tmp_path, check)
-
-
-def test_shm_preallocation_then_a_killed_writer_keeps_every_acknowledged_record(
-    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``prepare()``'s preallocation writes pool segments through the recorded ``_os``
-    (nothing goes around it), and a kill anywhere in it or in the puts that take its
-    segments leaves a segment that opens and holds every acknowledged record."""
-    rec = Recorder(str(shm_dir))
-    monkeypatch.setattr(_shm, "_os", rec)
-    tier = open_tier("shm://power-loss", root=str(shm_dir))
-    assert isinstance(tier, _shm.ShmTier)
-    assert tier.preallocate([3000] * 6) == 6 * 3000
-    _tier_workload(tier, rec, count=2)
-    assert tier.segments_reused > 0
+    if preallocated:
+        assert isinstance(tier, _shm.ShmTier) and tier.segments_reused > 0
     tier.close()
     monkeypatch.undo()
     rec.check_trace()
