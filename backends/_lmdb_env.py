@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 # is still one posix_fallocate per transaction or fewer, and what a store of a small state
 # holds on disk ahead of its pages stays small (docs/configuration.md, "Footprint").
 _RESERVE_STEP = 16 << 20
-
-
 _RESERVE_SLACK = 16 << 20
 
 
@@ -39,8 +37,6 @@ _RESERVE_SLACK = 16 << 20
 # header): magic at 16, page size (mm_dbs[FREE_DBI].md_pad) at 40, the last page in use
 # and the transaction id at 136 and 144.
 _META_MAGIC = 0xBEEFC0DE
-
-
 _META_END = 152
 
 
@@ -109,8 +105,6 @@ class _Env:
 
 
 _envs: dict[str, _Env] = {}
-
-
 _envs_lock = threading.Lock()
 
 

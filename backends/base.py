@@ -401,14 +401,16 @@ class Tier(abc.ABC):
         raise self._unsupported("a memory budget")
 
     def preallocate(self, sizes: Sequence[int]) -> int:
-        """Make blobs of these sizes cheap to put later, where the tier can: a memory tier
-        that recycles the pages of deleted blobs (shm) allocates them now, so that the
-        puts that take them write into pages that are already there. Returns the bytes
-        made ready; never more than the tier's ``budget`` (and its other limits) allow.
+        """Make blobs of these sizes cheap to put later, where the tier can: shm writes
+        the pages of pooled segments the puts will take, LMDB reserves the blocks they
+        will write and reads them into the page cache. Returns the bytes made ready;
+        never more than the tier's ``budget`` (and its other limits) allow, and a full
+        medium is 0 bytes ready, not an error.
 
-        The engine calls it at ``Checkpointer.prepare``, outside the training step, for
-        the versions a memory tier's budget holds (:mod:`tiercheck.store.budgets`). The
-        default makes nothing ready (0).
+        The engine calls it at ``Checkpointer.prepare``, outside the training step, on
+        every writable tier that is not shared, with the blobs of the first two versions
+        (:meth:`tiercheck.store.tierset.TierSet.preallocate`). The default makes nothing
+        ready (0).
         """
         return 0
 
