@@ -24,6 +24,7 @@ from tiercheck.backends.base import (
     Buffer,
     Capabilities,
     FailureDomain,
+    Pins,
     Tier,
     check_blob_id,
     check_budget,
@@ -124,6 +125,11 @@ class MemoryTier(Tier):
             raise NotFound("blob not found", url=self.url, key=blob_id)
         return scatter(data, parts)
 
+    def pin(self) -> Pins:
+        """Blobs in place: a memory tier holds each as an immutable ``bytes`` object, which
+        a later put or delete replaces or drops but never changes."""
+        return _MemoryPins(self)
+
     def head(self, blob_id: str, nbytes: int = 64) -> bytes:
         check_blob_id(blob_id, self.url)
         if nbytes < 0:
@@ -208,3 +214,19 @@ class MemoryTier(Tier):
         import psutil
 
         return int(psutil.virtual_memory().available)
+
+
+class _MemoryPins(Pins):
+    """:meth:`MemoryTier.pin`: views of the stored ``bytes`` objects (read-only)."""
+
+    def __init__(self, tier: MemoryTier) -> None:
+        self._tier = tier
+
+    def get(self, blob_id: str) -> memoryview:
+        tier = self._tier
+        check_blob_id(blob_id, tier.url)
+        with tier._store.lock:
+            data = tier._store.blobs.get(blob_id)
+        if data is None:
+            raise NotFound("blob not found", url=tier.url, key=blob_id)
+        return memoryview(data)

@@ -60,6 +60,9 @@ One writer per NAME at a time (``Capabilities.shared`` is False); any number of
 ``read_only=True`` readers. A blob file that is deleted can be reused at once by a
 later put, so a reader must not read a blob concurrently with its deletion (the engine
 only deletes blobs that no kept record references; the codec layer verifies every id).
+:meth:`ShmTier.pin` maps blobs in place for a restore and holds the ``pool/`` directory's
+exclusive lock meanwhile; a put recycles a pooled segment only under its shared lock, and
+writes fresh pages while a reader pins, so a pinned blob's bytes never change.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ from tiercheck.backends._shm_segments import (
     _OWNER_KIND,
     DEFAULT_ROOT,
     OWNER_FILE,
+    ShmPins,
+    hold_pool,
     read_owner,
     shm_free_bytes,
 )
@@ -95,6 +100,7 @@ from tiercheck.backends.base import (
     Capabilities,
     FailureDomain,
     LogScan,
+    Pins,
     StoreOwner,
     Tier,
     check_blob_id,
@@ -476,10 +482,11 @@ class ShmTier(Tier):
         self._pool.add(token, size)
         return True
 
-    def _claim_segment(self, size: int) -> tuple[str, int, int]:
-        """Return ``(tmp path, fd, current size)`` of a writable segment for ``size`` bytes."""
+    def _claim_segment(self, size: int, recycle: bool) -> tuple[str, int, int]:
+        """Return ``(tmp path, fd, current size)`` of a writable segment for ``size`` bytes:
+        a pooled one where ``recycle`` (the caller holds the pool's shared lock), else new."""
         tmp = os.path.join(self._tmp, self._new_token())
-        while (found := self._pool.take(size)) is not None:
+        while recycle and (found := self._pool.take(size)) is not None:
             token, seg_size = found
             try:
                 _os.rename(os.path.join(self._pool_dir, token), tmp)
@@ -514,8 +521,10 @@ class ShmTier(Tier):
         tmp = ""
         fd = -1
         kept = False  # whether the reserved bytes ended up held
+        # no pooled segment is rewritten while a reader pins blobs (ShmPins)
+        held_pool = hold_pool(self._pool_dir) if self._pool.total else -1
         try:
-            tmp, fd, seg_size = self._claim_segment(size)
+            tmp, fd, seg_size = self._claim_segment(size, held_pool >= 0)
             self._fit_pool()
             try:
                 self._check_free(blob_id, size - seg_size)
@@ -556,6 +565,8 @@ class ShmTier(Tier):
                     pass
             raise self._os_error(exc, "put", blob_id) from exc
         finally:
+            if held_pool >= 0:
+                os.close(held_pool)
             if not kept:
                 self._release(size)
 
@@ -569,10 +580,15 @@ class ShmTier(Tier):
         except OSError as exc:
             raise self._os_error(exc, op, blob_id) from exc
 
+    def pin(self) -> Pins | None:
+        """Blobs mapped in place while no put may recycle a segment (None while a put is
+        recycling one or another reader pins): see :class:`ShmPins`."""
+        return ShmPins.take(self.path, self.url)
+
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
         """Read ``blob_id`` into ``out`` (or a new buffer) with ``preadv``, no mmap:
         a view into a mapped file would change under the caller if the file were
-        deleted and its segment reused."""
+        deleted and its segment reused (:meth:`pin` maps them, holding that off)."""
         fd = self._open_blob(blob_id, "get")
         try:
             size = os.fstat(fd).st_size

@@ -1,5 +1,6 @@
 """The shm stores under an shm root, as other processes see them: listing each with what
-its owner file says, reading an owner record, and removing a store.
+its owner file says, reading an owner record, removing a store, and reading a store's
+blobs in place (:class:`ShmPins`).
 
 Nothing here writes into a live store (:mod:`tiercheck.backends._shm` does, through its
 ``_os`` hook the power-loss recorder replaces); ``remove_segment`` deletes a whole one.
@@ -8,19 +9,24 @@ Nothing here writes into a live store (:mod:`tiercheck.backends._shm` does, thro
 from __future__ import annotations
 
 import builtins
+import fcntl
 import json
+import mmap
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from tiercheck.backends.base import Pins, check_blob_id
 from tiercheck.core.sizes import tree_bytes
-from tiercheck.errors import TierError
+from tiercheck.errors import NotFound, TierError
 
 __all__ = [
     "DEFAULT_ROOT",
     "OWNER_FILE",
     "Segment",
+    "ShmPins",
+    "hold_pool",
     "is_segment",
     "list_segments",
     "read_owner",
@@ -130,3 +136,92 @@ def remove_segment(path: str | os.PathLike[str]) -> int:
     freed = tree_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
     return freed
+
+
+# A pooled segment is rewritten in place when a put takes it: the one write in a store
+# that changes an existing file's bytes. Pins forbid it by the lock of the pool/ directory:
+# a put recycling a segment holds it shared (each put its own descriptor, so puts of any
+# thread or process never exclude each other), a reader pinning blobs holds it exclusive.
+
+
+def hold_pool(pool_dir: str) -> int:
+    """A descriptor of ``pool_dir`` holding its shared lock, for a put to recycle a pooled
+    segment while no reader pins blobs; -1 if one does (the put writes fresh pages then).
+    Release it with ``os.close`` once the recycled segment is written."""
+    fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return -1
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class ShmPins(Pins):
+    """Blobs of the shm store at ``path`` read in place (``ShmTier.pin``): each blob's file
+    mapped read-only, its pages populated at once, while this holds the exclusive lock of
+    the store's ``pool/`` directory, so that no put rewrites a deleted blob's pages until
+    :meth:`close`. A blob deleted meanwhile keeps its pages while mapped. Build it with
+    :meth:`take`, which returns None while a put is recycling a segment or another reader
+    pins."""
+
+    def __init__(self, path: str, url: str, lock_fd: int) -> None:
+        self._blobs = os.path.join(path, "blobs")
+        self._url = url
+        self._lock_fd = lock_fd
+        self._maps: builtins.list[tuple[memoryview, mmap.mmap]] = []
+
+    @classmethod
+    def take(cls, path: str, url: str) -> ShmPins | None:
+        try:
+            fd = os.open(os.path.join(path, "pool"), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None  # no pool/ (lost, or never written): read with get_parts
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        return cls(path, url, fd)
+
+    def get(self, blob_id: str) -> memoryview:
+        check_blob_id(blob_id, self._url)
+        if self._lock_fd < 0:
+            raise TierError("pins used after close", url=self._url, key=blob_id)
+        try:
+            fd = os.open(os.path.join(self._blobs, blob_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound("blob not found", url=self._url, key=blob_id) from None
+        except OSError as exc:
+            raise TierError(f"pin failed: {exc}", url=self._url, key=blob_id) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if not size:
+                return memoryview(b"")
+            mapped = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
+            )
+        except OSError as exc:
+            raise TierError(f"pin failed: {exc}", url=self._url, key=blob_id) from exc
+        finally:
+            os.close(fd)  # the mapping stays; the pool lock is what keeps its bytes
+        view = memoryview(mapped)
+        self._maps.append((view, mapped))
+        return view
+
+    def close(self) -> None:
+        """Unmap every blob (one still viewed elsewhere is unmapped when that view goes)
+        and release the pool's lock."""
+        maps, self._maps = self._maps, []
+        for view, mapped in maps:
+            try:
+                view.release()
+                mapped.close()
+            except BufferError:
+                pass  # a slice of it is still alive: unmapped when it is collected
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1

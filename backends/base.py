@@ -17,7 +17,8 @@ The engine's call sequence into a tier, which an implementation may rely on:
    instances once ``append``, ``flush()`` or ``close()`` returns; ``append`` makes them
    durable before its record, so a record never names a blob that is not stored.
 3. Restoring: ``read_log()`` once, then ``get`` or ``get_parts`` per blob (possibly into a
-   caller buffer).
+   caller buffer); or, from a tier that can hold its blobs in place (``pin()`` does not
+   return None), each blob's stored bytes read where they lie until the restore ends.
 4. Repair: ``put(id, data, overwrite=True)`` replaces a copy found corrupt.
 5. Retention / GC: ``list()``, ``head(id)`` (a blob's header, to find a delta's base) and
    ``delete(ids)``, only for blobs no kept record references.
@@ -81,6 +82,7 @@ __all__ = [
     "FailureDomain",
     "LogScan",
     "PendingPut",
+    "Pins",
     "StoreOwner",
     "Tier",
     "check_blob_id",
@@ -111,6 +113,31 @@ class PendingPut:
 
     def abort(self) -> None:
         """Nothing to undo: the blob was stored whole (content-addressed: harmless)."""
+
+
+class Pins:
+    """Blobs of one tier read where they are stored, unchanged until :meth:`close`
+    (:meth:`Tier.pin`): a restore verifies each chunk in place, then copies it once into
+    the caller's tensor, with no copy in between that could differ from what it verified.
+
+    :meth:`get` returns a read-only view of a blob's stored bytes (``NotFound`` if it has
+    none); the tier guarantees that no write of its own, of this or another process,
+    changes those bytes while the pins are open (a deleted blob's memory is not reused
+    meanwhile). :meth:`close` releases every view; using one after it is an error. A
+    subclass implements :meth:`get` and :meth:`close`; the default holds nothing.
+    """
+
+    def get(self, blob_id: str) -> memoryview:
+        raise NotSupported(f"{type(self).__name__} holds no blobs in place")
+
+    def close(self) -> None:
+        """Release every view :meth:`get` returned. Idempotent."""
+
+    def __enter__(self) -> Pins:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -299,6 +326,16 @@ class Tier(abc.ABC):
         ``NotFound``.
         """
         return scatter(self.get(blob_id), parts)
+
+    def pin(self) -> Pins | None:
+        """Read blobs in place until the returned :class:`Pins` is closed, or None where
+        this tier cannot (the default; then read with :meth:`get_parts`). A tier that
+        returns pins keeps every pinned blob's bytes as they are while they are open (shm
+        does not recycle a deleted blob's pages meanwhile); it may return None while it
+        cannot promise that (another reader pins, a put is recycling a segment), and the
+        caller reads with :meth:`get_parts` instead. Reads only: a read-only tier pins too.
+        """
+        return None
 
     @abc.abstractmethod
     def has(self, blob_ids: Iterable[str]) -> set[str]:

@@ -5,7 +5,7 @@
 subclass overrides only the calls it changes, and everything else reaches the inner tier
 unchanged. It forwards *every* method and property of
 :class:`~tiercheck.backends.base.Tier`, including those the base class gives a default
-(``put_parts``, ``begin_put``, ``put_many``, ``put_many_parts``, ``get_parts``, ``size``,
+(``put_parts``, ``begin_put``, ``put_many``, ``put_many_parts``, ``get_parts``, ``pin``, ``size``,
 ``head``, ``replace_log_prefix``, ``usage``, ``set_budget``, ``read_owner``,
 ``write_owner``, ``claim_owner``, ``bind_store``): a wrapper that inherited those defaults
 would silently turn a vectored write into a join, hide a memory tier's budget from the
@@ -24,7 +24,15 @@ import builtins
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from tiercheck.backends.base import Buffer, Capabilities, LogScan, PendingPut, StoreOwner, Tier
+from tiercheck.backends.base import (
+    Buffer,
+    Capabilities,
+    LogScan,
+    PendingPut,
+    Pins,
+    StoreOwner,
+    Tier,
+)
 
 __all__ = ["WrapperTier"]
 
@@ -102,6 +110,9 @@ class WrapperTier(Tier):
 
     def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
         return self.inner.get_parts(blob_id, parts)
+
+    def pin(self) -> Pins | None:
+        return self.inner.pin()
 
     def has(self, blob_ids: Iterable[str]) -> set[str]:
         return self.inner.has(blob_ids)

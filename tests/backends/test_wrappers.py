@@ -123,6 +123,7 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "put_many_parts": lambda t: t.put_many_parts([(OTHER, [OTHER_DATA])]),
     "get": lambda t: t.get(ID),
     "get_parts": lambda t: t.get_parts(ID, [memoryview(bytearray(300))]),
+    "pin": lambda t: t.pin(),
     "has": lambda t: t.has([ID]),
     "delete": lambda t: t.delete([OTHER]),
     "list": lambda t: list(t.list()),

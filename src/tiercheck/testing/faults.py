@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from tiercheck import errors
-from tiercheck.backends.base import Buffer, LogScan, PendingPut, Tier, scatter
+from tiercheck.backends.base import Buffer, LogScan, PendingPut, Pins, Tier, scatter
 from tiercheck.backends.registry import open_tier, register_tier
 from tiercheck.backends.wrappers import WrapperTier
 from tiercheck.errors import ConfigError, TierError, TierUnavailable
@@ -321,9 +321,9 @@ class FaultyTier(WrapperTier):
     the inner tier (budgets, ``usage``, vectored and batched writes, log compaction
     included); the calls of the seven operations a plan names pass through the faults
     first. ``put_parts``, ``begin_put``, ``put_many`` and ``put_many_parts`` count as one
-    ``put`` per blob, ``get_parts``, ``size`` and ``head`` as one ``get``. ``calls`` counts
-    the calls made per operation. Attributes this class does not define are looked up on
-    ``inner`` (e.g. an LMDB tier's ``path``).
+    ``put`` per blob, ``get_parts``, ``size``, ``head`` and a read through ``pin`` as one
+    ``get``. ``calls`` counts the calls made per operation. Attributes this class does not
+    define are looked up on ``inner`` (e.g. an LMDB tier's ``path``).
     """
 
     scheme = "faulty"
@@ -527,6 +527,10 @@ class FaultyTier(WrapperTier):
         self._after("get", call, faults, blob_id)
         return n
 
+    def pin(self) -> Pins | None:
+        inner = self.inner.pin()
+        return None if inner is None else _FaultyPins(self, inner)
+
     def size(self, blob_id: str) -> int:
         damaged, call, faults = self._damaged_get(blob_id)
         n = len(damaged) if damaged is not None else self.inner.size(blob_id)
@@ -598,6 +602,24 @@ class _FaultyPending(PendingPut):
 
     def abort(self) -> None:
         self._pending.abort()
+
+
+class _FaultyPins(Pins):
+    """The inner tier's pins, each blob read in place counting as one ``get`` of the plan
+    (a damaged read gives a damaged copy, as :meth:`FaultyTier.get` does)."""
+
+    def __init__(self, tier: FaultyTier, inner: Pins) -> None:
+        self._tier = tier
+        self._inner = inner
+
+    def get(self, blob_id: str) -> memoryview:
+        damaged, call, faults = self._tier._damaged_get(blob_id)
+        view = damaged if damaged is not None else self._inner.get(blob_id)
+        self._tier._after("get", call, faults, blob_id)
+        return view
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 def open_faulty(
