@@ -283,9 +283,10 @@ class Checkpointer:
     ) -> RestoreInfo | None:
         """Restore the newest restorable version (or ``version``/``step``) into ``state``.
 
-        All or nothing: every chunk is read and verified into a staging buffer first; only
-        then are the caller's tensors written (where dtype and shape match) and modules and
-        optimizers given ``load_state_dict``. If no version can be read, ``state`` is left
+        All or nothing: every chunk is read and verified first (into a staging buffer, or
+        where a memory tier that pins holds it: shm, ``memory://``); only then are the
+        caller's tensors written (where dtype and shape match) and modules and optimizers
+        given ``load_state_dict``. If no version can be read, ``state`` is left
         as it was; if loading fails (a ``load_state_dict`` raises, say an optimizer with
         other param groups, after the model was loaded), everything written is put back
         first, so ``state`` is again bit for bit as it was, and the error says what failed.

@@ -2,9 +2,13 @@
 
 :func:`fetch_stream` reads every chunk in parallel from the fastest tier holding the
 version, falling back tier by tier and repairing bad copies (:mod:`tiercheck.store.fetch`),
-and decodes it into its place in a staging buffer laid out like the saved stream.
-:func:`load_stream` copies each entry from staging into its destination (one memcpy per
-entry), and :func:`materialize` puts the values in place: dict and list members are
+and decodes it into its place in a staging buffer laid out like the saved stream. Where
+the fastest tier holds its blobs in memory it can pin (shm, ``memory://``:
+:meth:`~tiercheck.backends.base.Tier.pin`), a chunk whose bytes all go to the caller's
+host tensors is instead verified where it lies and never copied to staging
+(:class:`VerifiedStream`): each byte is then copied once, from the tier into its tensor.
+:func:`load_stream` copies each entry from there into its destination, and
+:func:`materialize` puts the values in place: dict and list members are
 replaced, stateful objects get ``load_state_dict``, each change told to the
 :class:`~tiercheck.restore.undo.Undo` first so that a failure can be put back.
 
@@ -17,17 +21,20 @@ tensors (:class:`~tiercheck.restore.service.RestoreService` runs that sequence).
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tiercheck.backends.base import Pins, copy_bytes
 from tiercheck.core.entries import decode_scalar, is_stateful
-from tiercheck.errors import StateError
-from tiercheck.formats.manifest import ShardManifest
+from tiercheck.errors import StateError, TiercheckError
+from tiercheck.formats.manifest import ChunkRef, ShardManifest
 from tiercheck.restore.binding import MISSING, Binding
 from tiercheck.restore.devices import DeviceStream, copy_to_devices
 from tiercheck.runtime.parallel import map_all
@@ -37,7 +44,121 @@ from tiercheck.store.tierset import TierSlot
 if TYPE_CHECKING:
     from tiercheck.restore.undo import Undo
 
-__all__ = ["fetch_stream", "load_stream", "materialize"]
+__all__ = [
+    "InPlace",
+    "PinnedTiers",
+    "VerifiedStream",
+    "fetch_stream",
+    "load_stream",
+    "materialize",
+    "plan_in_place",
+]
+
+
+class PinnedTiers:
+    """The pins (:meth:`~tiercheck.backends.base.Tier.pin`) a restore holds, one per tier,
+    taken at the first chunk read in place and released by :meth:`close` when the restore
+    is over: until then the chunks verified there cannot change."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pins: dict[str, Pins | None] = {}
+
+    def of(self, slot: TierSlot) -> Pins | None:
+        """``slot``'s pins (None where its tier cannot pin now: read it into staging)."""
+        with self._lock:
+            if slot.name not in self._pins:
+                try:
+                    self._pins[slot.name] = slot.tier.pin() if slot.tier is not None else None
+                except (TiercheckError, OSError):
+                    self._pins[slot.name] = None
+            return self._pins[slot.name]
+
+    def close(self) -> None:
+        with self._lock:
+            pins, self._pins = list(self._pins.values()), {}
+        for p in pins:
+            if p is not None:
+                p.close()
+
+
+class VerifiedStream:
+    """A version's verified stream: ``stream`` (the staging buffer), except the chunks in
+    ``in_place`` (chunk index -> its verified bytes where a tier holds them), which were
+    not copied to staging. :meth:`pieces` says where each byte range is."""
+
+    def __init__(
+        self,
+        stream: memoryview,
+        chunks: Sequence[ChunkRef] = (),
+        in_place: Mapping[int, memoryview] | None = None,
+    ) -> None:
+        self.stream = stream
+        self._chunks = chunks
+        self._in_place = dict(in_place or {})
+        self._starts = [ref.offset for ref in chunks] if self._in_place else []
+
+    @property
+    def chunks_in_place(self) -> int:
+        return len(self._in_place)
+
+    def pieces(self, offset: int, nbytes: int) -> list[tuple[int, memoryview]]:
+        """The bytes ``[offset, offset + nbytes)`` of the stream as ``(position in the
+        range, bytes)`` pieces, one per chunk read in place, else from staging."""
+        if not self._in_place:
+            return [(0, self.stream[offset : offset + nbytes])]
+        out: list[tuple[int, memoryview]] = []
+        pos, end = offset, offset + nbytes
+        k = bisect.bisect_right(self._starts, offset) - 1
+        staged_from = -1  # where the run of staged bytes being gathered began
+        while pos < end:
+            ref = self._chunks[k]
+            stop = min(end, ref.offset + ref.length)
+            view = self._in_place.get(k)
+            if view is not None:
+                if staged_from >= 0:
+                    out.append((staged_from - offset, self.stream[staged_from:pos]))
+                    staged_from = -1
+                out.append((pos - offset, view[pos - ref.offset : stop - ref.offset]))
+            elif staged_from < 0:
+                staged_from = pos
+            pos = stop
+            k += 1
+        if staged_from >= 0:
+            out.append((staged_from - offset, self.stream[staged_from:end]))
+        return out
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """Where a restore verifies chunks in place: the tier of ``slot``, pinned (``pins``),
+    for the chunks ``chunks`` (indexes into the manifest's); ``every``: all of them, so
+    the stream needs no staging buffer at all."""
+
+    slot: TierSlot
+    pins: Pins
+    chunks: frozenset[int]
+    every: bool
+
+
+def plan_in_place(
+    manifest: ShardManifest,
+    binding: Binding,
+    order: Sequence[TierSlot],
+    pinned: PinnedTiers | None,
+) -> InPlace | None:
+    """Which chunks of ``manifest`` :func:`fetch_stream` verifies where the fastest tier of
+    ``order`` holds them: those bound only for ``binding``'s host destinations, if that tier
+    pins now (else None: every chunk is read into staging). Not with tensors on a GPU:
+    their bytes go from staging to the device window by window."""
+    first = next((s for s in order if s.tier is not None), None)
+    if pinned is None or binding.device or first is None:
+        return None
+    chunks = _host_only_chunks(manifest, binding)
+    pins = pinned.of(first) if chunks else None
+    if pins is None:
+        return None
+    return InPlace(first, pins, frozenset(chunks), len(chunks) == len(manifest.chunks))
 
 
 def fetch_stream(
@@ -49,25 +170,40 @@ def fetch_stream(
     *,
     expect: Sequence[str] = (),
     binding: Binding | None = None,
-) -> None:
+    in_place: InPlace | None = None,
+) -> VerifiedStream:
     """Fetch and verify every chunk of ``manifest`` into its place in ``stream`` (at least
     ``manifest.stream_bytes`` long). Raises as :meth:`ChunkFetcher.fetch` does; the
     caller's state is not touched. Where ``binding`` has tensors on a GPU, each window of
     verified bytes bound for them goes on to a copy of the stream on that device while the
-    next chunks are read (:class:`~tiercheck.restore.devices.DeviceStream`)."""
+    next chunks are read (:class:`~tiercheck.restore.devices.DeviceStream`).
+
+    The chunks of ``in_place`` are verified where its tier holds them
+    (:meth:`ChunkFetcher.fetch_in_place`) and left there; one that cannot be (damaged
+    there, say) is fetched as the others are, into a buffer of its own where ``stream`` is
+    not staging for every chunk (``in_place.every``). The result says where each chunk is."""
     on_device = None
     if binding is not None and binding.device:
         on_device = binding.on_device = DeviceStream.for_binding(manifest, binding.device, stream)
+    refs = manifest.chunks
+    verified: dict[int, memoryview] = {}
 
     def one(ref_index: int) -> None:
-        ref = manifest.chunks[ref_index]
+        ref = refs[ref_index]
+        if in_place is not None and ref_index in in_place.chunks:
+            view = fetcher.fetch_in_place(ref.id, in_place.slot, in_place.pins, ref.length)
+            if view is None and in_place.every:  # no staging: a buffer of its own
+                view = memoryview(bytearray(ref.length))
+                fetcher.fetch(ref.id, view, order=order, expect=expect)
+            if view is not None:
+                verified[ref_index] = view
+                return
         fetcher.fetch(
             ref.id, stream[ref.offset : ref.offset + ref.length], order=order, expect=expect
         )
         if on_device is not None:
             on_device.verified(ref.offset, ref.length)
 
-    refs = manifest.chunks
     lanes = _lanes(order)
     failed = threading.Event()
 
@@ -94,6 +230,28 @@ def fetch_stream(
         if on_device is not None:  # no copy may go on reading staging that is reused
             on_device.abandon()
         raise
+    return VerifiedStream(stream, refs, verified)
+
+
+def _host_only_chunks(manifest: ShardManifest, binding: Binding) -> set[int]:
+    """The chunks whose every entry's bytes :func:`load_stream` copies into a host
+    destination (``binding.dests``): no other step reads their bytes from the stream (a
+    device copy, a piece of a distributed tensor, a log version's gradients do)."""
+    spans = sorted(
+        (e.offset, e.offset + e.nbytes, i) for i, e in enumerate(manifest.entries) if e.nbytes
+    )
+    out: set[int] = set()
+    j = 0
+    for k, ref in enumerate(manifest.chunks):
+        start, end = ref.offset, ref.offset + ref.length
+        while j < len(spans) and spans[j][1] <= start:
+            j += 1
+        m = j
+        while m < len(spans) and spans[m][0] < end and spans[m][2] in binding.dests:
+            m += 1
+        if m == len(spans) or spans[m][0] >= end:
+            out.add(k)
+    return out
 
 
 _MEMORY_RANK = 10  # speed_rank of the tiers in this host's memory (memory 0, shm 10)
@@ -111,31 +269,31 @@ def _lanes(order: Sequence[TierSlot]) -> int:
     return 1 << 30
 
 
-_BIG_COPY = 1 << 20  # torch copies a tensor this large on several threads
+_COPY_PIECE = 4 << 20  # host copies are cut into pieces of this size, spread over threads
+_COPY_ALONE = 8 << 20  # below this many bytes in all, copied on the caller's thread
 
 
 def load_stream(
-    manifest: ShardManifest, binding: Binding, stream: memoryview, *, loose: bool = False
+    manifest: ShardManifest, binding: Binding, source: VerifiedStream, *, loose: bool = False
 ) -> None:
-    """Copy entries' bytes from the verified ``stream`` into their destinations, each byte
-    once: into a host destination by a memcpy (several threads for a large one), into a
-    tensor on a GPU from the device copy of the stream :func:`fetch_stream` made where it
-    could, else by a host-to-device copy (:mod:`tiercheck.restore.devices`; awaited before
-    this returns).
+    """Copy entries' bytes from the verified ``source`` into their destinations, each byte
+    once: into a host destination by memcpys (spread over the cores, without the GIL),
+    from the tier's own copy where the chunk was verified in place; into a tensor on a GPU
+    from the device copy of the stream :func:`fetch_stream` made where it could, else by
+    a host-to-device copy (:mod:`tiercheck.restore.devices`; awaited before this returns).
 
     ``loose=False`` writes every entry but the binding's loose ones (which an undo copy
     covers, then :func:`materialize` runs); ``loose=True`` writes the loose ones, last,
     when nothing of the restore can fail any more (:class:`~tiercheck.restore.undo.Undo`).
     """
-    import torch
-
+    stream = source.stream
     on_device = binding.on_device
     to_device: list[tuple[Any, memoryview]] = []
     from_device: list[tuple[Any, int, int]] = []
+    copies: list[tuple[memoryview, memoryview]] = []
     for i, entry in enumerate(manifest.entries):
         if not entry.nbytes or (i in binding.loose) != loose:
             continue
-        src = stream[entry.offset : entry.offset + entry.nbytes]
         target = binding.device.get(i)
         if target is not None:
             if (
@@ -145,20 +303,38 @@ def load_stream(
             ):
                 from_device.append((target, entry.offset, entry.nbytes))
             else:
-                to_device.append((target, src))
+                to_device.append((target, stream[entry.offset : entry.offset + entry.nbytes]))
             continue
         dst = binding.dests.get(i)
         if dst is None:  # a log version's gradient, or a piece assembled by reshard.py
             continue
-        if entry.nbytes >= _BIG_COPY:
-            torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
-        else:
-            dst[:] = src
+        for at, src in source.pieces(entry.offset, entry.nbytes):
+            for cut in range(0, len(src), _COPY_PIECE):
+                n = min(_COPY_PIECE, len(src) - cut)
+                copies.append((dst[at + cut : at + cut + n], src[cut : cut + n]))
+    _copy_all(copies)
     if from_device:
         assert on_device is not None
         on_device.load(from_device)
     if to_device:
         copy_to_devices(to_device)
+
+
+def _copy_all(copies: Sequence[tuple[memoryview, memoryview]]) -> None:
+    """Each ``dst[:] = src`` of ``copies``: on threads of the caller's priority, one per
+    core, when there is enough to copy (numpy's copy releases the GIL)."""
+    lanes = min(len(copies), os.cpu_count() or 1)
+    if lanes < 2 or sum(len(d) for d, _ in copies) < _COPY_ALONE:
+        for dst, src in copies:
+            copy_bytes(dst, src)
+        return
+
+    def lane(first: int) -> None:
+        for dst, src in copies[first::lanes]:
+            copy_bytes(dst, src)
+
+    with ThreadPoolExecutor(lanes, thread_name_prefix="tiercheck-restore") as own:
+        map_all(own, lane, range(lanes))
 
 
 def materialize(

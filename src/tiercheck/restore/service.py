@@ -3,7 +3,8 @@
 :class:`RestoreService` runs the steps of :mod:`tiercheck.restore` in order: it picks
 the candidates (the newest restorable version, or the one asked for, skipping log versions
 when no guarded optimizer is in the state), agrees with every rank on one of them, reads and
-verifies it into the staging buffer (:meth:`RestoreService._read_version`), and only then
+verifies it (into the staging buffer, or where a memory tier pins its chunks:
+:meth:`RestoreService._read_version`), and only then
 binds it into the caller's state, all or nothing (:class:`~tiercheck.restore.undo.Undo`).
 A version that cannot be read makes every rank try an older one; a log version is its base
 plus its own shard, the steps replayed into the guarded optimizer
@@ -46,7 +47,14 @@ from tiercheck.restore import losses
 from tiercheck.restore.binding import Binding, bind
 from tiercheck.restore.choose import choose_version, nothing_restorable
 from tiercheck.restore.info import RestoreInfo
-from tiercheck.restore.loading import fetch_stream, load_stream, materialize
+from tiercheck.restore.loading import (
+    PinnedTiers,
+    VerifiedStream,
+    fetch_stream,
+    load_stream,
+    materialize,
+    plan_in_place,
+)
 from tiercheck.restore.reshard import Gathered, gather
 from tiercheck.restore.undo import Undo
 from tiercheck.store.catalog import Catalog
@@ -158,6 +166,7 @@ class RestoreService:
                 )
                 log.warning("%s", fallback)
         self._staging.acquire()
+        pinned = PinnedTiers()  # chunks verified in place stay as they are until the end
         try:
             # Every rank takes part in each round, so that all agree on one version: the
             # newest every rank can read; if any rank then fails to read it, all try older.
@@ -190,7 +199,7 @@ class RestoreService:
                 undo = Undo(keep_all=catalog.versions[vid].role == "log")
                 try:
                     staged = self._read_version(
-                        catalog, catalog.versions[vid], state, strict, repair, undo
+                        catalog, catalog.versions[vid], state, strict, repair, undo, pinned
                     )
                 except (NotFound, TierUnavailable, BlobCorrupt) as exc:
                     last_error = exc
@@ -221,6 +230,7 @@ class RestoreService:
                 fallback = f"version {vid} could not be restored: {last_error}"
                 candidates = [c for c in candidates if c < vid]
         finally:
+            pinned.close()
             self._staging.release()
 
     def _report_losses(self, info: RestoreInfo, catalog: Catalog, explicit: bool) -> RestoreInfo:
@@ -257,6 +267,7 @@ class RestoreService:
         strict: bool,
         repair: bool,
         undo: Undo,
+        pinned: PinnedTiers,
     ) -> _Staged:
         """Read and verify this rank's shard of ``info`` into the staging buffer; nothing
         of ``state`` is written (what loading it will overwrite is noted in ``undo`` and
@@ -266,10 +277,10 @@ class RestoreService:
         if info.role == "log":
             assert info.base is not None
             base_info = catalog.versions[info.base]
-            base = self._read_version(catalog, base_info, state, strict, repair, undo)
-            own = self._read_shard(catalog, info, state, strict, repair, undo, staging=False)
+            base = self._read_version(catalog, base_info, state, strict, repair, undo, pinned)
+            own = self._read_shard(catalog, info, state, strict, repair, undo, None)
             return dataclasses.replace(own, log=base)
-        return self._read_shard(catalog, info, state, strict, repair, undo, staging=True)
+        return self._read_shard(catalog, info, state, strict, repair, undo, pinned)
 
     def _read_shard(
         self,
@@ -279,9 +290,11 @@ class RestoreService:
         strict: bool,
         repair: bool,
         undo: Undo,
-        *,
-        staging: bool,
+        pinned: PinnedTiers | None,
     ) -> _Staged:
+        """One shard of ``info``: into the staging buffer, chunks verified in place where
+        ``pinned`` (a full version), else into a buffer of its own (a log version's shard:
+        its replay reads the stream)."""
         holders = catalog.holders(info.id)
         allowed = set(catalog.logs)
         order = sorted(
@@ -308,7 +321,12 @@ class RestoreService:
         binding = bind(manifest, target, strict=strict and state is not None, first=first)
         undo.cover(binding)
         undo.keep(self._pool)
-        if staging:
+        # a full version's chunks bound for host tensors: verified where a memory tier
+        # holds them, then copied once, into their tensors (loading.py)
+        in_place = plan_in_place(manifest, binding, order, pinned)
+        if in_place is not None and in_place.every:
+            stream = memoryview(b"")  # no staging: no fresh pages in a restarted process
+        elif pinned is not None:
             # page-locked where bytes go on to a GPU: asynchronous host-to-device copies
             gpus = [t.device.index for t in binding.device.values() if t.device.type == "cuda"]
             self._staging.ensure(
@@ -317,7 +335,16 @@ class RestoreService:
             stream = self._staging.view(manifest.stream_bytes)
         else:  # a log version's shard, beside its base in the staging buffer
             stream = memoryview(bytearray(manifest.stream_bytes))
-        fetch_stream(manifest, stream, fetcher, order, self._pool, expect=holders, binding=binding)
+        source = fetch_stream(
+            manifest,
+            stream,
+            fetcher,
+            order,
+            self._pool,
+            expect=holders,
+            binding=binding,
+            in_place=in_place,
+        )
         pieces = gather(
             binding.pieces,
             info,
@@ -327,7 +354,7 @@ class RestoreService:
             expect=holders,
             own=(shard_rank, manifest, stream),
         )
-        return _Staged(info, manifest, binding, stream, fetcher, order, pieces)
+        return _Staged(info, manifest, binding, source, fetcher, order, pieces)
 
     def _load(
         self, staged: _Staged, state: dict[str, Any] | None, t0: float, undo: Undo
@@ -349,7 +376,7 @@ class RestoreService:
     ) -> Any:
         """Write ``staged``'s verified bytes into the caller's tensors and load its
         objects into ``target`` (each change kept by ``undo`` first); the restored state."""
-        load_stream(staged.manifest, staged.binding, staged.stream)
+        load_stream(staged.manifest, staged.binding, staged.source)
         staged.pieces.apply()
         restored = materialize(
             staged.manifest,
@@ -360,7 +387,7 @@ class RestoreService:
             undo=undo,
         )
         # last, when nothing can fail any more: the entries no undo copy covers (undo.py)
-        load_stream(staged.manifest, staged.binding, staged.stream, loose=True)
+        load_stream(staged.manifest, staged.binding, staged.source, loose=True)
         return restored
 
     def _info(
@@ -489,11 +516,15 @@ class _Staged:
     info: VersionInfo
     manifest: ShardManifest
     binding: Binding
-    stream: memoryview
+    source: VerifiedStream  # its stream, where chunks were not verified in place
     fetcher: ChunkFetcher
     order: list[TierSlot]
     pieces: Gathered
     log: _Staged | None = None  # a log version's base, staged (then this is its own shard)
+
+    @property
+    def stream(self) -> memoryview:
+        return self.source.stream
 
 
 def _holds(state: Any, obj: object, depth: int = 0) -> bool:

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from tiercheck.backends.base import Tier
+from tiercheck.backends.base import Pins, Tier
 from tiercheck.errors import (
     BlobCorrupt,
     FormatVersionError,
     NotFound,
+    TiercheckError,
     TierError,
     TierUnavailable,
 )
@@ -233,6 +234,32 @@ class ChunkFetcher:
         if any_corrupt:
             raise BlobCorrupt(f"no intact copy of chunk ({detail})", key=chunk_id)
         raise NotFound(f"chunk is in no reachable tier ({detail})", key=chunk_id)
+
+    def fetch_in_place(
+        self, chunk_id: str, slot: TierSlot, pins: Pins, length: int
+    ) -> memoryview | None:
+        """The raw bytes of ``chunk_id`` where ``slot``'s tier holds them (``pins`` are that
+        tier's), verified there: no copy. None where they cannot be used in place: no copy
+        there, a damaged one, a blob encoded otherwise than raw, or not ``length`` bytes;
+        the caller then reads it with :meth:`fetch`, which reports the damage, falls back
+        to the next tier and repairs."""
+        if slot.policy is not None and slot.policy.codec != "raw":
+            return None
+        try:
+            blob = pins.get(chunk_id)
+            raw = raw_payload(
+                blob[:BLOB_HEADER_SIZE], blob[BLOB_HEADER_SIZE:], len(blob), chunk_id, verify=False
+            )
+            if raw is None or len(raw) != length:
+                return None
+            _verify(raw, chunk_id)
+        except (TiercheckError, OSError, ValueError):
+            return None
+        with self._lock:
+            self.stats.reads[slot.name] += 1
+            self.stats.bytes_read[slot.name] += len(blob)
+            self.stats.chunks_from[slot.name] += 1
+        return raw
 
     def _repair(self, chunk_id: str, raw: memoryview, bad: Sequence[TierSlot]) -> None:
         for slot in bad:
