@@ -5,6 +5,10 @@ its own, both a pure function of (step, rank), so a test can check any restored 
 
     save:    save every step 1..--steps; print one JSON line per acknowledged step
     restore: restore the newest version every rank can restore; print what came back
+
+Several scenarios, each a command line of its own (its own ``--root`` and ``--shm-root``),
+can run one after another in one launch, separated by ``then``: the ranks start (and
+import torch) once for all of them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import argparse
 import json
 import os
 import signal
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,9 +85,10 @@ def emit(**fields: Any) -> None:
         f.write(json.dumps(fields) + "\n")
 
 
-def inject(args: argparse.Namespace, ckpt: Checkpointer) -> None:
+def inject(args: argparse.Namespace, ckpt: Checkpointer) -> Callable[[], None]:
     """This rank dies (``--kill-rank``) or fails (``--fail-rank``) in the save of
-    ``--kill-step`` / ``--fail-step``; a survivor reports what it saw."""
+    ``--kill-step`` / ``--fail-step``; a survivor reports what it saw. Returns what puts
+    the staging back as it was, for the scenarios after this one in the same process."""
     rank = dist.get_rank()
     if args.kill_rank >= 0 and rank != args.kill_rank:
         # torchrun stops the survivors when a rank dies: let them finish and report first
@@ -121,10 +128,23 @@ def inject(args: argparse.Namespace, ckpt: Checkpointer) -> None:
 
         tiercheck.engine.staging.StagingBuffer.stage = stage_or_fail  # type: ignore[method-assign]
 
+        def undo() -> None:
+            tiercheck.engine.staging.StagingBuffer.stage = real_stage  # type: ignore[method-assign]
+
+        return undo
+    return lambda: None
+
 
 def save(args: argparse.Namespace, ckpt: Checkpointer) -> None:
+    undo = inject(args, ckpt)
+    try:
+        save_steps(args, ckpt)
+    finally:
+        undo()
+
+
+def save_steps(args: argparse.Namespace, ckpt: Checkpointer) -> None:
     rank = dist.get_rank()
-    inject(args, ckpt)
     # a blob another writer is putting into the shared tier, not yet named by any record (a
     # save or migration in flight, under its write lease): rank 0's sweeps must leave it,
     # whatever the grace setting, until that writer is gone
@@ -208,7 +228,7 @@ def restore(args: argparse.Namespace, ckpt: Checkpointer) -> None:
     )
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "restore"])
     p.add_argument("--root", required=True)
@@ -223,9 +243,11 @@ def main() -> int:
     p.add_argument("--remote-sync", action="store_true")
     p.add_argument("--collective", action="store_true")
     p.add_argument("--default-store", action="store_true", help="Checkpointer(root): no config")
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    EVENTS.append(f"{args.root}/events-{args.phase}-{dist.get_rank()}.jsonl")
+    return p
+
+
+def scenario(args: argparse.Namespace) -> None:
+    EVENTS[:] = [f"{args.root}/events-{args.phase}-{dist.get_rank()}.jsonl"]
     if args.default_store:  # every rank opens one new root at once: they race to create it
         ckpt = Checkpointer(f"{args.root}/default")
     else:
@@ -238,6 +260,19 @@ def main() -> int:
         save(args, ckpt) if args.phase == "save" else restore(args, ckpt)
     finally:
         ckpt.close(timeout=60)
+
+
+def main() -> int:
+    scenarios: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "then":
+            scenarios.append([])
+        else:
+            scenarios[-1].append(arg)
+    runs = [parser().parse_args(s) for s in scenarios]
+    dist.init_process_group("gloo")
+    for args in runs:
+        scenario(args)
     dist.destroy_process_group()
     return 0
 
