@@ -7,8 +7,7 @@ its own, both a pure function of (step, rank), so a test can check any restored 
     restore: restore the newest version every rank can restore; print what came back
 
 Several scenarios, each a command line of its own (its own ``--root`` and ``--shm-root``),
-can run one after another in one launch, separated by ``then``: the ranks start (and
-import torch) once for all of them.
+can run one after another in one launch, separated by ``then`` (``_then.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _leave import leave
+from _then import command_lines
 
 import tiercheck
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
@@ -263,13 +263,7 @@ def scenario(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    scenarios: list[list[str]] = [[]]
-    for arg in sys.argv[1:]:
-        if arg == "then":
-            scenarios.append([])
-        else:
-            scenarios[-1].append(arg)
-    runs = [parser().parse_args(s) for s in scenarios]
+    runs = [parser().parse_args(line) for line in command_lines(sys.argv[1:])]
     dist.init_process_group("gloo")
     for args in runs:
         scenario(args)

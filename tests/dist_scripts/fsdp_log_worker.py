@@ -2,7 +2,8 @@
 that saves are log versions of each rank's local shards (CPU, gloo).
 
 Usage: ``torchrun --nproc-per-node 2 ... fsdp_log_worker.py ROOT NAME --steps N
-[--kill-after K] [--mixed] [--out TAG]``
+[--kill-after K] [--mixed] [--out TAG] [then ROOT NAME ...]``: one run, or several one after
+another (``_then.py``).
 
 Every rank builds the same model (same seed), shards it with ``fully_shard`` over the
 ranks, trains data-parallel (each rank its own batches) with AdamW, a LambdaLR schedule
@@ -30,12 +31,14 @@ import argparse
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from _leave import leave
+from _then import command_lines
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -107,7 +110,7 @@ class Run:
         return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
     ap.add_argument("name")
@@ -116,8 +119,11 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--out", default="run")
     ap.add_argument("--files", action="store_true", help="one file:// tier all ranks share")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
+    return ap
+
+
+def train(args: argparse.Namespace) -> None:
+    """One training run, as its command line says."""
     rank = dist.get_rank()
     root = Path(args.root)
     tiers = [TierSpec("shm", f"shm://{args.name}-{{rank}}")]
@@ -163,6 +169,13 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     torch.save(run.tensors(), root / f"{args.out}-{rank}.pt")
     (root / f"{args.out}-{rank}.json").write_text(json.dumps(report))
+
+
+def main() -> None:
+    runs = [parser().parse_args(line) for line in command_lines(sys.argv[1:])]
+    dist.init_process_group("gloo")
+    for args in runs:
+        train(args)
     dist.destroy_process_group()
 
 
