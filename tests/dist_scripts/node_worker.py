@@ -11,6 +11,9 @@ own, both a pure function of (step, rank), so the test can check any restored st
 
     save:    save every step 1..--steps; one event per acknowledged step
     restore: restore the newest version every rank can restore; one event with what came back
+
+Several scenarios, each a command line of its own (its own ``--root`` and ``--shm-root``),
+can run one after another in one launch, separated by ``then`` (``_then.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from _leave import leave
+from _then import command_lines
 
 from tiercheck import Checkpointer, Policy, TierSpec
 
@@ -101,15 +106,17 @@ def restore(args: argparse.Namespace, ckpt: Checkpointer) -> None:
     )
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "restore"])
     p.add_argument("--root", required=True)
     p.add_argument("--shm-root", required=True)
     p.add_argument("--steps", type=int, default=5)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    EVENTS.append(f"{args.root}/events-{args.phase}-{dist.get_rank()}.jsonl")
+    return p
+
+
+def scenario(args: argparse.Namespace) -> None:
+    EVENTS[:] = [f"{args.root}/events-{args.phase}-{dist.get_rank()}.jsonl"]
     node = os.environ["GROUP_RANK"]
     # the default GC grace: rank 0 sweeps the shared tier while other ranks may still be
     # migrating into it, and only the grace period keeps their new blobs
@@ -119,6 +126,13 @@ def main() -> int:
         save(args, ckpt) if args.phase == "save" else restore(args, ckpt)
     finally:
         ckpt.close(timeout=60)
+
+
+def main() -> int:
+    runs = [parser().parse_args(line) for line in command_lines(sys.argv[1:])]
+    dist.init_process_group("gloo")
+    for args in runs:
+        scenario(args)
     dist.destroy_process_group()
     return 0
 
