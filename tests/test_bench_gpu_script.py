@@ -31,6 +31,7 @@ def run_gpu_bench(tmp_path: Path, device: str) -> dict[str, object]:
     return result
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_runs_its_whole_path_on_the_cpu(tmp_path: Path) -> None:
     result = run_gpu_bench(tmp_path, "cpu")
     metrics = result["metrics"]
@@ -65,6 +66,7 @@ def test_the_gpu_benchmark_says_when_there_is_no_cuda(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no CUDA device here" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_device_check_script_runs_its_steps_and_prints_one_table(tmp_path: Path) -> None:
     """``scripts/device_check.sh`` as a dry run on the CPU (``DEVICE=cpu QUICK=1``): the
     gpu-marked tests (skipped here), the restore benchmark, one table; nothing installed.

@@ -165,6 +165,7 @@ def test_rank_killed_mid_save_aborts_and_previous_restores(shared_runs: Runs) ->
         assert e["step"] == 3 and e["exact"], e
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["exchange", "decide", "confirm"])
 def test_a_rank_killed_at_each_protocol_step_aborts_the_version_on_every_rank(
     dirs: tuple[Path, Path], point: str

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from _models import snapshot_of
 from hypothesis import HealthCheck, settings
@@ -185,6 +186,7 @@ class Store(_Machine):
 
 
 TestNothingAcknowledgedIsLost = Store.TestCase
+TestNothingAcknowledgedIsLost.pytestmark = [pytest.mark.slow]
 TestNothingAcknowledgedIsLost.settings = settings(
     max_examples=int(os.environ.get("TIERCHECK_MODEL_EXAMPLES", "12")),
     stateful_step_count=14,
@@ -275,6 +277,7 @@ class GuardedStore(_Machine):
 
 
 TestNothingAcknowledgedIsLostWithLogVersions = GuardedStore.TestCase
+TestNothingAcknowledgedIsLostWithLogVersions.pytestmark = [pytest.mark.slow]
 TestNothingAcknowledgedIsLostWithLogVersions.settings = settings(
     max_examples=int(os.environ.get("TIERCHECK_MODEL_EXAMPLES", "8")),
     stateful_step_count=14,

@@ -165,6 +165,7 @@ def test_namespace_quota_and_a_namespace_tokens_stats() -> None:
                 mine.close()
 
 
+@pytest.mark.slow
 def test_load_on_loopback(tmp_path: Path) -> None:
     """A small run of benchmarks/peer_abuse.py: 12 hostile connections of each kind."""
     out = tmp_path / "abuse.json"

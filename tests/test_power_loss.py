@@ -381,6 +381,7 @@ def _s3_workload(url: str, storage: dict[str, Any], cut: _S3Cut) -> list[int]:
     return acked  # the writer is gone: no close, no abort of its upload
 
 
+@pytest.mark.slow
 def test_a_pack_upload_cut_by_power_loss_on_s3_is_never_visible(
     s3_server: Any, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
@@ -466,6 +467,7 @@ def save_steps(store: Path, tier: TierSpec, rec: Recorder, steps: int) -> None:
             rec.mark(f"ack {step}")
 
 
+@pytest.mark.slow
 def test_checkpointer_over_file_tier_restores_the_newest_acknowledged_step_after_power_loss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

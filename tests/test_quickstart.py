@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _snippets import REPO
 
 PAGE = REPO / "docs" / "quickstart.md"
@@ -58,6 +59,7 @@ out.write_text(json.dumps({"ran": ran, "segments": sorted(segments)}))
 """
 
 
+@pytest.mark.slow
 def test_the_quickstart_runs_verbatim_and_leaves_nothing_behind(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()

@@ -61,6 +61,7 @@ def test_a_store_whose_versions_cannot_be_read_is_not_empty(tmp_path: Path) -> N
             assert not isinstance(err.value, EmptyStore)
 
 
+@pytest.mark.slow
 def test_every_rank_agrees_the_store_is_empty(tmp_path: Path) -> None:
     """Two gloo ranks under torchrun: missing_ok gives None on every rank, EmptyStore
     without it on every rank; after a save both restore it."""

@@ -45,6 +45,7 @@ def reference() -> dict[str, Any]:
     return snapshot(t)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("logged", [False, True], ids=["diffs", "log-versions"])
 def test_resume_from_each_tier_is_bit_identical(
     tmp_path: Path,

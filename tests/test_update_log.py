@@ -108,6 +108,7 @@ def _replay_from(layout: Any, stream: bytes, opt: torch.optim.Optimizer, **kw: A
 # --- exact resume in a new process --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_bit_identical(tmp_path: Path) -> None:
     """fp32 AdamW, a schedule, clipping, a CPU GradScaler and a skipped step: restore the
     full version, replay the log in another process, train on: every bit as never stopped."""

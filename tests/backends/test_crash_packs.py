@@ -145,6 +145,7 @@ def test_sigkill_inside_a_pack_write_on_file(tmp_path: Path) -> None:
     _after_crashes(url, {})
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_packs_on_s3(s3_bucket: tuple[str, dict[str, Any]]) -> None:
     url, storage = s3_bucket
     options = {"storage_options": storage}
