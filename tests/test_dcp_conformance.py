@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import torchrun
+from _once import once
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -195,16 +196,21 @@ def test_load_planner_allows_a_partial_load(backend: str, tmp_path: Path) -> Non
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
-    """One torchrun launch of 4 ranks running every multi-rank case on both backends."""
-    work = tmp_path_factory.mktemp("dcp-conformance")
+    """One torchrun launch of 4 ranks running every multi-rank case on both backends (one
+    in the whole run, whichever worker's test asks first)."""
+    work, out = once(tmp_path_factory, "dcp-conformance", launch_four_ranks)
+    yield Path(work), out
+    TierWriter(Path(work)).close()  # this process's tiercheck stores there
+
+
+def launch_four_ranks(work: Path) -> tuple[str, str]:
     for b in BACKENDS:  # saved by one process, loaded by four
         save(full_state(0), storage_writer=writer(b, work / f"{b}-one"), no_dist=True)
     TierWriter(work / "tier-one").close()
     proc = torchrun(
         SCRIPTS / "dcp_conformance_worker.py", str(work), nproc=4, env={"GLOO_SOCKET_IFNAME": "lo"}
     )
-    yield work, proc.stdout + "\n--- stderr ---\n" + proc.stderr[-6000:]
-    TierWriter(work).close()
+    return str(work), proc.stdout + "\n--- stderr ---\n" + proc.stderr[-6000:]
 
 
 @pytest.mark.slow
