@@ -283,15 +283,14 @@ class Checkpointer:
     ) -> RestoreInfo | None:
         """Restore the newest restorable version (or ``version``/``step``) into ``state``.
 
-        All or nothing: every chunk is read and verified first (into a staging buffer, or
-        where a memory tier that pins holds it: shm, ``memory://``); only then are the
-        caller's tensors written (where dtype and shape match) and modules and optimizers
-        given ``load_state_dict``. If no version can be read, ``state`` is left
-        as it was; if loading fails (a ``load_state_dict`` raises, say an optimizer with
-        other param groups, after the model was loaded), everything written is put back
-        first, so ``state`` is again bit for bit as it was, and the error says what failed.
-        A ``None`` value is a placeholder for what was saved under its key
-        (``info.state[key]``). A DTensor (FSDP2) target is filled in place from its saved
+        All or nothing: every chunk is read and verified first (into staging, or where
+        shm holds it); only then are the caller's tensors written (where dtype and shape
+        match) and modules and optimizers given ``load_state_dict``. If no version can be
+        read, ``state`` is left as it was; if loading fails (a ``load_state_dict`` raises,
+        say an optimizer with other param groups, after the model was loaded), everything
+        written is put back first, so ``state`` is again bit for bit as it was, and the
+        error says what failed. A ``None`` value is a placeholder for what was saved under
+        its key (``info.state[key]``). A DTensor (FSDP2) target is filled in place from its saved
         piece; on another mesh or world size it is assembled from the pieces every rank
         saved, and a plain tensor target gets the whole tensor. Each chunk comes from the
         fastest tier that holds an intact copy; damaged copies are repaired when ``repair``.
