@@ -5,6 +5,7 @@ would pick instead, each reading from /dev/shm, side by side in one process.
     python benchmarks/restore.py --quick            # 64 MiB, 3 repeats (CI)
     python benchmarks/restore.py --out restore.json # also write the numbers (JSON)
     python benchmarks/restore.py --device cuda      # the live tensors on the GPU
+    python benchmarks/restore.py --no-restart       # in this process only (no fresh ones)
 
 Every system restores into the same live tensors (a dict of ``--tensors`` fp32 tensors on
 ``--device``), so each pays for putting the bytes where the trainer has them:
@@ -16,7 +17,10 @@ Every system restores into the same live tensors (a dict of ``--tensors`` fp32 t
 - ``dcp_load_s``: ``dcp.load(state)`` from a ``dcp.save`` directory in /dev/shm;
 - ``torch_load_s``: ``torch.load`` of a ``torch.save`` file in /dev/shm, then ``copy_``
   into the live tensors; ``torch_load_mmap_s`` the same with ``mmap=True``;
-- ``safetensors_s``: ``safetensors.torch.load_file`` from /dev/shm, then ``copy_``.
+- ``safetensors_s``: ``safetensors.torch.load_file`` from /dev/shm, then ``copy_``;
+- ``tc_shm_restart_s`` and ``dcp_load_restart_s``: the restore of a restarted trainer, each
+  run in a fresh process (tiercheck opening the store read-only) into freshly made live
+  tensors; only the restore call is timed, not the interpreter's start or its imports.
 
 The repeats run round robin (one of each system, then again), so a busy machine slows
 them alike; the numbers are medians. Ratios are tiercheck's over each peer's.
@@ -30,6 +34,7 @@ import gc
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,8 +77,49 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def restarted(kind: str, where: str, url: str, tensors: int, tensor_mib: float) -> float:
+    """One restore in a fresh process (this script's ``--child``): seconds of the call."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", kind, where, url, str(tensors), str(tensor_mib)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"the restarted {kind} restore failed:\n{out.stderr[-3000:]}")
+    return float(out.stdout.split()[-1])
+
+
+def child(kind: str, where: str, url: str, tensors: int, tensor_mib: float) -> None:
+    """A restarted trainer's restore: fresh live tensors (made, so touched, as a model's
+    are), then one timed restore; prints its seconds."""
+    live = make_state(tensors, tensor_mib, CPU)  # initialized, as a new model's are
+    if kind == "tc":
+        tp = tiercheck.TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1)
+        tiers, policy = one_tier("shm", url, tp)
+        ckpt = tiercheck.Checkpointer(where, tiers=tiers, policy=policy, read_only=True)
+        t0 = time.perf_counter()
+        ckpt.restore(live)
+        seconds = time.perf_counter() - t0
+        ckpt.close()
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        dcp.load(live, checkpoint_id=where, no_dist=True)
+        seconds = time.perf_counter() - t0
+    print(seconds)
+
+
+CPU = torch.device("cpu")
+
+
 def measure(
-    live: dict[str, torch.Tensor], repeats: int, device: torch.device, default: bool
+    live: dict[str, torch.Tensor],
+    repeats: int,
+    device: torch.device,
+    default: bool,
+    restart: tuple[int, float] | None = None,
 ) -> dict[str, list[float]]:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
@@ -116,6 +162,14 @@ def measure(
         with store(tiers, policy) as shm_only:
             shm_only.save(1, live).wait()
             systems["tc_shm_s"] = lambda: shm_only.restore(live)
+            if restart is not None:
+                shm = shm_only.tierset.get("shm").tier
+                assert shm is not None
+                where, url = str(shm_only.root), shm.url
+                systems["tc_shm_restart_s"] = lambda: restarted("tc", where, url, *restart)
+                systems["dcp_load_restart_s"] = lambda: restarted(
+                    "dcp", str(work / "dcp"), "", *restart
+                )
             if default:
                 with store(None, tiercheck.Policy(base_every=1, gc_grace_seconds=0)) as dflt:
                     dflt.save(1, live).wait()
@@ -136,11 +190,14 @@ def rounds(
     repeats: int,
     device: torch.device,
 ) -> None:
-    for fn in systems.values():  # one warm-up each: first-touch page faults, imports
-        fn()
+    for name, fn in systems.items():  # one warm-up each: first-touch page faults, imports
+        if not name.endswith("_restart_s"):  # (a fresh process each time: nothing to warm)
+            fn()
     for _ in range(repeats):
         for name, fn in systems.items():
-            runs.setdefault(name, []).append(timed(fn, device))
+            runs.setdefault(name, []).append(
+                fn() if name.endswith("_restart_s") else timed(fn, device)
+            )
 
 
 def check(live: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
@@ -157,6 +214,8 @@ LABELS = {
     "torch_load_s": "torch.load from /dev/shm + copy_",
     "torch_load_mmap_s": "torch.load(mmap=True) from /dev/shm + copy_",
     "safetensors_s": "safetensors load_file from /dev/shm + copy_",
+    "tc_shm_restart_s": "tiercheck restore, shm-only store, in a fresh process",
+    "dcp_load_restart_s": "dcp.load from /dev/shm, in a fresh process",
 }
 
 
@@ -183,17 +242,19 @@ def section(path: Path = Path(__file__).parent / "results" / "restore.json") -> 
         f"{doc['load'][0]:.1f} at the start and {doc['load'][1]:.1f} at the end.\n\n"
         "| system | median | throughput |\n|---|---|---|\n" + "\n".join(rows) + "\n\n"
         "| tiercheck (shm) over | ratio |\n|---|---|\n" + "\n".join(ratios) + "\n\n"
-        "tiercheck reads every chunk of the version from the shm tier into the store's warm "
-        "staging buffer and checks its BLAKE3 id there (one chunk per core at a time, each "
-        "hashed right after its read, in cache); "
-        "only when every chunk is verified does it copy each entry into its live tensor: per "
-        "byte two copies and one hash, no allocation. Tensors outside stateful objects get "
-        "no undo copy (they are written last, when nothing can fail any more); a module's or "
-        "optimizer's tensors are copied before the load, since its `load_state_dict` may "
-        "raise half way. `safetensors` and `torch.load(mmap=True)` map the file and copy "
-        "once, verifying nothing; the shm tier hands out no mapping of a blob (its segment "
-        "is reused once the blob is deleted), so a verified, all-or-nothing restore from it "
-        "reads into staging first.\n\n"
+        "tiercheck verifies every chunk of the version where the shm tier holds it (the "
+        "segment mapped read-only while the restore pins the tier: no put rewrites a deleted "
+        "blob's pages until it ends), one chunk per core at a time; only when every chunk is "
+        "verified does it copy each entry into its live tensor, from the segment, on one "
+        "thread per core: per byte one hash and one copy, no staging buffer, no allocation. "
+        "Tensors outside stateful objects get no undo copy (they are written last, when "
+        "nothing can fail any more); a module's or optimizer's tensors are copied before the "
+        "load, since its `load_state_dict` may raise half way. `safetensors` and "
+        "`torch.load(mmap=True)` map the file and copy once, verifying nothing. The restarted "
+        "rows are what a trainer pays after a crash: a fresh process, whose every new page "
+        "costs a fault (on this VM a fresh GiB costs 2-3 s of system time, "
+        "docs/benchmarks.md's trainer-overhead section); tiercheck touches no new page but "
+        "the mappings, `dcp.load` reads into buffers of its own.\n\n"
     )
 
 
@@ -206,7 +267,15 @@ def main() -> int:
     p.add_argument("--no-default-store", action="store_true", help="shm-only store alone")
     p.add_argument("--quick", action="store_true", help="64 x 1 MiB, 3 repeats")
     p.add_argument("--out", type=Path, default=None, help="write the numbers here (JSON)")
+    p.add_argument(
+        "--no-restart", action="store_true", help="no restores in fresh processes (CPU only)"
+    )
+    p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        kind, where, url, tensors, tensor_mib = args.child
+        child(kind, where, url, int(tensors), float(tensor_mib))
+        return 0
     if args.quick:
         args.tensor_mib, args.repeats = 1, 3
     device = torch.device(args.device)
@@ -220,7 +289,10 @@ def main() -> int:
     live = make_state(args.tensors, args.tensor_mib, device)
     load0 = os.getloadavg()[0]
     with private_disk_dir(), shm_root_left_as_found():
-        m = measure(live, args.repeats, device, not args.no_default_store)
+        restart = (
+            None if args.no_restart or device.type != "cpu" else (args.tensors, args.tensor_mib)
+        )
+        m = measure(live, args.repeats, device, not args.no_default_store, restart)
     load1 = os.getloadavg()[0]
     nbytes = int(m.pop("state_bytes")[0])
     print(
@@ -236,8 +308,12 @@ def main() -> int:
     ratios = {
         f"tc_shm_s / {peer}": median(m["tc_shm_s"]) / median(m[peer])
         for peer in m
-        if peer != "tc_shm_s"
+        if peer not in ("tc_shm_s", "tc_shm_restart_s", "dcp_load_restart_s")
     }
+    if "tc_shm_restart_s" in m:
+        ratios["tc_shm_restart_s / dcp_load_restart_s"] = median(m["tc_shm_restart_s"]) / median(
+            m["dcp_load_restart_s"]
+        )
     for label, r in ratios.items():
         print(f"  {label}: {r:.2f}x")
     if args.out is not None:
