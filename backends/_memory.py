@@ -110,20 +110,21 @@ class MemoryTier(Tier):
             return True
 
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
-        check_blob_id(blob_id, self.url)
-        with self._store.lock:
-            data = self._store.blobs.get(blob_id)
-        if data is None:
-            raise NotFound("blob not found", url=self.url, key=blob_id)
+        data = self._stored(blob_id)
         return self._copy_out(data, out, self.url, blob_id)
 
     def get_parts(self, blob_id: str, parts: Sequence[memoryview]) -> int:
+        data = self._stored(blob_id)
+        return scatter(data, parts)
+
+    def _stored(self, blob_id: str) -> bytes:
+        """The stored value of ``blob_id`` (NotFound if there is none)."""
         check_blob_id(blob_id, self.url)
         with self._store.lock:
             data = self._store.blobs.get(blob_id)
         if data is None:
             raise NotFound("blob not found", url=self.url, key=blob_id)
-        return scatter(data, parts)
+        return data
 
     def pin(self) -> Pins:
         """Blobs in place: a memory tier holds each as an immutable ``bytes`` object, which
@@ -134,11 +135,7 @@ class MemoryTier(Tier):
         check_blob_id(blob_id, self.url)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        with self._store.lock:
-            data = self._store.blobs.get(blob_id)
-        if data is None:
-            raise NotFound("blob not found", url=self.url, key=blob_id)
-        return data[:nbytes]
+        return self._stored(blob_id)[:nbytes]
 
     def has(self, blob_ids: Iterable[str]) -> set[str]:
         ids = list(blob_ids)
@@ -167,11 +164,7 @@ class MemoryTier(Tier):
         return iter(ids)
 
     def size(self, blob_id: str) -> int:
-        check_blob_id(blob_id, self.url)
-        with self._store.lock:
-            data = self._store.blobs.get(blob_id)
-        if data is None:
-            raise NotFound("blob not found", url=self.url, key=blob_id)
+        data = self._stored(blob_id)
         return len(data)
 
     # --- log -----------------------------------------------------------------------
@@ -223,10 +216,4 @@ class _MemoryPins(Pins):
         self._tier = tier
 
     def get(self, blob_id: str) -> memoryview:
-        tier = self._tier
-        check_blob_id(blob_id, tier.url)
-        with tier._store.lock:
-            data = tier._store.blobs.get(blob_id)
-        if data is None:
-            raise NotFound("blob not found", url=tier.url, key=blob_id)
-        return memoryview(data)
+        return memoryview(self._tier._stored(blob_id))

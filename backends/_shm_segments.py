@@ -148,9 +148,15 @@ def hold_pool(pool_dir: str) -> int:
     """A descriptor of ``pool_dir`` holding its shared lock, for a put to recycle a pooled
     segment while no reader pins blobs; -1 if one does (the put writes fresh pages then).
     Release it with ``os.close`` once the recycled segment is written."""
+    return _lock_pool(pool_dir, fcntl.LOCK_SH)
+
+
+def _lock_pool(pool_dir: str, how: int) -> int:
+    """A descriptor of ``pool_dir`` holding its lock ``how`` (shared or exclusive), or -1
+    where another holder's lock excludes it now (never waits)."""
     fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return -1
@@ -177,15 +183,10 @@ class ShmPins(Pins):
     @classmethod
     def take(cls, path: str, url: str) -> ShmPins | None:
         try:
-            fd = os.open(os.path.join(path, "pool"), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = _lock_pool(os.path.join(path, "pool"), fcntl.LOCK_EX)
         except OSError:
             return None  # no pool/ (lost, or never written): read with get_parts
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return None
-        return cls(path, url, fd)
+        return None if fd < 0 else cls(path, url, fd)
 
     def get(self, blob_id: str) -> memoryview:
         check_blob_id(blob_id, self._url)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,26 +57,24 @@ __all__ = [
 
 class PinnedTiers:
     """The pins (:meth:`~tiercheck.backends.base.Tier.pin`) a restore holds, one per tier,
-    taken at the first chunk read in place and released by :meth:`close` when the restore
-    is over: until then the chunks verified there cannot change."""
+    taken when a shard's reads are planned (on the restore's own thread) and released by
+    :meth:`close` when the restore is over: until then the chunks verified there cannot
+    change."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._pins: dict[str, Pins | None] = {}
 
     def of(self, slot: TierSlot) -> Pins | None:
         """``slot``'s pins (None where its tier cannot pin now: read it into staging)."""
-        with self._lock:
-            if slot.name not in self._pins:
-                try:
-                    self._pins[slot.name] = slot.tier.pin() if slot.tier is not None else None
-                except (TiercheckError, OSError):
-                    self._pins[slot.name] = None
-            return self._pins[slot.name]
+        if slot.name not in self._pins:
+            try:
+                self._pins[slot.name] = slot.tier.pin() if slot.tier is not None else None
+            except (TiercheckError, OSError):
+                self._pins[slot.name] = None
+        return self._pins[slot.name]
 
     def close(self) -> None:
-        with self._lock:
-            pins, self._pins = list(self._pins.values()), {}
+        pins, self._pins = list(self._pins.values()), {}
         for p in pins:
             if p is not None:
                 p.close()
@@ -88,19 +86,12 @@ class VerifiedStream:
     not copied to staging. :meth:`pieces` says where each byte range is."""
 
     def __init__(
-        self,
-        stream: memoryview,
-        chunks: Sequence[ChunkRef] = (),
-        in_place: Mapping[int, memoryview] | None = None,
+        self, stream: memoryview, chunks: Sequence[ChunkRef], in_place: Mapping[int, memoryview]
     ) -> None:
         self.stream = stream
         self._chunks = chunks
-        self._in_place = dict(in_place or {})
-        self._starts = [ref.offset for ref in chunks] if self._in_place else []
-
-    @property
-    def chunks_in_place(self) -> int:
-        return len(self._in_place)
+        self._in_place = in_place
+        self._starts = [ref.offset for ref in chunks] if in_place else []
 
     def pieces(self, offset: int, nbytes: int) -> list[tuple[int, memoryview]]:
         """The bytes ``[offset, offset + nbytes)`` of the stream as ``(position in the
@@ -205,27 +196,13 @@ def fetch_stream(
             on_device.verified(ref.offset, ref.length)
 
     lanes = _lanes(order)
-    failed = threading.Event()
-
-    def lane(first: int) -> None:
-        # one chunk after another: each is hashed right after its read, still in cache
-        for i in range(first, len(refs), lanes):
-            if failed.is_set():
-                return
-            try:
-                one(i)
-            except BaseException:
-                failed.set()
-                raise
-
     try:
         if lanes >= len(refs):
             map_all(pool, one, range(len(refs)))
         else:
-            # threads of the caller's priority, not the store's background pool (niced):
-            # the caller waits for this as a trainer waits for its staging copy
-            with ThreadPoolExecutor(lanes, thread_name_prefix="tiercheck-restore") as own:
-                map_all(own, lane, range(lanes))
+            # one chunk after another per lane: each is hashed right after its read, still
+            # in cache
+            _on_lanes(one, len(refs), lanes)
     except BaseException:
         if on_device is not None:  # no copy may go on reading staging that is reused
             on_device.abandon()
@@ -321,17 +298,32 @@ def load_stream(
 
 
 def _copy_all(copies: Sequence[tuple[memoryview, memoryview]]) -> None:
-    """Each ``dst[:] = src`` of ``copies``: on threads of the caller's priority, one per
-    core, when there is enough to copy (numpy's copy releases the GIL)."""
+    """Each ``dst[:] = src`` of ``copies``: over one lane per core when there is enough to
+    copy (numpy's copy releases the GIL)."""
     lanes = min(len(copies), os.cpu_count() or 1)
     if lanes < 2 or sum(len(d) for d, _ in copies) < _COPY_ALONE:
         for dst, src in copies:
             copy_bytes(dst, src)
         return
+    _on_lanes(lambda i: copy_bytes(*copies[i]), len(copies), lanes)
+
+
+def _on_lanes(do: Callable[[int], None], count: int, lanes: int) -> None:
+    """``do(i)`` for every ``i < count`` on ``lanes`` threads of the caller's priority (not
+    the store's background pool, which is niced: the caller waits for this as a trainer
+    waits for its staging copy), lane ``k`` taking ``k, k + lanes, ...`` in order; the
+    first failure stops every lane and is raised."""
+    failed = threading.Event()
 
     def lane(first: int) -> None:
-        for dst, src in copies[first::lanes]:
-            copy_bytes(dst, src)
+        for i in range(first, count, lanes):
+            if failed.is_set():
+                return
+            try:
+                do(i)
+            except BaseException:
+                failed.set()
+                raise
 
     with ThreadPoolExecutor(lanes, thread_name_prefix="tiercheck-restore") as own:
         map_all(own, lane, range(lanes))

@@ -221,10 +221,7 @@ class ChunkFetcher:
             except (TierUnavailable, TierError, OSError) as exc:
                 errors.append(f"{slot.name}: {exc}")
                 continue
-            with self._lock:
-                self.stats.reads[slot.name] += 1
-                self.stats.bytes_read[slot.name] += stored
-                self.stats.chunks_from[slot.name] += 1
+            self._count_read(slot.name, stored)
             if bad and self.repair:
                 self._repair(chunk_id, raw, bad)
             return raw, slot.name
@@ -255,11 +252,15 @@ class ChunkFetcher:
             _verify(raw, chunk_id)
         except (TiercheckError, OSError, ValueError):
             return None
-        with self._lock:
-            self.stats.reads[slot.name] += 1
-            self.stats.bytes_read[slot.name] += len(blob)
-            self.stats.chunks_from[slot.name] += 1
+        self._count_read(slot.name, len(blob))
         return raw
+
+    def _count_read(self, tier: str, stored: int) -> None:
+        """Count a chunk served by ``tier`` (``stored`` bytes of blob read)."""
+        with self._lock:
+            self.stats.reads[tier] += 1
+            self.stats.bytes_read[tier] += stored
+            self.stats.chunks_from[tier] += 1
 
     def _repair(self, chunk_id: str, raw: memoryview, bad: Sequence[TierSlot]) -> None:
         for slot in bad:
