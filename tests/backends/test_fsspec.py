@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tiercheck.backends._fsspec import FsspecTier, local, remote
@@ -418,3 +419,109 @@ def test_begin_put_names_a_blob_only_once_its_content_is_durable(
 
     tier.begin_put(gone, [gone_data]).abort()
     assert files() == {bid}
+
+
+# --- packs on a local file system: around the page cache ----------------------------
+
+
+def _resident_pages(path: Path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache (mincore(2) on a private mapping)."""
+    import ctypes
+    import mmap as mmap_module
+
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        mapped = mmap_module.mmap(f.fileno(), size, access=mmap_module.ACCESS_COPY)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        pages = -(-size // mmap_module.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        resident = [bool(b & 1) for b in vec]
+        del vec
+        return resident
+    finally:
+        mapped.close()
+
+
+def _takes_direct_writes(directory: Path) -> bool:
+    import mmap as mmap_module
+
+    block = mmap_module.mmap(-1, 4096)
+    try:
+        fd = os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.write(fd, block)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(directory / "probe")
+
+
+_PACK_PARTS = [
+    [1],
+    [4095],
+    [4096, 1],
+    [8 << 20, 1],
+    [(8 << 20) - 1, 2, 4097],
+    [3 << 20] * 5,
+]
+
+
+@pytest.mark.parametrize("sizes", _PACK_PARTS, ids=lambda s: "+".join(map(str, s)))
+def test_a_local_pack_is_written_exactly_and_around_the_page_cache(
+    tmp_path: Path, sizes: list[int]
+) -> None:
+    """A pack (``put_object``) holds exactly its parts, whatever their sizes around the
+    direct-write block and buffer; where the file system takes O_DIRECT, none of its whole
+    pages was left in the page cache by the write (the kernel did not copy it)."""
+    store = local.LocalStore(str(tmp_path))
+    rng = np.random.default_rng(len(sizes))
+    parts = [memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in sizes]
+    path = tmp_path / "packs" / "p1"
+    store.put_object(str(path), parts)
+    assert path.read_bytes() == b"".join(parts)
+    assert [p.name for p in path.parent.iterdir()] == ["p1"]  # no temporary file left
+    if not _takes_direct_writes(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT: packs go through the cache")
+    # read_bytes above went through the cache: drop what it brought in, then write again
+    path2 = tmp_path / "packs" / "p2"
+    store.put_object(str(path2), parts)
+    whole = sum(sizes) // 4096
+    assert not any(_resident_pages(path2)[:whole])
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_them_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some file systems open with O_DIRECT and refuse the write (EINVAL): the pack is
+    written whole through the page cache, and the store stops trying."""
+    import fcntl
+
+    class _NoDirect:
+        def __init__(self) -> None:
+            self.refused = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        def writev(self, fd: int, views: Any) -> int:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                self.refused += 1
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            return os.writev(fd, views)
+
+    fake = _NoDirect()
+    monkeypatch.setattr(local, "_os", fake)
+    store = local.LocalStore(str(tmp_path))
+    parts = [memoryview(bytes(range(256)) * 40_000), memoryview(b"tail")]
+    for name in ("p1", "p2"):
+        store.put_object(str(tmp_path / name), parts)
+        assert (tmp_path / name).read_bytes() == b"".join(parts)
+    assert fake.refused == 1 and store._direct is False
