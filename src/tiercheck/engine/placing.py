@@ -409,8 +409,10 @@ def place_shard(
             # A transactional tier pays one durable commit per transaction, not per chunk:
             # each window of chunks is one transaction. The next window is encoded on the
             # pool while this one is written and synced (raw needs no encoding: its parts
-            # are a header and a view of the staged chunk).
-            window = max(1, BATCH_BYTES // max(1, manifest.chunk_size))
+            # are a header and a view of the staged chunk, so its windows are as large as
+            # a stream writer's groups: fewer syncs).
+            per = GROUP_BYTES if codec == "raw" else BATCH_BYTES
+            window = max(1, per // max(1, manifest.chunk_size))
             batches = [indices[lo : lo + window] for lo in range(0, len(indices), window)]
 
             def submit(batch: list[int]) -> list[Future[_Encoded]] | None:
