@@ -88,3 +88,47 @@ def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> No
     finally:
         release.set()
         ckpt.destroy()
+
+
+def test_a_slower_tier_that_finishes_before_the_next_save_reads_only_the_buffer(
+    tmp_path: Path,
+) -> None:
+    """The buffer is given back only when the next save wants it: a slower tier that is
+    still writing after the fastest tier committed goes on reading the staging buffer, so
+    no byte of the version is read back from the fastest tier (and verified) a second
+    time when no save is waiting. Before, the buffer was handed back the moment the
+    fastest tier held the shard, and slow read the rest from fast (every chunk a ``get``).
+    """
+    ckpt = open_store(tmp_path)
+    armed, entered, release = threading.Event(), threading.Event(), threading.Event()
+    reads: list[FaultEvent] = []
+
+    def hold_first_has(event: FaultEvent) -> None:
+        placing = threading.current_thread().name.startswith("tiercheck-tier")
+        if placing and armed.is_set() and not entered.is_set():
+            entered.set()
+            release.wait()
+
+    inject(ckpt, "slow").hook(hold_first_has, "has")
+    inject(ckpt, "fast").hook(reads.append, "get")
+    try:
+        s0 = state_of(0)
+        ckpt.prepare(s0)
+        armed.set()
+        h0 = ckpt.save(0, s0)
+        assert entered.wait(60), "tier slow never asked what it holds"
+        for _ in range(6000):  # fast commits while slow is held
+            if h0.result_now().tiers.get("fast") == "committed":
+                break
+            threading.Event().wait(0.01)
+        assert h0.result_now().tiers["fast"] == "committed"
+        release.set()
+        r0 = h0.wait(timeout=60)
+        assert r0.tiers == {"fast": "committed", "slow": "committed"}, r0
+        assert reads == []  # slow wrote every chunk from the buffer
+        got = {k: torch.zeros_like(v) for k, v in s0.items()}
+        ckpt.restore(got, step=0, tiers=["slow"])
+        assert all(torch.equal(got[k], s0[k]) for k in s0)
+    finally:
+        release.set()
+        ckpt.destroy()

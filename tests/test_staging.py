@@ -103,3 +103,40 @@ def test_shard_bytes_switch_waits_for_readers_of_the_buffer() -> None:
     assert seen == [b"a" * 8]
     with src.reading():  # after the switch: the new source, and no wait
         assert bytes(src[8:16]) == b"z" * 8
+
+
+def test_an_offered_buffer_is_given_back_only_when_wanted() -> None:
+    """``StagingBuffer.offer``: the holder keeps the buffer until another user wants it;
+    then ``give_back`` runs on the wanting thread (at once if it already waits) and that
+    user gets the buffer. A release forgets the offer."""
+    buf = StagingBuffer()
+    called: list[str] = []
+    assert buf.acquire()
+    buf.offer(lambda: (called.append(threading.current_thread().name), buf.release()))
+    assert called == []  # nobody wants it: the holder keeps reading it
+    got = threading.Event()
+
+    def want() -> None:
+        assert buf.acquire(timeout=30)
+        got.set()
+
+    t = threading.Thread(target=want, name="wanting")
+    t.start()
+    assert got.wait(30) and called == ["wanting"]
+    t.join(30)
+
+    # someone already waits when the offer comes: given back at once
+    waiting = threading.Thread(target=lambda: buf.acquire(timeout=30) and got.set())
+    got.clear()
+    waiting.start()
+    while not buf._waiting:
+        threading.Event().wait(0.001)
+    buf.offer(lambda: (called.append("at once"), buf.release()))
+    assert got.wait(30) and called == ["wanting", "at once"]
+    waiting.join(30)
+
+    # a holder that finished before anyone wanted the buffer: its offer is forgotten
+    buf.offer(lambda: called.append("stale"))
+    buf.release()
+    assert buf.acquire(timeout=1) and called == ["wanting", "at once"]
+    buf.release()

@@ -1,10 +1,13 @@
 """Handing the staging buffer back before every tier has written a save (issue 31).
 
 The trainer waits for the staging copy of its next save, and that copy waits for the
-buffer. The buffer is free again as soon as the fastest tier of this rank holds the whole
-shard: from then on the slower synchronous tiers read what they have not yet written from
-that tier's copy, verified on the way as a migration reads (:class:`ShardBytes.switch
+buffer. The buffer may go as soon as the fastest tier of this rank holds the whole shard,
+and goes when the next save (or a restore) asks for it: from then on the slower
+synchronous tiers read what they have not yet written from that tier's copy, verified on
+the way as a migration reads (:class:`ShardBytes.switch
 <tiercheck.engine.staging.ShardBytes.switch>`), and the next save stages into the buffer.
+Until it is asked for, they read the buffer: a slower tier that finishes between two saves
+(LMDB between saves a few seconds apart) reads and hashes no byte a second time.
 
 A slower tier that cannot keep up never holds back the next save: while it still writes
 an earlier version, the saves that reach it skip it (:func:`skip_busy`), and it takes the
@@ -36,9 +39,11 @@ def hand_over(
     hold: Hold,
 ) -> threading.Event | None:
     """Once the fastest tier of this rank among ``futures`` (the placements of one shard)
-    holds it, point ``view`` at that tier's copy and release ``hold``. Returns an event set
-    once that is decided (handed back, or not: the tier failed); None where there is
-    nothing to hand over to (only shared tiers).
+    holds it, offer ``hold`` (:meth:`Hold.offer`): when the next save (or a restore) wants
+    the buffer, ``view`` is pointed at that tier's copy and the buffer released. Until
+    then the slower tiers keep reading the buffer: when they finish before the next save,
+    nothing is read twice. Returns an event set once that is decided (offered, or not: the
+    tier failed); None where there is nothing to hand over to (only shared tiers).
 
     A lone tier hands the buffer back too: its commit (a record appended after the vote,
     which may wait for the tier's maintenance) no longer holds back the next save's
@@ -66,8 +71,7 @@ def hand_over(
         try:
             if f.cancelled() or f.exception() is not None or not f.result().ok:
                 return
-            view.switch(read)
-            hold.release()
+            hold.offer(lambda: view.switch(read))
         finally:
             over.set()
 

@@ -427,8 +427,8 @@ class SaveService(SaveQueue):
                     rest is not None
                     and self.world_size == 1
                     and over is not None
-                    and over.wait()  # the fastest tier has taken the buffer over, or failed
-                    and not hold.held
+                    and over.wait()  # the fastest tier holds the shard, or failed
+                    and (hold.offered or not hold.held)
                 ):
                     # committed in the fastest tier, which holds the shard: the slower
                     # tiers finish on the tail thread, and the next save goes on meanwhile

@@ -101,13 +101,17 @@ class StagingBuffer:
     """A reusable host buffer holding one shard's byte stream.
 
     Only one save uses it at a time: :meth:`acquire` blocks until the previous user
-    :meth:`release`\\ s it. ``capacity`` only grows.
+    :meth:`release`\\ s it, and asks that user to give it back early if it has
+    :meth:`offer`\\ ed to. ``capacity`` only grows.
     """
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
         self._pinned = False
         self._busy = threading.Lock()
+        self._offers = threading.Lock()  # guards the two below
+        self._waiting = 0  # acquire() calls blocked on the buffer
+        self._give_back: Callable[[], None] | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._plan: _Plan | None = None
 
@@ -145,10 +149,34 @@ class StagingBuffer:
         self._pinned = pinned
 
     def acquire(self, timeout: float | None = None) -> bool:
-        """Take exclusive use of the buffer; False if ``timeout`` ran out."""
-        return self._busy.acquire(timeout=-1 if timeout is None else timeout)
+        """Take exclusive use of the buffer; False if ``timeout`` ran out. A user that
+        offered the buffer (:meth:`offer`) gives it back now, on this thread."""
+        if self._busy.acquire(blocking=False):
+            return True
+        with self._offers:
+            self._waiting += 1
+            give_back, self._give_back = self._give_back, None
+        try:
+            if give_back is not None:
+                give_back()
+            return self._busy.acquire(timeout=-1 if timeout is None else timeout)
+        finally:
+            with self._offers:
+                self._waiting -= 1
+
+    def offer(self, give_back: Callable[[], None]) -> None:
+        """The user may give the buffer back before it is done with it: ``give_back``
+        (which ends by releasing it) is called once someone wants it, at once if someone
+        is already waiting. Until then the user keeps reading it."""
+        with self._offers:
+            if not self._waiting:
+                self._give_back = give_back
+                return
+        give_back()
 
     def release(self) -> None:
+        with self._offers:
+            self._give_back = None
         self._busy.release()
 
     def view(self, nbytes: int) -> memoryview:
@@ -282,17 +310,39 @@ class StagingBuffer:
 
 class Hold:
     """One save's use of a :class:`StagingBuffer`, released once, by whichever comes first:
-    the fastest tier holding the shard (:meth:`ShardBytes.switch`), the save's end, or its
-    cancellation."""
+    the next user wanting the buffer once the fastest tier holds the shard (:meth:`offer`,
+    :meth:`ShardBytes.switch`), the save's end, or its cancellation."""
 
     def __init__(self, buffer: StagingBuffer) -> None:
         self._buffer = buffer
         self._lock = threading.Lock()
         self._held = True
+        self._offered = False
 
     @property
     def held(self) -> bool:
         return self._held
+
+    @property
+    def offered(self) -> bool:
+        """Held, but given back as soon as the next user wants the buffer."""
+        return self._held and self._offered
+
+    def offer(self, give_back: Callable[[], None]) -> None:
+        """Give the buffer back (``give_back``, then :meth:`release`) once someone wants
+        it; until then the save keeps reading it (:meth:`StagingBuffer.offer`)."""
+        with self._lock:
+            if not self._held:
+                return
+            self._offered = True
+
+        def back() -> None:
+            try:
+                give_back()
+            finally:
+                self.release()
+
+        self._buffer.offer(back)
 
     def release(self) -> bool:
         """Give the buffer back; False if it was given back already."""

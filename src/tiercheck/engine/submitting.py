@@ -390,7 +390,11 @@ class SaveQueue:
         next one of its base would lack its steps), which is waited for."""
         if self.world_size == 1:
             with self._lock:
-                holders = [j for j in self._inflight if j.hold is not None and j.hold.held]
+                holders = [
+                    j
+                    for j in self._inflight
+                    if j.hold is not None and j.hold.held and not j.hold.offered
+                ]
                 for job in self._inflight:
                     if holders and job not in holders and self._may_give_way(job):
                         self._supersede_unstaged(job, holders[0])
