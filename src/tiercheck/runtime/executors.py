@@ -7,7 +7,12 @@ Every parallel step of the engine runs on one of these, never on a pool made for
 - ``migrating`` (``tiercheck-migrate-io``): a migration's reads, verification and encoding.
   Apart from ``io`` because a migration's threads wait for room in its write window, as
   long as the target (a remote) takes to write: on a shared pool a slow remote held a
-  save's placement in shm and LMDB behind it;
+  save's placement in shm and LMDB behind it. A quarter of the cores (at least one), at
+  the lowest priority (:data:`MIGRATION_NICE`): a migration is the least urgent work of a
+  store (its tier takes a base every ``remote_every``), and it moves every byte of a base
+  several times (read, verify, pack, write); on two threads at ``nice`` +10 the first
+  base's migration slowed a memory-bound trainer's steps by up to 1.4x, on one at +19 by
+  1.1x (``benchmarks/trainer_overhead.py``);
 - ``writes`` (``tiercheck-write``, :data:`WRITE_WINDOW` threads):
   a migration's writes to its target, overlapped with the encoding of the next chunks;
 - ``hashing`` (``tiercheck-hash``): slices of a save's small chunks hashed in parallel
@@ -33,20 +38,26 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-__all__ = ["NICE", "WRITE_WINDOW", "Executors", "lower_priority"]
+__all__ = ["MIGRATION_NICE", "NICE", "WRITE_WINDOW", "Executors", "lower_priority"]
 
 WRITE_WINDOW = 16  # blobs in flight to a target tier at once, per migration
 LOG_READERS = 8  # tiers whose logs are read at once
 NICE = 10  # how much lower the background threads run than the trainer
+MIGRATION_NICE = 19  # migrations: the lowest priority there is
 
 
-def lower_priority() -> None:
-    """Run the calling thread at a lower priority (``nice`` +:data:`NICE`); on Linux
+def lower_priority(steps: int = NICE) -> None:
+    """Run the calling thread at a lower priority (``nice`` +``steps``); on Linux
     ``nice`` applies to the calling thread only. Where it cannot, nothing changes."""
     try:
-        os.nice(NICE)
+        os.nice(steps)
     except (AttributeError, OSError):
         pass
+
+
+def lowest_priority() -> None:
+    """:func:`lower_priority` by :data:`MIGRATION_NICE`."""
+    lower_priority(MIGRATION_NICE)
 
 
 class _Pool(ThreadPoolExecutor):
@@ -79,16 +90,17 @@ class Executors:
 
     @classmethod
     def start(cls, threads: int | None = None) -> Executors:
-        """Pools sized for this machine, at a lower priority: ``threads`` I/O threads and as
-        many for migrations (default one per core, at least 2), a hashing thread per core
-        but one (at least 1), :data:`WRITE_WINDOW` writers (a migration's window; they wait
-        on I/O)."""
+        """Pools sized for this machine, at a lower priority: ``threads`` I/O threads
+        (default one per core, at least 2) and as many for migrations (default a quarter
+        of the cores, at least 1, at the lowest priority), a hashing thread per core but
+        one (at least 1), :data:`WRITE_WINDOW` writers (a migration's window; they wait on
+        I/O)."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         cores = cores or os.cpu_count() or 2
         low = lower_priority
         return cls(
             io=_Pool(threads or max(2, cores), "tiercheck-io", low),
-            migrating=_Pool(threads or max(2, cores), "tiercheck-migrate-io", low),
+            migrating=_Pool(threads or max(1, cores // 4), "tiercheck-migrate-io", lowest_priority),
             writes=_Pool(WRITE_WINDOW, "tiercheck-write", low),
             hashing=_Pool(max(1, cores - 1), "tiercheck-hash", low),
             logs=_Pool(LOG_READERS, "tiercheck-log", low),
