@@ -122,6 +122,15 @@ def test_a_slower_tier_that_finishes_before_the_next_save_reads_only_the_buffer(
                 break
             threading.Event().wait(0.01)
         assert h0.result_now().tiers["fast"] == "committed"
+        saves = ckpt._engine.saves
+        assert saves is not None
+        for _ in range(6000):  # the pipeline hands the rest of version 0 to the tail
+            if saves._tail is not None:
+                break
+            threading.Event().wait(0.01)
+        # slow has not read a byte yet: the buffer is still version 0's (a pipeline that
+        # released it on handing over let the next save overwrite what slow reads next)
+        assert saves.staging._busy.locked()
         release.set()
         r0 = h0.wait(timeout=60)
         assert r0.tiers == {"fast": "committed", "slow": "committed"}, r0

@@ -349,6 +349,7 @@ class SaveService(SaveQueue):
         hold = job.hold  # until the fastest tier holds the shard, or every tier write ended
         leased: list[TierSlot] = []
         shard: _Shard | None = None
+        handed = False  # to the tail thread, with the buffer if it is still offered
         try:
             failure = job.failure or staging_failed
             if job.deferred:
@@ -420,7 +421,6 @@ class SaveService(SaveQueue):
                 for slot in sync
             }
             over = hand_over(futures, shard.view, shard.chunks, hold)
-            handed = False  # to the tail thread
             try:
                 info, committed, shared_ready, rest = self._vote_and_commit(job, futures, shard)
                 if (
@@ -473,8 +473,8 @@ class SaveService(SaveQueue):
             )
             self._chain.committed(info, shard.chunks)
         finally:
-            if hold.held:
-                if shard is not None:
+            if hold.held and not handed:  # a tail still reads it: it releases it, or the
+                if shard is not None:  # next save that asks for it (Hold.offer)
                     shard.stream.close()
                 hold.release()
             self._release_writes(leased)
