@@ -740,11 +740,13 @@ hands freed pages back to its host, whichever runs first pays for fresh page-cac
 `--device cuda` runs the same loop on a 4-layer MLP of width 8192 (269 M parameters,
 fp32 AdamW: 3.0 GiB of state, each step synchronized, the update log on with `guard`).
 
-What is left: the steps between saves. The background's work per save (the hash, shm's
-write, LMDB's verified read of shm's copy, its write and msync, the remote's packs) is
-seconds of CPU per GiB on the cores the trainer uses, most of it in the kernel.
-`prepare()` readies the pages of the first two versions in shm and LMDB
-(`Tier.preallocate`), so those versions no longer write into fresh pages in the loop.
+What is left: the proxy's optimizer step is memory-bound and runs on every core, so each
+byte the background moves (the hash, shm's write, LMDB's copy and writeback, the first
+base's migration) slows it whatever the background's priority; a GPU's optimizer step does
+not compete. The memory: 1 GiB of staging and two versions in shm are 3x before any
+buffer. `prepare()` readies the pages of the first two versions in shm and LMDB
+(`Tier.preallocate`); LMDB writes from the staging buffer until the next save asks for it;
+the remote's packs go around the page cache; migrations run on one thread at nice +19.
 
 ![trainer overhead](benchmarks/trainer_overhead.png)
 
