@@ -47,8 +47,10 @@ def open_store(root: Path) -> Checkpointer:
     return Checkpointer(root / "s", tiers=tiers, policy=policy)
 
 
-def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> None:
-    ckpt = open_store(tmp_path)
+def hold_slow_placement(ckpt: Checkpointer) -> tuple[threading.Event, ...]:
+    """Once ``armed`` is set, tier slow's placement is held inside the first ``has`` it
+    asks (before it reads any byte of the shard) until ``release`` is set; ``entered``
+    says it is there. Returns (armed, entered, release)."""
     armed, entered, release = threading.Event(), threading.Event(), threading.Event()
 
     def hold_first_has(event: FaultEvent) -> None:
@@ -59,6 +61,12 @@ def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> No
             release.wait()
 
     inject(ckpt, "slow").hook(hold_first_has, "has")
+    return armed, entered, release
+
+
+def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> None:
+    ckpt = open_store(tmp_path)
+    armed, entered, release = hold_slow_placement(ckpt)
     try:
         s0, s1 = state_of(0), state_of(1)
         ckpt.prepare(s0)
@@ -100,16 +108,8 @@ def test_a_slower_tier_that_finishes_before_the_next_save_reads_only_the_buffer(
     fastest tier held the shard, and slow read the rest from fast (every chunk a ``get``).
     """
     ckpt = open_store(tmp_path)
-    armed, entered, release = threading.Event(), threading.Event(), threading.Event()
+    armed, entered, release = hold_slow_placement(ckpt)
     reads: list[FaultEvent] = []
-
-    def hold_first_has(event: FaultEvent) -> None:
-        placing = threading.current_thread().name.startswith("tiercheck-tier")
-        if placing and armed.is_set() and not entered.is_set():
-            entered.set()
-            release.wait()
-
-    inject(ckpt, "slow").hook(hold_first_has, "has")
     inject(ckpt, "fast").hook(reads.append, "get")
     try:
         s0 = state_of(0)
