@@ -11,7 +11,8 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from tiercheck.backends._fsspec.store import Store
 from tiercheck.backends._vectored import read_parts
@@ -52,7 +53,8 @@ class LocalStore(Store):
         self._durable: set[str] = set()
         # packs go around the page cache until the file system refuses it (tmpfs, FUSE)
         self._direct = hasattr(os, "O_DIRECT")
-        self._buffers: list[mmap.mmap] = []  # aligned buffers of past pack writes, reused
+        # aligned buffers of past pack writes, reused (under _made_lock)
+        self._buffers: list[mmap.mmap] = []
 
     def _named_in(self, directory: str) -> None:
         with self._made_lock:
@@ -89,13 +91,20 @@ class LocalStore(Store):
         with self._made_lock:
             self._made.add(directory)
 
-    def _open_temp(self, directory: str, name: str, parts: Sequence[memoryview]) -> LocalPut:
-        """``parts`` written to a new temporary file beside ``name`` (not yet fsynced)."""
+    def _open_temp(
+        self,
+        directory: str,
+        name: str,
+        parts: Sequence[memoryview],
+        write: Callable[[int, Sequence[memoryview]], None] | None = None,
+    ) -> LocalPut:
+        """``parts`` written (by ``write``, default :func:`write_all`) to a new temporary
+        file beside ``name`` (not yet fsynced)."""
         self._ensure_dir(directory)
         tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
         fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            write_all(fd, parts)
+            (write or write_all)(fd, parts)
         except BaseException:
             _os.close(fd)
             unlink_quietly(tmp)
@@ -124,68 +133,65 @@ class LocalStore(Store):
         threads would feel; written directly, the kernel only maps the buffer for the
         disk's DMA. Where ``O_DIRECT`` is refused the write goes through the page cache,
         and the store stops trying."""
-        directory, name = os.path.split(path)
-        if not self._direct:
-            self._open_temp(directory, name, parts).finish()
-            return
-        self._ensure_dir(directory)
-        tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-        fd = _os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        pending = LocalPut(self, fd, tmp, path)
-        try:
-            with self._buffer() as buffer:
-                self._write_direct(fd, parts, buffer)
-        except BaseException:
-            pending.abort()
-            raise
-        pending.finish()
+        write = self._write_direct if self._direct else write_all
+        self._open_temp(*os.path.split(path), parts, write).finish()
 
-    def _buffer(self) -> _Borrowed:
+    @contextmanager
+    def _buffer(self) -> Iterator[memoryview]:
+        """One of the store's aligned pack buffers, given back to it after the block."""
         with self._made_lock:
             buffer = self._buffers.pop() if self._buffers else None
-        return _Borrowed(self, buffer or mmap.mmap(-1, _DIRECT_BUFFER))
+        buffer = buffer or mmap.mmap(-1, _DIRECT_BUFFER)
+        view = memoryview(buffer)
+        try:
+            yield view
+        finally:
+            view.release()
+            with self._made_lock:
+                self._buffers.append(buffer)
 
-    def _write_direct(self, fd: int, parts: Sequence[memoryview], buffer: memoryview) -> None:
-        """``parts`` copied through ``buffer`` and written with ``O_DIRECT`` in whole
-        blocks; the descriptor is buffered again for the last partial block, or for
-        everything left once the file system refuses a direct write."""
-        direct = _set_direct(fd, True)
-        fill = 0
+    def _write_direct(self, fd: int, parts: Sequence[memoryview]) -> None:
+        """``parts`` copied through one of the store's aligned buffers and written with
+        ``O_DIRECT`` in whole blocks; the descriptor is buffered again for the last partial
+        block, or for everything left once the file system refuses a direct write."""
+        with self._buffer() as buffer:
+            direct = _set_direct(fd, True)
+            fill = 0
 
-        def drain(n: int) -> None:
-            nonlocal direct
-            view = buffer[:n]
-            if direct:
-                try:
-                    done = _os.writev(fd, [view])
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    done = 0  # opened, but this file system will not write directly
-                    self._direct = False
-                if done < n:  # refused, or a short write: the rest through the page cache
-                    direct = _set_direct(fd, False)
-                    view = view[done:]
-                else:
-                    return
-            write_all(fd, [view])
+            def drain(n: int) -> None:
+                nonlocal direct
+                view = buffer[:n]
+                if direct:
+                    try:
+                        done = _os.writev(fd, [view])
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        done = 0  # opened, but this file system will not write directly
+                        self._direct = False
+                    if done < n:  # refused, or a short write: the rest through the page cache
+                        direct = _set_direct(fd, False)
+                        view = view[done:]
+                    else:
+                        return
+                write_all(fd, [view])
 
-        for part in parts:
-            pos = 0
-            while pos < len(part):
-                n = min(len(part) - pos, len(buffer) - fill)
-                copy_bytes(buffer[fill : fill + n], part[pos : pos + n])
-                fill += n
-                pos += n
-                if fill == len(buffer):
-                    drain(fill)
-                    fill = 0
-        whole = fill - fill % _DIRECT_ALIGN
-        if whole:
-            drain(whole)
-        if fill > whole:
-            direct = _set_direct(fd, False)
-            write_all(fd, [buffer[whole:fill]])
+            for part in parts:
+                pos = 0
+                while pos < len(part):
+                    n = min(len(part) - pos, len(buffer) - fill)
+                    copy_bytes(buffer[fill : fill + n], part[pos : pos + n])
+                    fill += n
+                    pos += n
+                    if fill == len(buffer):
+                        drain(fill)
+                        fill = 0
+            whole = fill - fill % _DIRECT_ALIGN
+            if whole:
+                drain(whole)
+            if fill > whole:
+                direct = _set_direct(fd, False)
+                write_all(fd, [buffer[whole:fill]])
 
     def put(self, path: str, parts: Sequence[memoryview], *, if_absent: bool) -> bool:
         if if_absent and os.path.exists(path):
@@ -368,25 +374,6 @@ class LocalPut(PendingPut):
             _os.close(self._fd)
             self._fd = -1
         unlink_quietly(self.tmp)
-
-
-class _Borrowed:
-    """One of the store's aligned pack buffers, as a memoryview for a ``with`` block;
-    given back to the store after it."""
-
-    def __init__(self, store: LocalStore, buffer: mmap.mmap) -> None:
-        self._store, self._buffer = store, buffer
-        self._view: memoryview | None = None
-
-    def __enter__(self) -> memoryview:
-        self._view = memoryview(self._buffer)
-        return self._view
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._view is not None
-        self._view.release()
-        with self._store._made_lock:
-            self._store._buffers.append(self._buffer)
 
 
 def _set_direct(fd: int, on: bool) -> bool:
