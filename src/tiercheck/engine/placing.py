@@ -53,10 +53,12 @@ __all__ = [
     "Streamed",
     "build_manifest",
     "commit_on",
+    "encodes_deltas",
     "hash_stream",
     "keeps_bases_on_disk",
     "place_shard",
     "streamable",
+    "sync_slots",
 ]
 
 log = logging.getLogger(__name__)
@@ -529,3 +531,31 @@ def fallback_slot(
         if slot.policy.mode == "sync" and not slot.tier.capabilities.shared:
             return slot
     return usable[0] if usable and world_size == 1 else None
+
+
+def sync_slots(slots: Sequence[TierSlot], role: Role, handle: SaveHandle) -> list[TierSlot]:
+    """The synchronous tiers of ``slots`` that take a version of ``role``; every tier's
+    state on ``handle`` starts here (``pending``, or ``unreachable`` with the reason)."""
+    sync = []
+    for slot in slots:
+        if slot.tier is None:
+            handle._set_tier(slot.name, "unreachable", f"tier could not be opened: {slot.error}")
+            continue
+        handle._set_tier(slot.name, "pending")
+        tp = slot.policy
+        if tp is not None and tp.mode == "sync" and tp.wants(role):
+            sync.append(slot)
+    return sync
+
+
+def encodes_deltas(slots: Sequence[TierSlot], role: Role) -> bool:
+    """Whether a synchronous tier that takes versions of ``role`` stores deltas (then
+    an in-flight diff reads its base's chunks, and a sweep must leave them; otherwise a
+    tier over its budget may free them: :func:`tiercheck.upkeep.retention.protection`)."""
+    return any(
+        s.policy is not None
+        and s.policy.mode == "sync"
+        and s.policy.codec == "delta"
+        and s.policy.wants(role)
+        for s in slots
+    )

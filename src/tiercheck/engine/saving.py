@@ -61,11 +61,13 @@ from tiercheck.engine.placing import (
     ShardStream,
     build_manifest,
     commit_on,
+    encodes_deltas,
     fallback_slot,
     keeps_bases_on_disk,
     note_placed,
     place_shard,
     streamable,
+    sync_slots,
 )
 from tiercheck.engine.ports import Migrations, Upkeep
 from tiercheck.engine.staging import Hold, ShardBytes, StagingBuffer
@@ -79,7 +81,7 @@ from tiercheck.errors import (
     OverBudget,
     TiercheckError,
 )
-from tiercheck.formats.manifest import AbortRecord, ChunkRef, Role, VersionInfo
+from tiercheck.formats.manifest import AbortRecord, ChunkRef, VersionInfo
 from tiercheck.logversions.planner import LogSource, with_fingerprints
 from tiercheck.runtime.background import Halt, reporting
 from tiercheck.runtime.executors import lower_priority
@@ -376,7 +378,7 @@ class SaveService(SaveQueue):
             if not exchange.ok:
                 raise CommitAborted(f"version {job.version} aborted: {exchange.reason}")
             ids = [shard.manifest_id, *sizes]
-            if self._encodes_deltas(job.role):  # its delta blobs are read against these
+            if encodes_deltas(self.tierset.slots, job.role):  # deltas are read against these
                 ids += [c.id for c in shard.base_chunks or ()]
             job.protected += self.fence.protect(ids)  # before any tier is asked what it has
             if self.world_size > 1 and self.rank == 0:
@@ -384,7 +386,7 @@ class SaveService(SaveQueue):
                 # others let go of their write leases: until then their blobs (ids it never
                 # sees) are named by no record, so it sweeps none of these tiers meanwhile
                 job.held += self.fence.hold(s.name for s in self.tierset.slots if _shared(s))
-            sync = self._lease(self._sync_slots(job), leased, handle)
+            sync = self._lease(sync_slots(self.tierset.slots, job.role, handle), leased, handle)
             sync = self._lease(self._fit_budgets(job, shard, sync), leased, handle)  # fallback
             if self.world_size == 1:  # latest wins: a slower tier still busy skips this one
                 sync, skips = skip_busy(sync, self._busy, job.version, job.step)
@@ -502,18 +504,6 @@ class SaveService(SaveQueue):
             assert slot.tier is not None
             self.leases.release_write(slot.tier)
 
-    def _encodes_deltas(self, role: Role) -> bool:
-        """Whether a synchronous tier that takes versions of ``role`` stores deltas (then
-        an in-flight diff reads its base's chunks, and a sweep must leave them; otherwise a
-        tier over its budget may free them: :func:`tiercheck.upkeep.retention.protection`)."""
-        return any(
-            s.policy is not None
-            and s.policy.mode == "sync"
-            and s.policy.codec == "delta"
-            and s.policy.wants(role)
-            for s in self.tierset.slots
-        )
-
     def _encode(self, job: _Job) -> _Shard:
         """Stage, hash and describe this rank's shard (steps 1 and 2), placing its blobs
         in this rank's own synchronous tiers as they are hashed (:class:`ShardStream`)."""
@@ -577,21 +567,6 @@ class SaveService(SaveQueue):
         job.handle.role, job.handle.base = "base", None
         log.warning("version %d is a base: its base failed or gave way", job.version)
         return None
-
-    def _sync_slots(self, job: _Job) -> list[TierSlot]:
-        """The synchronous tiers that take this version; every tier's state starts here."""
-        handle = job.handle
-        sync = []
-        for slot in self.tierset.slots:
-            if slot.tier is None:
-                why = f"tier could not be opened: {slot.error}"
-                handle._set_tier(slot.name, "unreachable", why)
-                continue
-            handle._set_tier(slot.name, "pending")
-            tp = slot.policy
-            if tp is not None and tp.mode == "sync" and tp.wants(job.role):
-                sync.append(slot)
-        return sync
 
     def _fit_budgets(self, job: _Job, shard: _Shard, sync: list[TierSlot]) -> list[TierSlot]:
         """The synchronous tiers that take ``job`` within their memory budgets.
