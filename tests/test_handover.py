@@ -141,3 +141,69 @@ def test_a_slower_tier_that_finishes_before_the_next_save_reads_only_the_buffer(
     finally:
         release.set()
         ckpt.destroy()
+
+
+def test_the_fastest_tier_makes_room_while_a_slower_tier_takes_its_newest_version(
+    tmp_path: Path,
+) -> None:
+    """The shape of the default store saving often (issue 31): shm with a budget of about
+    two versions, LMDB taking bases and still writing the newest one. The next version
+    needs shm to let go of the version before that newest one, which nothing needs any
+    more (shm's newest is a newer base); it must not wait for LMDB. Before, the version a
+    save handed to the tail was confirmed only when the tail ended, so the one before it
+    stayed pinned as "the newest version every rank committed", shm found no room, and the
+    save waited for LMDB's write (issue 31's every-5-steps stalls)."""
+    tag = uuid.uuid4().hex[:8]
+    tiers = [
+        TierSpec("shm", f"shm://tc-test-handover-{tag}", {"budget": "2560KiB"}),
+        TierSpec("lmdb", f"lmdb://{tmp_path}/lmdb"),
+    ]
+    policy = Policy(
+        base_every=2,
+        chunk_size=1 << 16,
+        tiers={
+            "shm": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1),
+            "lmdb": TierPolicy(versions="base", mode="sync", codec="raw", keep_bases=2),
+        },
+    )
+    ckpt = Checkpointer(tmp_path / "s", tiers=tiers, policy=policy)
+    armed, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_first_has(event: FaultEvent) -> None:
+        if threading.current_thread().name.startswith("tiercheck-tier"):
+            if armed.is_set() and not entered.is_set():
+                entered.set()
+                release.wait()
+
+    inject(ckpt, "lmdb").hook(hold_first_has, "has")
+    try:
+        states = [state_of(s) for s in range(4)]
+        ckpt.prepare(states[0])
+        assert ckpt.save(0, states[0]).wait(timeout=60).tiers == {
+            "shm": "committed",
+            "lmdb": "committed",
+        }
+        r1 = ckpt.save(1, states[1]).wait(timeout=60)  # a diff: shm alone
+        assert r1.tiers == {"shm": "committed", "lmdb": "missing"}, r1
+        armed.set()
+        h2 = ckpt.save(2, states[2])  # a base: shm commits it, LMDB is held writing it
+        assert entered.wait(60), "LMDB never asked what it holds"
+        h3 = ckpt.save(3, states[3])  # shm holds versions 1 and 2: 1 must go, at once
+        for _ in range(6000):
+            if h3.result_now().tiers.get("shm") == "committed":
+                break
+            threading.Event().wait(0.01)
+        committed_while_held = h3.result_now().tiers.get("shm") == "committed"
+        release.set()
+        r2, r3 = h2.wait(timeout=60), h3.wait(timeout=60)
+        assert committed_while_held, r3
+        assert r2.tiers == {"shm": "committed", "lmdb": "committed"}, r2
+        assert r3.tiers["shm"] == "committed", r3
+        for step in (2, 3):
+            want = states[step]
+            got = {k: torch.zeros_like(v) for k, v in want.items()}
+            ckpt.restore(got, step=step)
+            assert all(torch.equal(got[k], want[k]) for k in want), step
+    finally:
+        release.set()
+        ckpt.destroy()

@@ -439,6 +439,9 @@ class SaveService(SaveQueue):
                     if info.role in ("base", "diff"):
                         self._committed_full.add(info.id)
                     self._chain.committed(info, shard.chunks)
+                    with self._lock:  # one rank confirms its own commit (LocalCoordinator):
+                        # the version before it is no longer pinned while the tail runs
+                        self._confirmed = max(info.id, self._confirmed or -1)
                     owned, exchanged = exchange.owned, exchange.ids
                     mine, leased = leased, []  # the tail lets go of them
                     handed = True
