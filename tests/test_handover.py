@@ -47,8 +47,8 @@ def open_store(root: Path) -> Checkpointer:
     return Checkpointer(root / "s", tiers=tiers, policy=policy)
 
 
-def hold_slow_placement(ckpt: Checkpointer) -> tuple[threading.Event, ...]:
-    """Once ``armed`` is set, tier slow's placement is held inside the first ``has`` it
+def hold_slow_placement(ckpt: Checkpointer, name: str = "slow") -> tuple[threading.Event, ...]:
+    """Once ``armed`` is set, tier ``name``'s placement is held inside the first ``has`` it
     asks (before it reads any byte of the shard) until ``release`` is set; ``entered``
     says it is there. Returns (armed, entered, release)."""
     armed, entered, release = threading.Event(), threading.Event(), threading.Event()
@@ -60,7 +60,7 @@ def hold_slow_placement(ckpt: Checkpointer) -> tuple[threading.Event, ...]:
             entered.set()
             release.wait()
 
-    inject(ckpt, "slow").hook(hold_first_has, "has")
+    inject(ckpt, name).hook(hold_first_has, "has")
     return armed, entered, release
 
 
@@ -167,15 +167,7 @@ def test_the_fastest_tier_makes_room_while_a_slower_tier_takes_its_newest_versio
         },
     )
     ckpt = Checkpointer(tmp_path / "s", tiers=tiers, policy=policy)
-    armed, entered, release = threading.Event(), threading.Event(), threading.Event()
-
-    def hold_first_has(event: FaultEvent) -> None:
-        if threading.current_thread().name.startswith("tiercheck-tier"):
-            if armed.is_set() and not entered.is_set():
-                entered.set()
-                release.wait()
-
-    inject(ckpt, "lmdb").hook(hold_first_has, "has")
+    armed, entered, release = hold_slow_placement(ckpt, "lmdb")
     try:
         states = [state_of(s) for s in range(4)]
         ckpt.prepare(states[0])

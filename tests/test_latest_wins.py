@@ -118,3 +118,71 @@ def test_a_save_waiting_for_room_behind_a_slower_tier_gives_way_to_a_newer_save(
             assert ckpt.restore(out).step == 2 and torch.equal(out["w"], states[2]["w"])
         finally:
             ckpt.destroy()
+
+
+def test_guard_gives_way_to_a_save_whose_buffer_was_an_earlier_saves_when_asked_for(
+    tmp_path: Path,
+) -> None:
+    """Save 1 is asked for while save 0 still holds the staging buffer (shm, its fastest
+    tier, is held writing it). shm then holds save 0 and the buffer is offered to save 1,
+    but LMDB is still reading save 0 from the buffer (held inside its read), so save 1's
+    copy cannot start. ``optimizer.step()`` must not wait for it: save 1 gives way. Before,
+    a save queued behind an offered buffer was waited for, so the step waited for LMDB's
+    write of save 0 (with saves every step, the copy of every third save ran inside the
+    step: issue 31's 1.16-1.27x)."""
+    w = torch.zeros(1 << 16)
+    opt = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.ones_like(w)
+    shm_gate, lmdb_gate = threading.Event(), threading.Event()
+    shm_entered, lmdb_entered = threading.Event(), threading.Event()
+
+    def stall_shm(_: FaultEvent) -> None:
+        shm_entered.set()
+        shm_gate.wait(60)
+
+    def stall_lmdb(_: FaultEvent) -> None:  # inside the stream writer's read of the buffer
+        stream = threading.current_thread().name.startswith("tiercheck-stream")
+        if stream and not lmdb_entered.is_set():
+            lmdb_entered.set()
+            lmdb_gate.wait(60)
+
+    tiers = [
+        TierSpec("shm", f"shm://tc-lw-{uuid.uuid4().hex[:12]}"),
+        TierSpec("lmdb", f"lmdb://{tmp_path}/lmdb"),
+    ]
+    with Checkpointer(tmp_path / "s", tiers=tiers) as ckpt:
+        ckpt.guard(opt, log=False)
+        inject(ckpt, "shm").hook(stall_shm, "put", count=1)
+        inject(ckpt, "lmdb").hook(stall_lmdb, "has")
+        try:
+            first = ckpt.save(0, {"w": w})
+            assert shm_entered.wait(30), "save 0 never reached the shm tier"
+            assert lmdb_entered.wait(30), "save 0 never reached LMDB"
+            second = ckpt.save(1, {"w": w})  # the buffer is save 0's: shm does not hold it
+            shm_gate.set()
+            for _ in range(3000):  # shm holds save 0: the buffer is offered
+                if first.result_now().tiers.get("shm") == "committed":
+                    break
+                threading.Event().wait(0.01)
+            assert first.result_now().tiers.get("shm") == "committed"
+            stepping = threading.Thread(target=opt.step)
+            stepping.start()
+            stepping.join(20)
+            assert not stepping.is_alive(), "optimizer.step() waited for LMDB's write"
+            assert not lmdb_gate.is_set()
+        finally:
+            shm_gate.set()
+            lmdb_gate.set()
+        stepping.join()
+        assert first.wait(30).tiers == {"shm": "committed", "lmdb": "committed"}
+        second.wait(30)  # skipped is not failed
+        assert second.skipped, second.result()
+        assert "latest wins" in second.result().why_skipped
+        third = ckpt.save(2, {"w": w})
+        third.wait(30)
+        ckpt.flush()
+        assert [v.step for v in ckpt.history() if v.restorable][-1] == 2
+        out = {"w": torch.empty_like(w)}
+        assert ckpt.restore(out).step == 2
+        assert torch.equal(out["w"], torch.full_like(w, -1.0))
+        ckpt.destroy()

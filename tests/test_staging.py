@@ -140,3 +140,29 @@ def test_an_offered_buffer_is_given_back_only_when_wanted() -> None:
     buf.release()
     assert buf.acquire(timeout=1) and called == ["wanting", "at once"]
     buf.release()
+
+
+def test_a_copy_told_to_stop_leaves_the_rest_of_the_leaves() -> None:
+    """A save that gave way mid-copy (``stop``): the leaves before ``stop`` said so are
+    copied, none after (the trainer changes them now, and the pipeline lets the buffer go
+    only once the copy has stopped)."""
+    buf = StagingBuffer()
+    state = {"a": torch.ones(1000), "b": torch.full((1000,), 2.0), "c": torch.full((10,), 3.0)}
+    _, leaves = flatten(state, allow_pickle=False)
+    layout = plan_layout(leaves, 4096)
+    buf.ensure(layout.stream_bytes)
+    buf.view(buf.capacity)[:] = b"\xff" * buf.capacity
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 1  # the trainer went on once the first leaf was copied
+
+    assert buf.stage(leaves, layout, stop=stop) is None
+    assert len(asked) == 2  # asked before each copy, not after it said stop
+    view = buf.view(layout.stream_bytes)
+    first, second = layout.entries[0], layout.entries[1]
+    copied = np.frombuffer(view[first.offset : first.offset + first.nbytes], dtype=np.float32)
+    assert (copied == 1.0).all()
+    left = bytes(view[second.offset : second.offset + second.nbytes])
+    assert left == b"\xff" * second.nbytes

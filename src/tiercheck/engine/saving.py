@@ -332,8 +332,9 @@ class SaveService(SaveQueue):
         left to the tail thread."""
         handle = job.handle
         self.halt.check(f"the save of step {job.step}")
-        if job.superseded is not None:
-            raise Superseded(job.superseded)
+        with self._lock:
+            if job.superseded is not None and job.hold is None:  # gave way before the buffer
+                raise Superseded(job.superseded)
         ahead = job.staging
         staging_failed: BaseException | None = None
         if ahead is not None and not ahead.cancelled():
@@ -341,6 +342,8 @@ class SaveService(SaveQueue):
                 ahead.result()  # staged ahead: its failure is this save's (and the exchange's)
             except Exception as exc:
                 staging_failed = exc
+            if job.superseded is not None:  # gave way mid-copy: the buffer goes, stopped
+                raise Superseded(job.superseded)
             if job.hold is None:
                 raise Halted(f"the save of step {job.step} was not staged: {self.halt.why}")
         else:

@@ -205,6 +205,7 @@ class StagingBuffer:
         layout: Layout,
         *,
         ready: Mapping[int, torch.cuda.Event] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> CopiesInFlight | None:
         """Copy every leaf to its offset; the padding between them is zero.
 
@@ -212,7 +213,9 @@ class StagingBuffer:
         device-to-host copies are queued (see the module docstring) and the returned
         :class:`CopiesInFlight` says when they have landed: call its ``synchronize()``
         before reading the buffer. ``ready`` maps a device index to the event of
-        :func:`ready_events` taken when the save was asked for.
+        :func:`ready_events` taken when the save was asked for. ``stop`` is asked before
+        each host copy: once it says True the rest is left (the save gave way; what the
+        buffer holds then is no version's).
         """
         import torch
 
@@ -253,6 +256,8 @@ class StagingBuffer:
             for leaf, target, entry in zip(leaves, plan.targets, layout.entries):
                 if target is None:
                     continue
+                if stop is not None and stop():
+                    break
                 if leaf.kind == "tensor":
                     if not leaf.value.is_cuda:
                         target.copy_(leaf.value)

@@ -77,6 +77,10 @@ class Job:
     finished: bool = False  # ran or cancelled (under SaveQueue._lock)
     outstanding: bool = True  # counts in SaveQueue._outstanding (its tail does not)
     superseded: str | None = None  # gave way before it was staged (latest wins): why
+    # the staging buffer was still an earlier save's when this one was asked for: under
+    # guard it gives way unless its copy is done when the trainer goes on (give_way)
+    late: bool = False
+    copied: bool = False  # its staging copy is complete (under SaveQueue._lock)
 
 
 class SaveQueue:
@@ -227,6 +231,7 @@ class SaveQueue:
             )
             job.deferred, job.forced = deferred, forced
             job.logical = layout.stream_bytes if layout is not None else 0
+            job.late = any(self._keeps_buffer(j) for j in self._inflight)
             self._inflight.append(job)
             self._queued.notify_all()  # a save waiting for room may give way to this one
         job.ready = ready_events(leaves)  # what the copies wait for on each GPU
@@ -383,7 +388,9 @@ class SaveQueue:
     def give_way(self) -> None:
         """:meth:`wait_staged` for a trainer about to change its state (``guard``): a save
         not yet staged because an earlier one still holds the staging buffer (its fastest
-        tier does not hold it yet) gives way instead of holding the trainer back. It ends
+        tier does not hold it yet) gives way instead of holding the trainer back, and so
+        does one asked for while an earlier save held the buffer (``late``) whose copy is
+        not done: its copy stops at the next leaf. It ends
         skipped (latest wins: its handle's ``skipped``, its tiers ``missing``); the next
         save is staged once the buffer is free. One process only (ranks agree on every
         version), and never a version planned on the pipeline thread (a log version: the
@@ -396,14 +403,37 @@ class SaveQueue:
                     if j.hold is not None and j.hold.held and not j.hold.offered
                 ]
                 for job in self._inflight:
-                    if holders and job not in holders and self._may_give_way(job):
-                        self._supersede_unstaged(job, holders[0])
+                    if not self._may_give_way(job):
+                        continue
+                    if holders and job not in holders:
+                        self._supersede_unstaged(
+                            job,
+                            f"the staging buffer still held the save of step "
+                            f"{holders[0].step} (version {holders[0].version})",
+                        )
+                    elif job.late:  # it got the buffer only lately: its copy is not done
+                        self._supersede_unstaged(
+                            job,
+                            "the staging buffer was an earlier save's when it was asked "
+                            "for, and its copy was not done",
+                        )
         self.wait_staged()
 
+    def _keeps_buffer(self, job: Job) -> bool:
+        """Under ``_lock``: ``job`` holds the staging buffer, and its fastest tier does
+        not hold its shard yet (it is not offered), or it waits for the buffer."""
+        if job.finished or job.superseded is not None:
+            return False
+        if job.hold is not None:
+            return job.hold.held and not job.hold.offered
+        return not job.copied
+
     def _may_give_way(self, job: Job) -> bool:
-        """Under ``_lock``: ``job`` may still give way (nothing of it was staged)."""
+        """Under ``_lock``: ``job`` may still give way (its copy is not done; one that has
+        the buffer already gives way only if it was ``late``: the pipeline waits for its
+        copy to stop before it lets the buffer go)."""
         return (
-            job.hold is None
+            (job.hold is None or (job.late and not job.copied and job.staging is not None))
             and not job.finished
             and job.superseded is None
             and not job.deferred
@@ -412,11 +442,10 @@ class SaveQueue:
             and not job.handle._staged.is_set()
         )
 
-    def _supersede_unstaged(self, job: Job, holder: Job) -> None:
+    def _supersede_unstaged(self, job: Job, why: str) -> None:
         """Under ``_lock``: ``job`` gives way; the pipeline ends it skipped."""
         job.superseded = (
-            f"the save of step {job.step} (version {job.version}) was skipped: the staging "
-            f"buffer still held the save of step {holder.step} (version {holder.version}) "
+            f"the save of step {job.step} (version {job.version}) was skipped: {why} "
             "when the trainer went on (latest wins)"
         )
         job.leaves, job.ready = [], {}  # the trainer changes them now: never copy them
@@ -462,9 +491,16 @@ class SaveQueue:
                 return
             job.hold = hold
         assert job.layout is not None
-        event = self.staging.stage(job.leaves, job.layout, ready=job.ready)
+        event = self.staging.stage(
+            job.leaves, job.layout, ready=job.ready, stop=lambda: job.superseded is not None
+        )
         if event is not None:
             event.synchronize()
+        with self._lock:
+            if job.superseded is not None:  # gave way meanwhile: the pipeline ends it
+                job.leaves, job.ready = [], {}
+                return
+            job.copied = True
         job.leaves, job.ready = [], {}  # drop references to the caller's tensors
         job.handle._time("staged", time.perf_counter() - job.t_call)
         job.handle._mark_staged()
