@@ -199,3 +199,45 @@ def test_the_fastest_tier_makes_room_while_a_slower_tier_takes_its_newest_versio
     finally:
         release.set()
         ckpt.destroy()
+
+
+def test_a_diff_stays_a_diff_while_a_slower_tier_still_writes_its_base(tmp_path: Path) -> None:
+    """shm (a budget of about two versions) and LMDB (bases). While LMDB still writes base
+    0 behind the hand-over, the next version stays a diff: LMDB counts as holding its base,
+    as it will once its write ends. Before, it became a base (shm "keeps its base alone"),
+    which LMDB then wanted too, so with saves closer than LMDB's write every version was a
+    base and LMDB never caught up (issue 31's saves every 5 steps)."""
+    tag = uuid.uuid4().hex[:8]
+    tiers = [
+        TierSpec("shm", f"shm://tc-test-handover-{tag}", {"budget": "2560KiB"}),
+        TierSpec("lmdb", f"lmdb://{tmp_path}/lmdb"),
+    ]
+    policy = Policy(
+        base_every=10,
+        chunk_size=1 << 16,
+        tiers={
+            "shm": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1),
+            "lmdb": TierPolicy(versions="base", mode="sync", codec="raw", keep_bases=2),
+        },
+    )
+    ckpt = Checkpointer(tmp_path / "s", tiers=tiers, policy=policy)
+    armed, entered, release = hold_slow_placement(ckpt, "lmdb")
+    try:
+        s0, s1 = state_of(0), state_of(1)
+        ckpt.prepare(s0)
+        armed.set()
+        h0 = ckpt.save(0, s0)
+        assert entered.wait(60), "LMDB never asked what it holds"
+        r1 = ckpt.save(1, s1).wait(timeout=60)  # LMDB is still held writing base 0
+        held = not release.is_set()
+        release.set()
+        assert held
+        assert r1.role == "diff" and r1.base == 0, r1
+        assert r1.tiers == {"shm": "committed", "lmdb": "missing"}, r1
+        assert h0.wait(timeout=60).tiers == {"shm": "committed", "lmdb": "committed"}
+        got = {k: torch.zeros_like(v) for k, v in s1.items()}
+        ckpt.restore(got, step=1)
+        assert all(torch.equal(got[k], s1[k]) for k in s1)
+    finally:
+        release.set()
+        ckpt.destroy()

@@ -599,6 +599,7 @@ class SaveService(SaveQueue):
                 sync, chunks=shard.chunks, base_chunks=shard.base_chunks or (), base=job.base,
                 manifest_bytes=len(shard.manifest_bytes), version=size,
                 catalog=self.catalog.snapshot(), tierset=self.tierset,
+                writing=self._busy if self._busy_version == job.base else (),
             )  # fmt: skip
             if why is not None:  # a base instead; later diffs of the old base follow it
                 log.info("version %d (step %d) is a base: %s", job.version, job.step, why)

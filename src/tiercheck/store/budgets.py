@@ -279,10 +279,14 @@ def diff_leaves_no_room(
     version: int,
     catalog: Catalog,
     tierset: TierSet,
+    writing: Iterable[str] = (),
 ) -> str | None:
     """Why a diff of ``base`` with ``chunks`` must be saved as a base instead (the module
     docstring), or None. ``slots``: the synchronous tiers that would take the diff;
-    ``version``: the bytes of one full version (:func:`version_bytes`).
+    ``version``: the bytes of one full version (:func:`version_bytes`); ``writing``: the
+    tiers still writing ``base`` (a slower tier behind the hand-over), counted as holding
+    it, as :func:`log_leaves_no_room` counts them: the next version finds it there as a
+    rule, and one that does not waits for it or gives way (never drops what it needs).
 
     A tier with a budget that must keep ``base`` itself (no other reachable tier at least as
     durable holds it) would keep the base (about ``version``) and the diff's own chunks;
@@ -299,7 +303,9 @@ def diff_leaves_no_room(
         budget = budget_of(slot.tier)
         if budget is None or slot.name not in caps:
             continue
-        if _held_elsewhere(slot.name, base, caps, catalog) or version + keeps + version <= budget:
+        if _held_elsewhere(slot.name, base, caps, catalog, writing):
+            continue
+        if version + keeps + version <= budget:
             continue
         return (
             f"tier {slot.name} keeps its base alone, and the base ({format_size(version)}), "
