@@ -36,11 +36,11 @@ steps' states are equal). The optimizer step is the only thing that may wait for
 **Per mode**: mean and slowest step over the mean step of ``none`` (``mean_x``, ``max_x``),
 the time blocked per save (the save call plus the wait before the next optimizer step),
 the steps between saves over ``none`` (``between_x``: steps that neither save nor follow a
-save), host memory above the state (private: ``RssAnon``; shm: the store's segments, or
-``RssShmem`` for DCP) over the state size, failed saves, and saves that gave way (skipped,
-latest wins). Separately: the staging copy
-(one ``copy_`` of the state into a warm buffer), and a base committed to shm + LMDB by a
-fresh default store against ``torch.save`` + fsync of the same state to the same disk.
+save), host memory above the state (private: ``RssAnon``; shm: /dev/shm's used bytes, the
+store's segments or DCP's shared memory) over the state size, failed saves, and saves that
+gave way (skipped, latest wins). Separately: the staging copy (one ``copy_`` of the state
+into a warm buffer), and a base committed to shm + LMDB by a fresh default store against
+``torch.save`` + fsync of the same state to the same disk.
 """
 
 from __future__ import annotations
@@ -98,37 +98,19 @@ def _status_kib(field_name: str) -> int:
     return 0
 
 
-def _shm_bytes(prefix: str | None) -> int:
-    """Allocated bytes of the /dev/shm entries named ``prefix...`` (files or directories,
-    at the top or one level down: tiercheck keeps its segments in ``tiercheck-<uid>/``)."""
-    if not prefix:
-        return 0
-    total = 0
-    tops = [SHM, *(Path(e.path) for e in os.scandir(SHM) if e.is_dir(follow_symlinks=False))]
-    for top in tops:
-        try:
-            entries = list(os.scandir(top))
-        except OSError:
-            continue
-        for entry in entries:
-            if not entry.name.startswith(prefix):
-                continue
-            paths = [entry.path]
-            if entry.is_dir(follow_symlinks=False):
-                paths = [os.path.join(d, f) for d, _, fs in os.walk(entry.path) for f in fs]
-            for p in paths:
-                try:
-                    total += os.stat(p).st_blocks * 512
-                except FileNotFoundError:
-                    pass
-    return total
+def _shm_used() -> int:
+    """Bytes in use in /dev/shm (one ``statvfs``: sampled every 20 ms, it must not take the
+    trainer's CPU or GIL, as walking and ``stat``-ing a store's 500 blob files did)."""
+    st = os.statvfs(SHM)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 class MemoryPeak:
-    """Peak host memory above the start, sampled every 20 ms on a thread of its own."""
+    """Peak host memory above the start, sampled every 20 ms on a thread of its own: the
+    process's private memory, and /dev/shm's (a store's segments; DCP's shared memory)."""
 
-    def __init__(self, shm_prefix: str | None = None) -> None:
-        self.shm_prefix = shm_prefix
+    def __init__(self) -> None:
+        self.shm0 = _shm_used()
         self.anon0 = _status_kib("RssAnon")
         self.shmem0 = _status_kib("RssShmem")
         self.private = 0
@@ -139,7 +121,7 @@ class MemoryPeak:
 
     def sample(self) -> None:
         private = max(0, _status_kib("RssAnon") - self.anon0)
-        shm = max(_shm_bytes(self.shm_prefix), _status_kib("RssShmem") - self.shmem0, 0)
+        shm = max(_shm_used() - self.shm0, _status_kib("RssShmem") - self.shmem0, 0)
         self.private = max(self.private, private)
         self.shm = max(self.shm, shm)
         self.total = max(self.total, private + shm)
@@ -270,7 +252,6 @@ def cuda_trainer(hidden: int, layers: int, batch: int) -> Trainer:
 class Saver:
     """One mode's checkpointing: ``save`` at the end of a step, ``before_optimizer``."""
 
-    shm_prefix: str | None = None
     stager_note = ""
 
     def save(self, step: int) -> None: ...
@@ -294,12 +275,8 @@ class TiercheckSaver(Saver):
         self.root = Path(tempfile.mkdtemp(prefix="tc-bench-to-", dir=disk_dir()))
         tiers = None
         if shm_only:
-            self.shm_prefix = f"tc-bench-to-{uuid.uuid4().hex[:10]}"
-            tiers = [TierSpec("shm", f"shm://{self.shm_prefix}")]
+            tiers = [TierSpec("shm", f"shm://tc-bench-to-{uuid.uuid4().hex[:10]}")]
         self.ckpt = tiercheck.Checkpointer(self.root, tiers=tiers)
-        if not shm_only:
-            shm = [s for s in self.ckpt.tierset.slots if s.name == "shm"]
-            self.shm_prefix = shm[0].spec.url.removeprefix("shm://").split("?")[0] if shm else None
         self.ckpt.prepare(trainer.state())
         self.guarded = guard
         self.waited = 0.0  # inside optimizer.step(): the guard's wait (and its log's copy)
@@ -507,8 +484,6 @@ def run_mode(
     with MemoryPeak() as mem:
         saver = make_saver(mode, trainer, cuda)
         setup = time.perf_counter() - t_setup
-        if saver is not None:
-            mem.shm_prefix = saver.shm_prefix
         try:
             out = train(trainer, saver, args.steps, every, args.step_ms / 1e3)
             t_fin = time.perf_counter()
