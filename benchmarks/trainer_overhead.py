@@ -697,8 +697,8 @@ a few ms of launch work, and an optimizer step that changes every byte of the st
 that step may wait for a save). Ratios are to the mean step without checkpointing;
 *between saves* are the steps that neither save nor follow a save; *blocked/save* is the
 save call plus the wait before the next optimizer step (the staging copy alone:
-{res["staging_copy_s"] * 1e3:.0f} ms); memory is the peak private memory plus the store's
-shm above the state, over the state. `tc_shm_every_step` saves every step into a store with
+{res["staging_copy_s"] * 1e3:.0f} ms); memory is the peak private memory plus /dev/shm's
+used bytes above the state, over the state. `tc_shm_every_step` saves every step into a store with
 the shm tier alone (`guard`); `dcp_async` is `dcp.async_save` with DCP's `DefaultStager`
 ({next((r["stager"] for r in res["modes"].values() if r.get("stager")), "-")}). Targets:
 mean <= 1.05x, slowest <= 1.5x, blocked <= 2x the staging copy, memory <= 3x for the
@@ -721,7 +721,9 @@ base's migration) slows it whatever the background's priority; a GPU's optimizer
 not compete. The memory: 1 GiB of staging and two versions in shm are 3x before any
 buffer. `prepare()` readies the pages of the first two versions in shm and LMDB
 (`Tier.preallocate`); LMDB writes from the staging buffer until the next save asks for it;
-the remote's packs go around the page cache; migrations run on one thread at nice +19.
+the remote's packs go around the page cache; migrations run on one thread at nice +19; under
+`guard` a save asked for while an earlier one held the buffer gives way unless its copy is
+done when the step comes; a diff stays a diff while LMDB still writes its base.
 
 ![trainer overhead](benchmarks/trainer_overhead.png)
 

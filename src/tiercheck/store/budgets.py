@@ -34,7 +34,8 @@ A version that still does not fit is *skipped* on that tier (see ``docs/concepts
 
 **A diff that would leave no room.** The rule of two copies holds for bases. A diff needs
 its base, so a tier that keeps a diff keeps its base with it, unless a tier at least as
-durable holds that base (LMDB, in the default store): with dense training (every chunk
+durable holds that base (LMDB, in the default store; or is still writing it behind the
+hand-over, and will hold it by the next version as a rule): with dense training (every chunk
 changes) base and diff are two copies, and the next version, a third, could never fit
 without dropping the newest restorable version, which nothing may do. A store whose
 only synchronous tier is shm (or whose LMDB is lost) would then stop saving. So a diff
