@@ -47,6 +47,25 @@ def open_store(root: Path) -> Checkpointer:
     return Checkpointer(root / "s", tiers=tiers, policy=policy)
 
 
+def open_shm_lmdb(root: Path, *, base_every: int) -> Checkpointer:
+    """The default store's shape, small: shm with a budget of about two versions (raw, all
+    versions) and LMDB taking bases."""
+    tag = uuid.uuid4().hex[:8]
+    tiers = [
+        TierSpec("shm", f"shm://tc-test-handover-{tag}", {"budget": "2560KiB"}),
+        TierSpec("lmdb", f"lmdb://{root}/lmdb"),
+    ]
+    policy = Policy(
+        base_every=base_every,
+        chunk_size=1 << 16,
+        tiers={
+            "shm": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1),
+            "lmdb": TierPolicy(versions="base", mode="sync", codec="raw", keep_bases=2),
+        },
+    )
+    return Checkpointer(root / "s", tiers=tiers, policy=policy)
+
+
 def hold_slow_placement(ckpt: Checkpointer, name: str = "slow") -> tuple[threading.Event, ...]:
     """Once ``armed`` is set, tier ``name``'s placement is held inside the first ``has`` it
     asks (before it reads any byte of the shard) until ``release`` is set; ``entered``
@@ -153,20 +172,7 @@ def test_the_fastest_tier_makes_room_while_a_slower_tier_takes_its_newest_versio
     save handed to the tail was confirmed only when the tail ended, so the one before it
     stayed pinned as "the newest version every rank committed", shm found no room, and the
     save waited for LMDB's write (issue 31's every-5-steps stalls)."""
-    tag = uuid.uuid4().hex[:8]
-    tiers = [
-        TierSpec("shm", f"shm://tc-test-handover-{tag}", {"budget": "2560KiB"}),
-        TierSpec("lmdb", f"lmdb://{tmp_path}/lmdb"),
-    ]
-    policy = Policy(
-        base_every=2,
-        chunk_size=1 << 16,
-        tiers={
-            "shm": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1),
-            "lmdb": TierPolicy(versions="base", mode="sync", codec="raw", keep_bases=2),
-        },
-    )
-    ckpt = Checkpointer(tmp_path / "s", tiers=tiers, policy=policy)
+    ckpt = open_shm_lmdb(tmp_path, base_every=2)
     armed, entered, release = hold_slow_placement(ckpt, "lmdb")
     try:
         states = [state_of(s) for s in range(4)]
@@ -207,20 +213,7 @@ def test_a_diff_stays_a_diff_while_a_slower_tier_still_writes_its_base(tmp_path:
     as it will once its write ends. Before, it became a base (shm "keeps its base alone"),
     which LMDB then wanted too, so with saves closer than LMDB's write every version was a
     base and LMDB never caught up (issue 31's saves every 5 steps)."""
-    tag = uuid.uuid4().hex[:8]
-    tiers = [
-        TierSpec("shm", f"shm://tc-test-handover-{tag}", {"budget": "2560KiB"}),
-        TierSpec("lmdb", f"lmdb://{tmp_path}/lmdb"),
-    ]
-    policy = Policy(
-        base_every=10,
-        chunk_size=1 << 16,
-        tiers={
-            "shm": TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1),
-            "lmdb": TierPolicy(versions="base", mode="sync", codec="raw", keep_bases=2),
-        },
-    )
-    ckpt = Checkpointer(tmp_path / "s", tiers=tiers, policy=policy)
+    ckpt = open_shm_lmdb(tmp_path, base_every=10)
     armed, entered, release = hold_slow_placement(ckpt, "lmdb")
     try:
         s0, s1 = state_of(0), state_of(1)
