@@ -10,7 +10,7 @@
 - the GC fence and the leases in shared tiers (:mod:`tiercheck.store.leases`);
 - the services: :class:`~tiercheck.engine.saving.SaveService` (its pipeline thread),
   :class:`~tiercheck.upkeep.migration.MigrationService` (its own thread, with retries) and
-  :class:`~tiercheck.upkeep.maintenance.Maintenance` (retention and GC, its own thread);
+  :class:`~tiercheck.upkeep.maintenance.Maintenance` (retention and GC, a thread per tier);
 - :class:`~tiercheck.runtime.handles.Failures`: failures nobody has seen yet, for ``close()``.
 
 A save commits, then queues migrations and requests maintenance; a migration requests

@@ -161,9 +161,9 @@ class Checkpointer:
         mirrors: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> Callable[[], None]:
         """Make ``optimizer.step()`` wait until the last save has been staged, and log
-        what each step consumes so that saves can be log versions. A full version of one
-        process that could not be staged yet because an earlier save still holds the
-        staging buffer gives way instead (latest wins: its handle ends ``skipped``).
+        what each step consumes so that saves can be log versions. Without the log, a save
+        of one process whose copy an earlier save still holds back gives way instead
+        (latest wins: its handle ends ``skipped``); with it, every save is waited for.
 
         With ``log`` (the default, on a writable store), an update log is attached
         (:mod:`tiercheck.logversions.update_log`): each step's gradients are copied into a

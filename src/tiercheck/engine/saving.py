@@ -21,9 +21,11 @@ thread then runs each save in order:
 The service owns the version planner (ids, roles, the base each diff follows), the
 in-flight saves and the base chunks diffs are encoded against; it borrows the staging
 buffer and the I/O pool. The staging buffer is held (``StagingBuffer`` acquire/release) from
-staging until every tier write that reads it has ended, tier calls included: a restore or
-``prepare`` waits for it meanwhile. The service's own lock guards the planner and the
-in-flight list and is never held while a tier is called. Each save's outcome travels in
+staging until every tier write that reads it has ended, tier calls included, or, once the
+fastest tier holds the shard, until the next save, a restore or ``prepare`` asks for it
+(:mod:`tiercheck.engine.handover`): the slower tiers then read that tier's copy. The
+service's own lock guards the planner and the in-flight list and is never held while a tier
+is called. Each save's outcome travels in
 return values to its handle, nowhere else.
 
 Once ``close()`` halts the store (:class:`~tiercheck.runtime.background.Halt`), the saves queued

@@ -470,9 +470,9 @@ class SaveQueue:
     # --- the staging thread --------------------------------------------------------------
 
     def _stage_ahead(self, job: Job) -> None:
-        """Stage ``job`` on the staging thread as soon as the buffer is free. A log version
-        (planned on the pipeline thread first) or a save that failed on the caller's
-        thread is staged by the pipeline instead."""
+        """Stage ``job`` on the staging thread as soon as the buffer is free. A save
+        planned on the pipeline thread first (every save while an update log is attached)
+        or one that failed on the caller's thread is staged by the pipeline instead."""
         if job.deferred or job.failure is not None or job.layout is None:
             return
         try:

@@ -1,6 +1,9 @@
 """The thread pools of one open store, made when it opens and shut down when it closes.
 
-Every parallel step of the engine runs on one of these, never on a pool made for the call:
+Every parallel step of a save, a migration and history's reads runs on one of these (a
+restore's reads, verification and copies into the caller's tensors get lanes of the
+caller's priority for the call: ``tiercheck-restore``, :mod:`tiercheck.restore.loading`;
+the save service keeps its ``tiercheck-tier`` pool):
 
 - ``io`` (``tiercheck-io``): reads, verifies and encodes chunks (restore, the reads of
   history and verify) and places a save's shard in its tiers;
@@ -22,7 +25,7 @@ Every parallel step of the engine runs on one of these, never on a pool made for
 
 The single-threaded services keep their own thread, since they order work: the save
 pipeline (:class:`~tiercheck.engine.saving.SaveService`), the migration thread and the
-maintenance thread.
+maintenance threads (one per tier: ``tiercheck-maint-<tier>``).
 
 The trainer keeps its CPU: the pools are sized to the cores (at most ``cores`` I/O
 threads, ``cores - 1`` hashing threads, at least one each) and every one of their threads

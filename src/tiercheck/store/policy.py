@@ -143,7 +143,8 @@ class Policy:
       leases in shared tiers); the grace only delays deleting what a crashed writer left
       behind. Maintenance sweeps a tier only this
       process writes to (not shared) at once after retention: no other writer is there.
-    - ``hash_threads``: threads for hashing and encoding (``0``: one per core).
+    - ``hash_threads``: threads that hash a save's chunks (``0``: one per core); encoding
+      runs on the store's I/O pool (``threads``).
     - ``durability``: the failure domain ``wait()`` promises: it raises
       :class:`~tiercheck.errors.DurabilityError` unless a tier that committed the version
       survives ``"process"``, ``"node"`` or ``"cluster"`` loss (``None``: no such promise).
