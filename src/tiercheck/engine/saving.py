@@ -435,7 +435,7 @@ class SaveService(SaveQueue):
                     and self.world_size == 1
                     and over is not None
                     and over.wait()  # the fastest tier holds the shard, or failed
-                    and (hold.offered or not hold.held)
+                    and not hold.needed
                 ):
                     # committed in the fastest tier, which holds the shard: the slower
                     # tiers finish on the tail thread, and the next save goes on meanwhile

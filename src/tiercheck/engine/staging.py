@@ -329,9 +329,10 @@ class Hold:
         return self._held
 
     @property
-    def offered(self) -> bool:
-        """Held, but given back as soon as the next user wants the buffer."""
-        return self._held and self._offered
+    def needed(self) -> bool:
+        """Held and not offered: the save still needs the buffer (its fastest tier does
+        not hold the shard yet), and the next save cannot have it."""
+        return self._held and not self._offered
 
     def offer(self, give_back: Callable[[], None]) -> None:
         """Give the buffer back (``give_back``, then :meth:`release`) once someone wants

@@ -397,11 +397,7 @@ class SaveQueue:
         next one of its base would lack its steps), which is waited for."""
         if self.world_size == 1:
             with self._lock:
-                holders = [
-                    j
-                    for j in self._inflight
-                    if j.hold is not None and j.hold.held and not j.hold.offered
-                ]
+                holders = [j for j in self._inflight if j.hold is not None and j.hold.needed]
                 for job in self._inflight:
                     if not self._may_give_way(job):
                         continue
@@ -425,7 +421,7 @@ class SaveQueue:
         if job.finished or job.superseded is not None:
             return False
         if job.hold is not None:
-            return job.hold.held and not job.hold.offered
+            return job.hold.needed
         return not job.copied
 
     def _may_give_way(self, job: Job) -> bool:
