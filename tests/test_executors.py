@@ -4,6 +4,7 @@ ends every thread it started."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck.errors import ConfigError
 from tiercheck.runtime.executors import Executors
 from tiercheck.testing.faults import FaultEvent, FaultPlan, inject
 from tiercheck.upkeep.copying import WRITE_WINDOW
@@ -89,9 +91,13 @@ def test_close_ends_every_thread_the_store_started(tmp_path: Path) -> None:
     assert left == []
 
 
-def test_a_saves_small_chunks_are_hashed_on_the_stores_hashing_pool(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("chunk_size", [64 * 1024, 4 * 1024 * 1024])
+def test_a_saves_chunks_are_hashed_on_the_save_thread_and_the_stores_hashing_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_size: int
 ) -> None:
+    """Small chunks and large ones (which blake3 would hash on a worker pool of its own,
+    at the priority of whichever thread first started it): on the save's thread and the
+    store's hashing pool, both at the store's background priority."""
     import tiercheck.formats.ids as ids
 
     hashed_on: set[threading.Thread] = set()
@@ -106,11 +112,13 @@ def test_a_saves_small_chunks_are_hashed_on_the_stores_hashing_pool(
     with Checkpointer(
         tmp_path / "s",
         tiers=[TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}")],
-        policy=Policy(base_every=1, chunk_size=64 * 1024),
+        policy=Policy(base_every=1, chunk_size=chunk_size),
     ) as ckpt:
-        state = {"w": torch.randn(4 * 1024 * 1024)}  # 16 MiB in 256 chunks of 64 KiB
+        state = {"w": torch.randn(4 * 1024 * 1024)}  # 16 MiB: 256 chunks of 64 KiB, or 4 of 4 MiB
         ckpt.save(0, state).wait()
-        assert hashed_on and hashed_on <= set(ckpt.executors.hashing._threads)
+        pool = set(ckpt.executors.hashing._threads)
+        assert hashed_on & pool
+        assert {t.name.split("_")[0] for t in hashed_on - pool} == {"tiercheck-save"}
         assert torch.equal(ckpt.version(0)["w"], state["w"])
 
 
@@ -163,3 +171,47 @@ def test_a_slow_remote_never_holds_a_save_behind_its_migration(tmp_path: Path) -
     finally:
         release.set()
         ckpt.destroy()
+
+
+def _policy_and_nice(tid: int) -> tuple[int, int]:
+    """The scheduling policy (``os.SCHED_*``) and nice value of thread ``tid``."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on
+    return int(fields[38]), int(fields[16])  # fields 41 (policy) and 19 (nice)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("background", ["idle", "low"])
+def test_the_threads_that_save_yield_the_cpu_and_the_staging_copy_does_not(
+    tmp_path: Path, background: str
+) -> None:
+    """``background="idle"`` (the default) runs every thread that hashes, places, commits
+    or migrates under ``SCHED_IDLE`` (the kernel preempts it the moment another thread
+    wants its core), ``"low"`` at ``nice`` +10 alone; the staging copy, which the trainer
+    waits for, keeps the caller's priority either way."""
+    before = set(threading.enumerate())
+    open_store(tmp_path).close()  # its tiers: LMDB in the commit, a remote by migration
+    kwargs = {} if background == "idle" else {"background": background}  # idle: the default
+    with Checkpointer(tmp_path / "s", **kwargs) as ckpt:  # type: ignore[arg-type]
+        for step in range(2):
+            ckpt.save(step, state_of(step)).wait_migrated()
+        started = {t for t in set(threading.enumerate()) - before if t.native_id}
+        seen = {t.name.split("_")[0]: _policy_and_nice(t.native_id) for t in started}  # type: ignore[arg-type]
+    main = _policy_and_nice(threading.get_native_id())
+    assert main[0] == os.SCHED_OTHER
+    assert seen["tiercheck-stage"] == main  # the trainer waits for it
+    lowered = ["tiercheck-save", "tiercheck-tier", "tiercheck-write", "tiercheck-migrate-io"]
+    for name in [*lowered, "tiercheck-log"]:
+        policy, nice = seen[name]
+        if background == "idle":
+            assert policy == os.SCHED_IDLE, name
+        else:
+            assert policy == os.SCHED_OTHER and nice >= main[1] + 10, name
+
+
+def test_an_unknown_background_priority_is_refused_before_the_store_opens(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="background must be one of 'idle', 'low'"):
+        Checkpointer(tmp_path / "s", background="lowest")  # type: ignore[arg-type]
+    assert not (tmp_path / "s").exists()

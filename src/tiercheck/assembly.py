@@ -40,7 +40,7 @@ from tiercheck.errors import CheckpointError, ConfigError, UnfinishedWork
 from tiercheck.logversions.planner import LogSource
 from tiercheck.restore.losses import AckLedger
 from tiercheck.runtime.background import Halt
-from tiercheck.runtime.executors import Executors
+from tiercheck.runtime.executors import Background, Executors, Priority
 from tiercheck.runtime.handles import Failures
 from tiercheck.store.catalog import Catalog, LiveCatalog, read_catalog
 from tiercheck.store.config import (
@@ -87,6 +87,7 @@ class Engine:
         read_only: bool,
         allow_pickle: bool,
         threads: int | None,
+        priority: Priority,
         lock: StoreLock | None,
         made: Path | None = None,
     ) -> None:
@@ -107,17 +108,17 @@ class Engine:
         # a read-only store's guarded optimizer: no saves to log for, restores replay into it
         self._replay_into: LogSource | None = None
         try:
-            self._open(config, threads)
+            self._open(config, threads, priority)
         except BaseException:
             self._abort_open()
             raise
 
-    def _open(self, config: StoreConfig, threads: int | None) -> None:
+    def _open(self, config: StoreConfig, threads: int | None, priority: Priority) -> None:
         """Open the tiers, read their logs, start the services (the lock is taken)."""
         read_only = self.read_only
         specs = [_for_rank(spec, self.coordinator) for spec in config.tiers]
         self.tierset = TierSet(specs, self.policy, read_only=read_only, owner=self.root)
-        self.executors = Executors.start(threads)
+        self.executors = Executors.start(threads, priority)
         self.pool = self.executors.io
         self.staging = StagingBuffer()
         self.failures = Failures()
@@ -176,6 +177,7 @@ class Engine:
             next_id=next_id,
             takes_diffs=takes_diffs,
             halt=self._halt,
+            priority=priority,
             confirmed=self.coordinator.agree_restorable(
                 self.catalog.snapshot().restorable_versions()
             ),
@@ -486,7 +488,25 @@ def resolve_config(
     multi_rank: bool,
 ) -> tuple[StoreConfig, bool]:
     """The configuration of the store at ``root``, and whether it is to be written to its
-    file (once the lock is taken: :func:`write_config`)."""
+    file (once the lock is taken: :func:`write_config`). Several ranks cannot skip saves
+    (``on_busy="skip"``): one rank's skip would leave the others waiting in the commit."""
+    cfg, write = _resolve_config(
+        root, tiers, policy, config, read_only=read_only, multi_rank=multi_rank
+    )
+    if multi_rank and cfg.policy.on_busy == "skip":
+        raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
+    return cfg, write
+
+
+def _resolve_config(
+    root: Path,
+    tiers: Sequence[str | TierSpec | tuple[str, str]] | None,
+    policy: Policy | None,
+    config: str | os.PathLike[str] | None,
+    *,
+    read_only: bool,
+    multi_rank: bool,
+) -> tuple[StoreConfig, bool]:
     path = root / CONFIG_NAME
     if config is not None:
         cfg = load_config(Path(config))
@@ -520,6 +540,7 @@ def open_engine(
     read_only: bool,
     allow_pickle: bool,
     threads: int | None,
+    background: Background = "idle",
 ) -> Engine:
     """Take the store's writer lock (unless ``read_only``), write its file if ``write``
     (:func:`write_config`, rank 0 only: the ranks share it, and each may pass tiers of its
@@ -529,6 +550,7 @@ def open_engine(
     another store owns, say), the file this open wrote is removed before the lock is
     released: no store was made, and the next open of the root starts a new one instead
     of finding tiers it never held configured there."""
+    priority = Priority(background)
     lock: StoreLock | None = None
     if not read_only:
         root.mkdir(parents=True, exist_ok=True)
@@ -549,6 +571,7 @@ def open_engine(
         read_only=read_only,
         allow_pickle=allow_pickle,
         threads=threads,
+        priority=priority,
         lock=lock,
         made=made,
     )

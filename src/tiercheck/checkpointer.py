@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tiercheck.assembly import Engine, default_coordinator, open_engine, resolve_config
 from tiercheck.engine.coordinator import Coordinator
-from tiercheck.errors import CheckpointError, ConfigError
+from tiercheck.errors import CheckpointError
 from tiercheck.formats.manifest import Role
 from tiercheck.history.diff import Diff
 from tiercheck.history.diff import diff as diff_versions
@@ -31,10 +31,10 @@ from tiercheck.history.versions import Version, VersionSummary, build_history, o
 from tiercheck.restore.info import RestoreInfo
 from tiercheck.restore.service import RestoreService
 from tiercheck.runtime.background import at_interpreter_exit
-from tiercheck.runtime.executors import Executors
+from tiercheck.runtime.executors import Background, Executors, Priority
 from tiercheck.runtime.handles import Failures, SaveHandle, SaveResult
 from tiercheck.store.catalog import Catalog
-from tiercheck.store.config import CONFIG_NAME, StoreConfig, TierSpec
+from tiercheck.store.config import CONFIG_NAME, TierSpec
 from tiercheck.store.policy import Policy
 from tiercheck.store.tierset import TierSet
 from tiercheck.upkeep.retention import GCReport
@@ -77,22 +77,21 @@ class Checkpointer:
         allow_pickle: bool = False,
         coordinator: Coordinator | None = None,
         threads: int | None = None,
+        background: Background = "idle",
         rewrite_config: bool = False,
     ) -> None:
+        Priority(background)  # a bad value is refused before anything is made
         self.root = Path(root).expanduser().resolve()
         self.read_only = read_only
         self.allow_pickle = allow_pickle
         self.coordinator: Coordinator = coordinator or default_coordinator()
         self.rank = self.coordinator.rank
         self.world_size = self.coordinator.world_size
-        self.config: StoreConfig
         fresh = not (self.root / CONFIG_NAME).exists()
         self.config, write = resolve_config(
             self.root, tiers, policy, config, read_only=read_only, multi_rank=self.world_size > 1
         )
         self.policy = self.config.policy
-        if self.world_size > 1 and self.policy.on_busy == "skip":
-            raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
         self._engine = open_engine(
             self.root,
             self.config,
@@ -103,6 +102,7 @@ class Checkpointer:
             read_only=read_only,
             allow_pickle=allow_pickle,
             threads=threads,
+            background=background,
         )
         self.tierset: TierSet = self._engine.tierset
         if not read_only:  # saves in flight at exit are finished, not failed halfway

@@ -39,7 +39,6 @@ from tiercheck.formats.manifest import (
     VersionInfo,
     pack_manifest,
 )
-from tiercheck.runtime.executors import lower_priority
 from tiercheck.runtime.handles import SaveHandle, TierState
 from tiercheck.runtime.parallel import map_all
 from tiercheck.store.budgets import budget_of
@@ -145,8 +144,10 @@ class ShardStream:
         view: memoryview | ShardBytes,
         zstd_level: int,
         protect: Callable[[list[str]], None],
+        lower: Callable[[], None],
     ) -> None:
         self._pool = pool
+        self._lower = lower
         self._view = view if isinstance(view, ShardBytes) else ShardBytes(view)
         self._zstd_level = zstd_level
         self._protect = protect
@@ -214,7 +215,7 @@ class ShardStream:
     def _writer(
         self, slot: TierSlot, q: queue.SimpleQueue[list[ChunkRef] | None], fut: Future[Streamed]
     ) -> None:
-        lower_priority()  # this thread's own: the trainer keeps its CPU
+        self._lower()  # this thread's own: the trainer keeps its CPU
         out = Streamed(started=time.perf_counter())
         try:
             # group commit where the blobs are views of the staged buffer (raw): an

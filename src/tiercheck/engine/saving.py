@@ -86,7 +86,7 @@ from tiercheck.errors import (
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, VersionInfo
 from tiercheck.logversions.planner import LogSource, with_fingerprints
 from tiercheck.runtime.background import Halt, reporting
-from tiercheck.runtime.executors import lower_priority
+from tiercheck.runtime.executors import Priority
 from tiercheck.runtime.handles import Failures, SaveHandle
 from tiercheck.store import guarantees
 from tiercheck.store.budgets import (
@@ -145,8 +145,10 @@ class SaveService(SaveQueue):
         takes_diffs: bool,
         halt: Halt | None = None,
         confirmed: int | None = None,
+        priority: Priority | None = None,
     ) -> None:
         self.tierset = tierset
+        self.priority = priority or Priority()
         self.policy = policy
         self.coordinator = coordinator
         self.rank = coordinator.rank
@@ -163,7 +165,7 @@ class SaveService(SaveQueue):
         self.allow_pickle = allow_pickle
         self.halt = halt or Halt()
         self._pipeline = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tiercheck-save", initializer=lower_priority
+            max_workers=1, thread_name_prefix="tiercheck-save", initializer=self.priority.lower
         )
         # the staging copies, in order, at the trainer's own priority (it waits for them):
         # a save stages as soon as the buffer is free, while the save before it still
@@ -171,7 +173,7 @@ class SaveService(SaveQueue):
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercheck-stage")
         # the slower tiers of a save committed in its fastest tier, and its outcome
         self._tails = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tiercheck-tail", initializer=lower_priority
+            max_workers=1, thread_name_prefix="tiercheck-tail", initializer=self.priority.lower
         )
         self._tail: Future[None] | None = None
         self._busy: set[str] = set()  # the tiers the tail is still writing
@@ -179,7 +181,7 @@ class SaveService(SaveQueue):
         self._tier_pool = ThreadPoolExecutor(
             max_workers=max(2, len(tierset.slots)),
             thread_name_prefix="tiercheck-tier",
-            initializer=lower_priority,
+            initializer=self.priority.lower,
         )
         self._outstanding = threading.Semaphore(2)  # the save running and the one queued
         self._hash_threads = policy.hash_threads or None
@@ -542,6 +544,7 @@ class SaveService(SaveQueue):
             view=view,
             zstd_level=self.policy.zstd_level,
             protect=lambda ids: job.protected.extend(self.fence.protect(ids)),
+            lower=self.priority.lower,
         )
         try:
             chunks = stream.hash(layout, self._hash_threads, self.hashing)

@@ -29,19 +29,42 @@ maintenance threads (one per tier: ``tiercheck-maint-<tier>``).
 
 The trainer keeps its CPU: the pools are sized to the cores (at most ``cores`` I/O
 threads, ``cores - 1`` hashing threads, at least one each) and every one of their threads
-runs at a lower scheduling priority (:func:`lower_priority`, ``nice`` +:data:`NICE`: on
-Linux a thread's own). Only the staging copy, which the trainer waits for, keeps the
-trainer's priority.
+runs at a lower scheduling priority (:class:`Priority`, the ``background`` argument of
+``Checkpointer``): by default ``"idle"``, Linux's ``SCHED_IDLE`` policy on the thread
+itself (with ``nice`` +:data:`NICE`, a migration's +:data:`MIGRATION_NICE`), which the
+kernel preempts the moment a thread of any other policy wakes on its core, so a
+background thread never holds a core the trainer's threads want (with ``nice`` alone it
+runs out its time slice first: on the CPU proxy of ``benchmarks/trainer_overhead.py``,
+six alternating pairs, the mean step was 1.061x with ``nice`` alone and 1.044x idle);
+``"low"`` is ``nice`` alone, for a host whose every core is kept busy by other processes
+too, where an idle thread would wait for a free core (a save would take that much longer,
+and latest wins would skip saves meanwhile). Threads a background thread starts (torch's,
+say) inherit its policy; a save's chunks are hashed on its own threads, not on blake3's
+worker pool (:func:`tiercheck.formats.ids.chunk_ids`), whose threads have the priority
+of whichever thread first started them. Only the staging copy, which the trainer waits
+for, keeps the trainer's priority.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-__all__ = ["MIGRATION_NICE", "NICE", "WRITE_WINDOW", "Executors", "lower_priority"]
+from tiercheck.errors import ConfigError
+
+__all__ = [
+    "MIGRATION_NICE",
+    "NICE",
+    "WRITE_WINDOW",
+    "Background",
+    "Executors",
+    "Priority",
+    "lower_priority",
+]
 
 WRITE_WINDOW = 16  # blobs in flight to a target tier at once, per migration
 LOG_READERS = 8  # tiers whose logs are read at once
@@ -49,18 +72,49 @@ NICE = 10  # how much lower the background threads run than the trainer
 MIGRATION_NICE = 19  # migrations: the lowest priority there is
 
 
-def lower_priority(steps: int = NICE) -> None:
-    """Run the calling thread at a lower priority (``nice`` +``steps``); on Linux
-    ``nice`` applies to the calling thread only. Where it cannot, nothing changes."""
+Background = Literal["idle", "low"]  # Checkpointer(background=...): see the module docstring
+
+
+def lower_priority(steps: int = NICE, *, idle: bool = False) -> None:
+    """Run the calling thread at a lower priority: ``nice`` +``steps`` and, with ``idle``,
+    the ``SCHED_IDLE`` policy; on Linux both apply to the calling thread only. Where the
+    system has no such thing (``SCHED_IDLE`` is Linux's), that part is left out."""
     try:
         os.nice(steps)
     except (AttributeError, OSError):
         pass
+    if idle and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
 
 
-def lowest_priority() -> None:
-    """:func:`lower_priority` by :data:`MIGRATION_NICE`."""
-    lower_priority(MIGRATION_NICE)
+@dataclass(frozen=True)
+class Priority:
+    """The priority of one store's background threads (``Checkpointer(background=)``):
+    :meth:`lower` for the save's and the pools' threads, :meth:`lowest` for a migration's."""
+
+    background: Background = "idle"
+
+    def __post_init__(self) -> None:
+        if self.background not in get_args(Background):
+            raise ConfigError(
+                f"background must be one of {', '.join(map(repr, get_args(Background)))}, "
+                f"got {self.background!r}"
+            )
+
+    @property
+    def lower(self) -> Callable[[], None]:
+        """The initializer of a background thread (``nice`` +:data:`NICE`)."""
+        idle = self.background == "idle"
+        return lambda: lower_priority(NICE, idle=idle)
+
+    @property
+    def lowest(self) -> Callable[[], None]:
+        """The initializer of a migration's thread (``nice`` +:data:`MIGRATION_NICE`)."""
+        idle = self.background == "idle"
+        return lambda: lower_priority(MIGRATION_NICE, idle=idle)
 
 
 class _Pool(ThreadPoolExecutor):
@@ -90,23 +144,26 @@ class Executors:
     writes: ThreadPoolExecutor
     hashing: ThreadPoolExecutor
     logs: ThreadPoolExecutor
+    priority: Priority
 
     @classmethod
-    def start(cls, threads: int | None = None) -> Executors:
-        """Pools sized for this machine, at a lower priority: ``threads`` I/O threads
-        (default one per core, at least 2) and as many for migrations (default a quarter
-        of the cores, at least 1, at the lowest priority), a hashing thread per core but
-        one (at least 1), :data:`WRITE_WINDOW` writers (a migration's window; they wait on
-        I/O)."""
+    def start(cls, threads: int | None = None, priority: Priority | None = None) -> Executors:
+        """Pools sized for this machine, at ``priority`` (default: idle): ``threads`` I/O
+        threads (default one per core, at least 2) and as many for migrations (default a
+        quarter of the cores, at least 1, at the lowest priority), a hashing thread per
+        core but one (at least 1), :data:`WRITE_WINDOW` writers (a migration's window;
+        they wait on I/O)."""
+        priority = priority or Priority()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         cores = cores or os.cpu_count() or 2
-        low = lower_priority
+        low = priority.lower
         return cls(
             io=_Pool(threads or max(2, cores), "tiercheck-io", low),
-            migrating=_Pool(threads or max(1, cores // 4), "tiercheck-migrate-io", lowest_priority),
+            migrating=_Pool(threads or max(1, cores // 4), "tiercheck-migrate-io", priority.lowest),
             writes=_Pool(WRITE_WINDOW, "tiercheck-write", low),
             hashing=_Pool(max(1, cores - 1), "tiercheck-hash", low),
             logs=_Pool(LOG_READERS, "tiercheck-log", low),
+            priority=priority,
         )
 
     def shutdown(self, *, wait: bool, cancel_futures: bool = False) -> None:
