@@ -715,15 +715,17 @@ hands freed pages back to its host, whichever runs first pays for fresh page-cac
 `--device cuda` runs the same loop on a 4-layer MLP of width 8192 (269 M parameters,
 fp32 AdamW: 3.0 GiB of state, each step synchronized, the update log on with `guard`).
 
-What is left: the proxy's optimizer step is memory-bound and runs on every core, so each
-byte the background moves (the hash, shm's write, LMDB's copy and writeback, the first
-base's migration) slows it whatever the background's priority; a GPU's optimizer step does
-not compete. The memory: 1 GiB of staging and two versions in shm are 3x before any
-buffer. `prepare()` readies the pages of the first two versions in shm and LMDB
-(`Tier.preallocate`); LMDB writes from the staging buffer until the next save asks for it;
-the remote's packs go around the page cache; migrations run on one thread at nice +19; under
-`guard` a save asked for while an earlier one held the buffer gives way unless its copy is
-done when the step comes; a diff stays a diff while LMDB still writes its base.
+What is left: the proxy's optimizer step is memory-bound and runs on every core; the
+background (the hash, shm's write, LMDB's copy and writeback, the first base's migration)
+runs under `SCHED_IDLE`, so the kernel takes its core back the moment the step's threads
+wake, but what it left in the caches and the memory bus it shares with the rest of the
+host still cost the step; a GPU's optimizer step does not compete. The memory: 1 GiB of
+staging and two versions in shm are 3x before any buffer. `prepare()` readies the pages of
+the first two versions in shm and LMDB (`Tier.preallocate`); LMDB writes from the staging
+buffer until the next save asks for it; the remote's packs go around the page cache;
+migrations run on one thread; under `guard` a save asked for while an earlier one held the
+buffer gives way unless its copy is done when the step comes; a diff stays a diff while
+LMDB still writes its base.
 
 ![trainer overhead](benchmarks/trainer_overhead.png)
 
