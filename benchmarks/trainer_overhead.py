@@ -24,6 +24,8 @@ steps' states are equal). The optimizer step is the only thing that may wait for
 
 - ``none``: no checkpointing;
 - ``tc_default``: the default store (shm + LMDB), ``wait_staged()`` before the optimizer step;
+- ``tc_default_idle``: as ``tc_default``, the background under ``SCHED_IDLE``
+  (``Checkpointer(background="idle")``);
 - ``tc_default_guard``: the default store, ``guard(optimizer, log=False)`` (the proxy's
   optimizer is no AdamW, so there is no update log; on CUDA the log is on);
 - ``tc_shm_every_step``: a store with the shm tier alone, ``guard``, a save every step;
@@ -68,6 +70,7 @@ import torch
 from bench_lib import disk_dir, private_disk_dir
 
 import tiercheck
+from tiercheck.runtime.executors import Background
 from tiercheck.store.config import TierSpec
 from tiercheck.store.lifecycle import destroy_store, shm_root_left_as_found
 
@@ -75,7 +78,14 @@ REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 GIB = 1 << 30
 SHM = Path("/dev/shm")
-MODES = ("none", "tc_default", "tc_default_guard", "tc_shm_every_step", "dcp_async")
+MODES = (
+    "none",
+    "tc_default",
+    "tc_default_idle",
+    "tc_default_guard",
+    "tc_shm_every_step",
+    "dcp_async",
+)
 TARGETS = {  # issue 31
     "tc_default": {"mean_x": 1.05, "max_x": 1.5},
     "tc_default_guard": {"mean_x": 1.05, "max_x": 1.5},
@@ -270,13 +280,21 @@ class Saver:
 
 
 class TiercheckSaver(Saver):
-    def __init__(self, trainer: Trainer, *, shm_only: bool, guard: bool, log_ok: bool) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        *,
+        shm_only: bool,
+        guard: bool,
+        log_ok: bool,
+        background: Background = "low",
+    ) -> None:
         self.trainer = trainer
         self.root = Path(tempfile.mkdtemp(prefix="tc-bench-to-", dir=disk_dir()))
         tiers = None
         if shm_only:
             tiers = [TierSpec("shm", f"shm://tc-bench-to-{uuid.uuid4().hex[:10]}")]
-        self.ckpt = tiercheck.Checkpointer(self.root, tiers=tiers)
+        self.ckpt = tiercheck.Checkpointer(self.root, tiers=tiers, background=background)
         self.ckpt.prepare(trainer.state())
         self.guarded = guard
         self.waited = 0.0  # inside optimizer.step(): the guard's wait (and its log's copy)
@@ -412,6 +430,8 @@ def make_saver(mode: str, trainer: Trainer, cuda: bool) -> Saver | None:
         return None
     if mode == "tc_default":
         return TiercheckSaver(trainer, shm_only=False, guard=False, log_ok=cuda)
+    if mode == "tc_default_idle":
+        return TiercheckSaver(trainer, shm_only=False, guard=False, log_ok=cuda, background="idle")
     if mode == "tc_default_guard":
         return TiercheckSaver(trainer, shm_only=False, guard=True, log_ok=cuda)
     if mode == "tc_shm_every_step":
@@ -698,8 +718,10 @@ that step may wait for a save). Ratios are to the mean step without checkpointin
 *between saves* are the steps that neither save nor follow a save; *blocked/save* is the
 save call plus the wait before the next optimizer step (the staging copy alone:
 {res["staging_copy_s"] * 1e3:.0f} ms); memory is the peak private memory plus /dev/shm's
-used bytes above the state, over the state. `tc_shm_every_step` saves every step into a store with
-the shm tier alone (`guard`); `dcp_async` is `dcp.async_save` with DCP's `DefaultStager`
+used bytes above the state, over the state. `tc_default_idle` is `tc_default` with
+`Checkpointer(background="idle")` (the background under `SCHED_IDLE`); `tc_shm_every_step`
+saves every step into a store with the shm tier alone (`guard`); `dcp_async` is
+`dcp.async_save` with DCP's `DefaultStager`
 ({next((r["stager"] for r in res["modes"].values() if r.get("stager")), "-")}). Targets:
 mean <= 1.05x, slowest <= 1.5x, blocked <= 2x the staging copy, memory <= 3x for the
 default store; <= 1.15x for shm every step. {m["cpus"]} CPUs shared with other work (load
@@ -717,9 +739,9 @@ fp32 AdamW: 3.0 GiB of state, each step synchronized, the update log on with `gu
 
 What is left: the proxy's optimizer step is memory-bound and runs on every core; the
 background (the hash, shm's write, LMDB's copy and writeback, the first base's migration)
-runs under `SCHED_IDLE`, so the kernel takes its core back the moment the step's threads
-wake, but what it left in the caches and the memory bus it shares with the rest of the
-host still cost the step; a GPU's optimizer step does not compete. The memory: 1 GiB of
+competes with it for the cores (at `nice` +10 a background thread runs out its time slice
+before the step's woken thread gets the core back; under `SCHED_IDLE` it does not) and for
+the memory bus, whatever its priority; a GPU's optimizer step does not compete. The memory: 1 GiB of
 staging and two versions in shm are 3x before any buffer. `prepare()` readies the pages of
 the first two versions in shm and LMDB (`Tier.preallocate`); LMDB writes from the staging
 buffer until the next save asks for it; the remote's packs go around the page cache;

@@ -540,7 +540,7 @@ def open_engine(
     read_only: bool,
     allow_pickle: bool,
     threads: int | None,
-    background: Background = "idle",
+    background: Background = "low",
 ) -> Engine:
     """Take the store's writer lock (unless ``read_only``), write its file if ``write``
     (:func:`write_config`, rank 0 only: the ranks share it, and each may pass tiers of its

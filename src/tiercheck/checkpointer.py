@@ -77,7 +77,7 @@ class Checkpointer:
         allow_pickle: bool = False,
         coordinator: Coordinator | None = None,
         threads: int | None = None,
-        background: Background = "idle",
+        background: Background = "low",
         rewrite_config: bool = False,
     ) -> None:
         Priority(background)  # a bad value is refused before anything is made

@@ -30,19 +30,21 @@ maintenance threads (one per tier: ``tiercheck-maint-<tier>``).
 The trainer keeps its CPU: the pools are sized to the cores (at most ``cores`` I/O
 threads, ``cores - 1`` hashing threads, at least one each) and every one of their threads
 runs at a lower scheduling priority (:class:`Priority`, the ``background`` argument of
-``Checkpointer``): by default ``"idle"``, Linux's ``SCHED_IDLE`` policy on the thread
-itself (with ``nice`` +:data:`NICE`, a migration's +:data:`MIGRATION_NICE`), which the
-kernel preempts the moment a thread of any other policy wakes on its core, so a
-background thread never holds a core the trainer's threads want (with ``nice`` alone it
-runs out its time slice first: on the CPU proxy of ``benchmarks/trainer_overhead.py``,
-six alternating pairs, the mean step was 1.061x with ``nice`` alone and 1.044x idle);
-``"low"`` is ``nice`` alone, for a host whose every core is kept busy by other processes
-too, where an idle thread would wait for a free core (a save would take that much longer,
-and latest wins would skip saves meanwhile). Threads a background thread starts (torch's,
-say) inherit its policy; a save's chunks are hashed on its own threads, not on blake3's
-worker pool (:func:`tiercheck.formats.ids.chunk_ids`), whose threads have the priority
-of whichever thread first started them. Only the staging copy, which the trainer waits
-for, keeps the trainer's priority.
+``Checkpointer``), set on the thread itself. ``"low"``, the default: ``nice``
++:data:`NICE` (a migration's +:data:`MIGRATION_NICE`). ``"idle"``: Linux's ``SCHED_IDLE``
+as well, which the kernel preempts the moment a thread of any other policy wakes on its
+core (with ``nice`` alone a background thread runs out its time slice first). On the CPU
+proxy of ``benchmarks/trainer_overhead.py``, three batches of alternating runs, the mean
+step went 1.061x -> 1.044x, 1.047x -> 1.026x and 1.062x -> 1.068x; it is no default:
+an unprivileged thread cannot leave ``SCHED_IDLE``, and where other processes keep every
+core busy an idle thread gets almost no CPU, while the trainer may wait for it (a save's
+staging buffer is free only once the fastest tier holds the save before): with two
+busy-looping processes on two cores, 40 steps took over 300 s idle, 41 s with ``nice``.
+Threads a background thread starts (torch's, say) inherit its priority; a save's chunks
+are hashed on its own threads, not on blake3's worker pool
+(:func:`tiercheck.formats.ids.chunk_ids`), whose threads have the priority of whichever
+thread first started them. Only the staging copy, which the trainer waits for, keeps the
+trainer's priority.
 """
 
 from __future__ import annotations
@@ -92,10 +94,11 @@ def lower_priority(steps: int = NICE, *, idle: bool = False) -> None:
 
 @dataclass(frozen=True)
 class Priority:
-    """The priority of one store's background threads (``Checkpointer(background=)``):
-    :meth:`lower` for the save's and the pools' threads, :meth:`lowest` for a migration's."""
+    """The priority of one store's background threads (``Checkpointer(background=)``; see
+    the module docstring): :meth:`lower` for the save's and the pools' threads,
+    :meth:`lowest` for a migration's."""
 
-    background: Background = "idle"
+    background: Background = "low"
 
     def __post_init__(self) -> None:
         if self.background not in get_args(Background):
