@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor
 
 import blake3
 
@@ -60,13 +60,9 @@ def chunk_ids(
     """Return the chunk id of every buffer in ``chunks``, in order, using ``threads`` cores.
 
     ``threads=None`` uses every core; ``threads=1`` hashes on the calling thread only.
-    With a ``pool`` and at least 8 MiB in all, every chunk is hashed on the calling thread
-    and ``pool``'s, in ``threads`` slices (blake3 releases the GIL while hashing): the work
-    runs at those threads' priority (blake3's own worker pool takes the priority of
-    whichever thread first started it, maybe a trainer's) and as fast (2 cores, 4 MiB
-    chunks: 7.7-7.9 GiB/s against 7.2-7.6 with blake3's pool). Otherwise large chunks
-    (>= 1 MiB) are each hashed with BLAKE3's tree parallelism on blake3's pool, and the
-    small ones on the calling thread.
+    Large chunks (>= 1 MiB) are each hashed with BLAKE3's tree parallelism; many small
+    ones are hashed in ``threads`` slices on ``pool`` (blake3 releases the GIL while
+    hashing), or on the calling thread when no pool is given.
     """
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -74,32 +70,25 @@ def chunk_ids(
     views = [as_byte_view(c) for c in chunks]
     if workers == 1:
         return _hash_serial(views)
-    if pool is not None and len(views) >= 2 and sum(map(len, views)) >= _POOL_MIN_BYTES:
-        return _hash_sliced(views, min(workers, len(views)), pool)
 
     max_threads = blake3.blake3.AUTO if threads is None else workers
-    ids = []
-    for view in views:
-        if len(view) >= _TREE_PARALLEL_MIN:
-            ids.append(blake3.blake3(view, max_threads=max_threads).hexdigest())
-        else:
-            ids.append(blake3.blake3(view).hexdigest())
-    return ids
-
-
-def _hash_sliced(views: Sequence[memoryview], n_slices: int, pool: Executor) -> list[str]:
-    """Every view's id: slice 0 (every ``n_slices``-th view) on the calling thread, the
-    others on ``pool``."""
-    slices = [range(k, len(views), n_slices) for k in range(n_slices)]
-    futures = [pool.submit(_hash_serial, [views[i] for i in idx]) for idx in slices[1:]]
-    try:
-        first = _hash_serial([views[i] for i in slices[0]])
-    finally:
-        wait(futures)  # none still reads a view once this returns (or raises)
     ids = [""] * len(views)
-    for i, h in zip(slices[0], first):
-        ids[i] = h
-    for idx, fut in zip(slices[1:], futures):
-        for i, h in zip(idx, fut.result()):
-            ids[i] = h
+    small: list[int] = []
+    for i, view in enumerate(views):
+        if len(view) >= _TREE_PARALLEL_MIN:
+            ids[i] = blake3.blake3(view, max_threads=max_threads).hexdigest()
+        else:
+            small.append(i)
+
+    small_bytes = sum(len(views[i]) for i in small)
+    if pool is None or small_bytes < _POOL_MIN_BYTES or len(small) < 2:
+        for i in small:
+            ids[i] = blake3.blake3(views[i]).hexdigest()
+    else:
+        n_slices = min(workers, len(small))
+        slices = [small[k::n_slices] for k in range(n_slices)]
+        results = pool.map(lambda idx: _hash_serial([views[i] for i in idx]), slices)
+        for idx, hexes in zip(slices, results):
+            for i, h in zip(idx, hexes):
+                ids[i] = h
     return ids

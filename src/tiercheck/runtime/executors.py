@@ -40,11 +40,10 @@ an unprivileged thread cannot leave ``SCHED_IDLE``, and where other processes ke
 core busy an idle thread gets almost no CPU, while the trainer may wait for it (a save's
 staging buffer is free only once the fastest tier holds the save before): with two
 busy-looping processes on two cores, 40 steps took over 300 s idle, 41 s with ``nice``.
-Threads a background thread starts (torch's, say) inherit its priority; a save's chunks
-are hashed on its own threads, not on blake3's worker pool
-(:func:`tiercheck.formats.ids.chunk_ids`), whose threads have the priority of whichever
-thread first started them. Only the staging copy, which the trainer waits for, keeps the
-trainer's priority.
+Threads a background thread starts inherit its priority (blake3's worker pool, which
+hashes a save's large chunks, takes that of whichever thread first started it: the save
+pipeline's, unless something else in the process hashed first). Only the staging copy,
+which the trainer waits for, keeps the trainer's priority.
 """
 
 from __future__ import annotations
