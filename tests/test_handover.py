@@ -11,10 +11,12 @@ busy skips it ("latest wins": ``missing``, with the reason), never waits for it.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
@@ -233,4 +235,32 @@ def test_a_diff_stays_a_diff_while_a_slower_tier_still_writes_its_base(tmp_path:
         assert all(torch.equal(got[k], s1[k]) for k in s1)
     finally:
         release.set()
+        ckpt.destroy()
+
+
+def test_a_slower_tier_takes_the_next_save_once_the_version_it_wrote_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once ``wait()`` of a version handed to the tail has returned, its slower tiers have
+    written it, and the next save places there: they are no longer busy. The tail marked
+    them free only at its very end, after the outcome and the up to 5 s a base's commit
+    waits for LMDB's retention (``maintenance.flush``), so a save asked for meanwhile
+    skipped LMDB ("missing", latest wins) though nothing was writing there: the full-disk
+    test's save after the space was freed failed that way in a suite run."""
+    from tiercheck.upkeep.maintenance import Maintenance
+
+    real_flush = Maintenance.flush
+
+    def slow_flush(self: Maintenance, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)  # retention of a tier that takes its time
+        return real_flush(self, *args, **kwargs)
+
+    monkeypatch.setattr(Maintenance, "flush", slow_flush)
+    ckpt = open_shm_lmdb(tmp_path, base_every=1)
+    try:
+        ckpt.prepare(state_of(0))
+        for step in range(3):
+            r = ckpt.save(step, state_of(step)).wait(timeout=60)
+            assert r.tiers == {"shm": "committed", "lmdb": "committed"}, (step, r)
+    finally:
         ckpt.destroy()

@@ -292,8 +292,9 @@ class SaveService(SaveQueue):
         def run_tail() -> None:
             try:
                 self._conclude(job, self._attempt(job, rest))
-            finally:
-                self._busy = set()  # its tiers take the next version that reaches them
+            finally:  # its tiers take the next version that reaches them
+                if self._busy_version == job.version:  # not a newer save's set
+                    self._busy = set()
 
         try:
             self._tail = self._tails.submit(reporting(self.failures, what, run_tail))
@@ -465,6 +466,10 @@ class SaveService(SaveQueue):
                                     f.exception()
                                 shard.stream.close()
                                 hold.release()
+                                # written there: the next save places there, also one
+                                # asked for as soon as wait() of this one returns
+                                if self._busy_version == info.id:
+                                    self._busy = set()
                             self._after_commit(
                                 job, info, shard, committed, shared_ready, owned, exchanged
                             )
