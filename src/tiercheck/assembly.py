@@ -490,24 +490,8 @@ def resolve_config(
     """The configuration of the store at ``root``, and whether it is to be written to its
     file (once the lock is taken: :func:`write_config`). Several ranks cannot skip saves
     (``on_busy="skip"``): one rank's skip would leave the others waiting in the commit."""
-    cfg, write = _resolve_config(
-        root, tiers, policy, config, read_only=read_only, multi_rank=multi_rank
-    )
-    if multi_rank and cfg.policy.on_busy == "skip":
-        raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
-    return cfg, write
-
-
-def _resolve_config(
-    root: Path,
-    tiers: Sequence[str | TierSpec | tuple[str, str]] | None,
-    policy: Policy | None,
-    config: str | os.PathLike[str] | None,
-    *,
-    read_only: bool,
-    multi_rank: bool,
-) -> tuple[StoreConfig, bool]:
     path = root / CONFIG_NAME
+    write = not read_only
     if config is not None:
         cfg = load_config(Path(config))
     elif tiers is None and path.exists():
@@ -521,12 +505,14 @@ def _resolve_config(
             root.mkdir(parents=True, exist_ok=True)
             if not save_config(path, cfg, exclusive=True):
                 cfg = load_config(path)
-            return cfg, False
+            write = False
     else:
         cfg = StoreConfig(coerce_tiers(tiers), Policy())
     if policy is not None:
         cfg = StoreConfig(cfg.tiers, policy)
-    return cfg, not read_only
+    if multi_rank and cfg.policy.on_busy == "skip":
+        raise ConfigError("on_busy='skip' needs one process; with several ranks use 'wait'")
+    return cfg, write
 
 
 def open_engine(
