@@ -40,7 +40,7 @@ from tiercheck.errors import CheckpointError, ConfigError, UnfinishedWork
 from tiercheck.logversions.planner import LogSource
 from tiercheck.restore.losses import AckLedger
 from tiercheck.runtime.background import Halt
-from tiercheck.runtime.executors import Background, Executors, Priority
+from tiercheck.runtime.executors import Executors, Priority
 from tiercheck.runtime.handles import Failures
 from tiercheck.store.catalog import Catalog, LiveCatalog, read_catalog
 from tiercheck.store.config import (
@@ -526,7 +526,7 @@ def open_engine(
     read_only: bool,
     allow_pickle: bool,
     threads: int | None,
-    background: Background = "low",
+    priority: Priority,
 ) -> Engine:
     """Take the store's writer lock (unless ``read_only``), write its file if ``write``
     (:func:`write_config`, rank 0 only: the ranks share it, and each may pass tiers of its
@@ -536,7 +536,6 @@ def open_engine(
     another store owns, say), the file this open wrote is removed before the lock is
     released: no store was made, and the next open of the root starts a new one instead
     of finding tiers it never held configured there."""
-    priority = Priority(background)
     lock: StoreLock | None = None
     if not read_only:
         root.mkdir(parents=True, exist_ok=True)

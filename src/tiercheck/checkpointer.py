@@ -80,7 +80,7 @@ class Checkpointer:
         background: Background = "low",
         rewrite_config: bool = False,
     ) -> None:
-        Priority(background)  # a bad value is refused before anything is made
+        priority = Priority(background)  # a bad value is refused before anything is made
         self.root = Path(root).expanduser().resolve()
         self.read_only = read_only
         self.allow_pickle = allow_pickle
@@ -102,7 +102,7 @@ class Checkpointer:
             read_only=read_only,
             allow_pickle=allow_pickle,
             threads=threads,
-            background=background,
+            priority=priority,
         )
         self.tierset: TierSet = self._engine.tierset
         if not read_only:  # saves in flight at exit are finished, not failed halfway

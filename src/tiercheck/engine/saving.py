@@ -290,11 +290,7 @@ class SaveService(SaveQueue):
             return None
 
         def run_tail() -> None:
-            try:
-                self._conclude(job, self._attempt(job, rest))
-            finally:  # its tiers take the next version that reaches them
-                if self._busy_version == job.version:  # not a newer save's set
-                    self._busy = set()
+            self._conclude(job, self._attempt(job, rest))
 
         try:
             self._tail = self._tails.submit(reporting(self.failures, what, run_tail))
@@ -467,7 +463,8 @@ class SaveService(SaveQueue):
                                 shard.stream.close()
                                 hold.release()
                                 # written there: the next save places there, also one
-                                # asked for as soon as wait() of this one returns
+                                # asked for as soon as wait() of this one returns (not a
+                                # newer save's set)
                                 if self._busy_version == info.id:
                                     self._busy = set()
                             self._after_commit(

@@ -53,6 +53,7 @@ import queue
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, get_args
 
 from tiercheck.errors import ConfigError
@@ -109,14 +110,12 @@ class Priority:
     @property
     def lower(self) -> Callable[[], None]:
         """The initializer of a background thread (``nice`` +:data:`NICE`)."""
-        idle = self.background == "idle"
-        return lambda: lower_priority(NICE, idle=idle)
+        return partial(lower_priority, NICE, idle=self.background == "idle")
 
     @property
     def lowest(self) -> Callable[[], None]:
         """The initializer of a migration's thread (``nice`` +:data:`MIGRATION_NICE`)."""
-        idle = self.background == "idle"
-        return lambda: lower_priority(MIGRATION_NICE, idle=idle)
+        return partial(lower_priority, MIGRATION_NICE, idle=self.background == "idle")
 
 
 class _Pool(ThreadPoolExecutor):
@@ -146,11 +145,10 @@ class Executors:
     writes: ThreadPoolExecutor
     hashing: ThreadPoolExecutor
     logs: ThreadPoolExecutor
-    priority: Priority
 
     @classmethod
     def start(cls, threads: int | None = None, priority: Priority | None = None) -> Executors:
-        """Pools sized for this machine, at ``priority`` (default: idle): ``threads`` I/O
+        """Pools sized for this machine, at ``priority`` (default: low): ``threads`` I/O
         threads (default one per core, at least 2) and as many for migrations (default a
         quarter of the cores, at least 1, at the lowest priority), a hashing thread per
         core but one (at least 1), :data:`WRITE_WINDOW` writers (a migration's window;
@@ -165,7 +163,6 @@ class Executors:
             writes=_Pool(WRITE_WINDOW, "tiercheck-write", low),
             hashing=_Pool(max(1, cores - 1), "tiercheck-hash", low),
             logs=_Pool(LOG_READERS, "tiercheck-log", low),
-            priority=priority,
         )
 
     def shutdown(self, *, wait: bool, cancel_futures: bool = False) -> None:
