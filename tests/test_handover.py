@@ -11,7 +11,6 @@ busy skips it ("latest wins": ``missing``, with the reason), never waits for it.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
+from tiercheck import Checkpointer, Policy, SaveHandle, TierPolicy, TierSpec
 from tiercheck.testing.faults import FaultEvent, inject
 
 NUMEL = 1 << 18  # 1 MiB
@@ -85,15 +84,24 @@ def hold_slow_placement(ckpt: Checkpointer, name: str = "slow") -> tuple[threadi
     return armed, entered, release
 
 
+def first_save_held(
+    ckpt: Checkpointer, state: dict[str, Any], armed: threading.Event, entered: threading.Event
+) -> SaveHandle:
+    """Prepare for ``state`` and save it as step 0 with the hold of
+    :func:`hold_slow_placement` armed; returns once the held tier's placement is inside."""
+    ckpt.prepare(state)
+    armed.set()
+    handle = ckpt.save(0, state)
+    assert entered.wait(60), "the held tier never asked what it holds"
+    return handle
+
+
 def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> None:
     ckpt = open_store(tmp_path)
     armed, entered, release = hold_slow_placement(ckpt)
     try:
         s0, s1 = state_of(0), state_of(1)
-        ckpt.prepare(s0)
-        armed.set()
-        h0 = ckpt.save(0, s0)
-        assert entered.wait(60), "tier slow never asked what it holds"
+        h0 = first_save_held(ckpt, s0, armed, entered)
         h1 = ckpt.save(1, s1)
         # before: the buffer stayed with version 0 until slow had written it, so this
         # timed out (WaitTimeout) while slow was held
@@ -219,10 +227,7 @@ def test_a_diff_stays_a_diff_while_a_slower_tier_still_writes_its_base(tmp_path:
     armed, entered, release = hold_slow_placement(ckpt, "lmdb")
     try:
         s0, s1 = state_of(0), state_of(1)
-        ckpt.prepare(s0)
-        armed.set()
-        h0 = ckpt.save(0, s0)
-        assert entered.wait(60), "LMDB never asked what it holds"
+        h0 = first_save_held(ckpt, s0, armed, entered)
         r1 = ckpt.save(1, s1).wait(timeout=60)  # LMDB is still held writing base 0
         held = not release.is_set()
         release.set()
@@ -250,17 +255,28 @@ def test_a_slower_tier_takes_the_next_save_once_the_version_it_wrote_is_waited_f
     from tiercheck.upkeep.maintenance import Maintenance
 
     real_flush = Maintenance.flush
+    in_flush, go_on = threading.Event(), threading.Event()
 
-    def slow_flush(self: Maintenance, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(1.0)  # retention of a tier that takes its time
+    def held_flush(self: Maintenance, *args: Any, **kwargs: Any) -> Any:
+        in_flush.set()
+        go_on.wait(60)  # retention of a tier that takes its time
         return real_flush(self, *args, **kwargs)
 
-    monkeypatch.setattr(Maintenance, "flush", slow_flush)
+    monkeypatch.setattr(Maintenance, "flush", held_flush)
     ckpt = open_shm_lmdb(tmp_path, base_every=1)
     try:
         ckpt.prepare(state_of(0))
-        for step in range(3):
-            r = ckpt.save(step, state_of(step)).wait(timeout=60)
-            assert r.tiers == {"shm": "committed", "lmdb": "committed"}, (step, r)
+        r0 = ckpt.save(0, state_of(0)).wait(timeout=60)
+        assert r0.tiers == {"shm": "committed", "lmdb": "committed"}, r0
+        assert in_flush.wait(60), "the base's commit never waited for retention"
+        h1 = ckpt.save(1, state_of(1))  # while version 0's tail waits in the flush
+        for _ in range(6000):  # committed in shm: where else it goes is decided
+            if h1.result_now().tiers.get("shm") == "committed":
+                break
+            threading.Event().wait(0.01)
+        go_on.set()
+        r1 = h1.wait(timeout=60)
+        assert r1.tiers == {"shm": "committed", "lmdb": "committed"}, r1
     finally:
+        go_on.set()
         ckpt.destroy()
