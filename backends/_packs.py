@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from tiercheck.backends.base import BLOB_ID_RE, Buffer, check_blob_id, scatter
+from tiercheck.backends.base import BLOB_ID_RE, Buffer, check_blob_id, joined, scatter
 from tiercheck.errors import NotFound
 from tiercheck.formats.framing import frame_record, unframe_record
 from tiercheck.formats.packs import (
@@ -104,7 +104,7 @@ class PackUpload(Protocol):
     """A pack object streamed to the store while it is filled (an S3 multipart upload):
     nothing is visible until :meth:`finish` returns; :meth:`abort` drops it."""
 
-    def add(self, data: bytes) -> None: ...
+    def add(self, data: Buffer) -> None: ...
 
     def finish(self, tail: bytes) -> None: ...
 
@@ -206,9 +206,9 @@ class PackedBlobs:
         self._stream: _Stream | None = None
         self._write_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._pending: dict[str, bytes] = {}
+        self._pending: dict[str, Buffer] = {}
         self._pending_bytes = 0
-        self._sealing: dict[str, bytes] = {}
+        self._sealing: dict[str, Buffer] = {}
         self._sealing_count = 0
         self._packs: dict[str, _Pack] = {}
         self._bad: dict[str, int] = {}  # pack name -> size at which it failed to parse
@@ -388,7 +388,7 @@ class PackedBlobs:
                     self._pending_bytes -= len(old)
             return True
         self._ensure_loaded()
-        data = b"".join(parts)  # a copy: the caller may reuse its buffers at once
+        data = joined(parts)  # a copy: the caller may reuse its buffers at once
         stream = None
         with self._write_lock:
             with self._cond:
@@ -411,7 +411,7 @@ class PackedBlobs:
             self._seal(batch, stream)
         return True
 
-    def _stream_add(self, blob_id: str, data: bytes) -> None:
+    def _stream_add(self, blob_id: str, data: Buffer) -> None:
         """Send ``data`` on with the pack being streamed (caller holds the write lock).
         A store that cannot stream keeps it in memory only; a stream that fails is
         dropped, and its blobs are written whole when their pack is sealed."""
@@ -435,14 +435,14 @@ class PackedBlobs:
             if stream is not None:
                 _abort_quietly(stream.upload)
 
-    def _take(self) -> dict[str, bytes]:
+    def _take(self) -> dict[str, Buffer]:
         """Move every pending blob to the sealing set (caller holds the condition)."""
         batch, self._pending, self._pending_bytes = self._pending, {}, 0
         self._sealing.update(batch)
         self._sealing_count += 1
         return batch
 
-    def _seal(self, batch: dict[str, bytes], stream: _Stream | None = None) -> None:
+    def _seal(self, batch: dict[str, Buffer], stream: _Stream | None = None) -> None:
         """Write ``batch`` as a pack (finishing ``stream`` if it holds every blob of it);
         on failure its blobs wait again for the next flush."""
         try:
@@ -471,7 +471,7 @@ class PackedBlobs:
             self._sealing_count -= 1
             self._cond.notify_all()
 
-    def _write_pack(self, blobs: dict[str, bytes]) -> tuple[str, _Pack]:
+    def _write_pack(self, blobs: dict[str, Buffer]) -> tuple[str, _Pack]:
         """One pack object holding ``blobs``, written atomically; its name and index."""
         name = uuid.uuid4().hex
         parts = [memoryview(PACK_MAGIC)]
@@ -486,7 +486,7 @@ class PackedBlobs:
         self._call("write pack", name, lambda: self._store.put_object(path, parts))
         return name, _Pack(offset + len(parts[-1]), {e.blob_id: e for e in entries})
 
-    def _finish_stream(self, stream: _Stream, batch: dict[str, bytes]) -> tuple[str, _Pack]:
+    def _finish_stream(self, stream: _Stream, batch: dict[str, Buffer]) -> tuple[str, _Pack]:
         entries = [stream.entries[bid] for bid in batch]
         tail = encode_pack_tail(entries)
         self._call("write pack", stream.name, lambda: stream.upload.finish(tail))
@@ -806,14 +806,14 @@ class PackedBlobs:
     def _repack(self, live: dict[str, builtins.list[PackEntry]]) -> None:
         """Write the live blobs of the given packs into new packs, durable before the old
         ones are deleted (a crash in between leaves both copies: harmless)."""
-        batch: dict[str, bytes] = {}
+        batch: dict[str, Buffer] = {}
         size = 0
         written: list[tuple[str, _Pack]] = []
         for name, entries in live.items():
             for entry in entries:
                 buf = memoryview(bytearray(entry.length))
                 self._range(name, entry, 0, (buf,))
-                batch[entry.blob_id] = bytes(buf)
+                batch[entry.blob_id] = buf
                 size += entry.length
                 if size >= self._pack_size:
                     written.append(self._write_pack(batch))
@@ -833,7 +833,7 @@ def _abort_quietly(upload: PackUpload) -> None:
         log.debug("aborting a pack upload failed: %s", exc)
 
 
-def _copy_out(data: bytes, out: memoryview | None, url: str, blob_id: str) -> memoryview:
+def _copy_out(data: Buffer, out: memoryview | None, url: str, blob_id: str) -> memoryview:
     if out is None:
         return memoryview(data)
     if len(out) < len(data):

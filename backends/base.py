@@ -546,6 +546,27 @@ def copy_bytes(dst: memoryview, src: Buffer) -> None:
         dst[:] = src
 
 
+def joined(parts: Sequence[Buffer]) -> bytes | memoryview:
+    """``parts`` in order in one new buffer (a copy: the caller may reuse its buffers at
+    once), made without holding the GIL when large. ``b"".join`` copies under it, and a
+    chunk's fresh pages fault under it too: a background thread joining 4 MiB chunks held
+    a trainer's Python thread for a quarter of a second per base migrated (a step of
+    140 ms took 359). Small results are bytes; large ones a memoryview of a fresh buffer
+    whose pages the copies touch."""
+    views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in parts]
+    total = sum(len(v) for v in views)
+    if total < _GIL_FREE_COPY:
+        return b"".join(views)
+    import numpy as np
+
+    out = np.empty(total, dtype=np.uint8).data  # no page touched yet
+    pos = 0
+    for v in views:
+        copy_bytes(out[pos : pos + len(v)], v)
+        pos += len(v)
+    return out
+
+
 def scatter(data: Buffer, parts: Sequence[memoryview]) -> int:
     """Copy the start of ``data`` over ``parts`` in order; return ``len(data)`` (for
     :meth:`Tier.get_parts` of tiers that hold the blob in memory)."""

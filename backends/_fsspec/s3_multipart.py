@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from tiercheck.backends.base import Buffer
+
 __all__ = ["PART", "REMOTE_THREADS", "S3Upload"]
 
 # How many requests a remote store is given at once: the parts of an upload, the threads
@@ -51,7 +53,7 @@ class S3Upload:
         n = len(self._parts) + 1
         self._parts.append(self._s3("upload_part", UploadId=self._id, PartNumber=n, Body=body))
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: Buffer) -> None:
         view = memoryview(data).cast("B")
         while view:
             take = min(len(view), PART - self._buffered)

@@ -1,8 +1,8 @@
-"""``copy_bytes`` and ``scatter``: the copies tiers make of blob bytes (a join for LMDB, a
-blob read into the caller's parts), handed to numpy above 64 KiB so that they run without
-the GIL (a memoryview's slice assignment holds it for the whole copy: with a background
-thread scattering 16 MiB blobs, a Python loop in the foreground ran 3.1 M iterations a
-second against 4.8 M with numpy's copy; 8 M alone)."""
+"""``copy_bytes``, ``scatter`` and ``joined``: the copies tiers make of blob bytes (a join
+for LMDB or a pack, a blob read into the caller's parts), handed to numpy above 64 KiB so
+that they run without the GIL (a memoryview's slice assignment holds it for the whole
+copy: with a background thread scattering 16 MiB blobs, a Python loop in the foreground
+ran 3.1 M iterations a second against 4.8 M with numpy's copy; 8 M alone)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import array
 import pytest
 
 from tiercheck.backends import base
-from tiercheck.backends.base import copy_bytes, scatter
+from tiercheck.backends.base import copy_bytes, joined, scatter
 
 
 @pytest.mark.parametrize("n", [0, 1, 4096, 64 * 1024 - 1, 64 * 1024, 3 << 20])
@@ -50,3 +50,27 @@ def test_scatter_fills_parts_in_order_and_stops_at_the_end_of_the_data() -> None
     joined = b"".join(bytes(p) for p in parts)
     assert joined[: len(data)] == data
     assert bytes(parts[2][len(data) - 200_100 :]) == bytes(70_000 - (len(data) - 200_100))
+
+
+@pytest.mark.parametrize("sizes", [(), (0,), (64, 100), (64, 4 << 20), (1, 70_000, 3, 200_000)])
+def test_joined_is_the_parts_in_order_and_a_copy_of_them(sizes: tuple[int, ...]) -> None:
+    """A blob's header and payload joined as ``b"".join`` would, small or large, and the
+    result owns its bytes: the caller may reuse its buffers at once (a pack keeps it)."""
+    parts = [bytearray((i * 13 + k) % 256 for i in range(n)) for k, n in enumerate(sizes)]
+    floats = array.array("f", (float(i) for i in range(1000)))
+    views: list[base.Buffer] = [memoryview(p) for p in parts] + [memoryview(floats)]
+    expect = b"".join(bytes(p) for p in parts) + floats.tobytes()
+    out = joined(views)
+    assert bytes(out) == expect and len(out) == len(expect)
+    for p in parts:
+        p[:] = bytes(len(p))
+    floats[0] = -1.0
+    assert bytes(out) == expect
+
+
+def test_joined_copies_a_large_blob_outside_the_gil_and_a_small_one_as_bytes() -> None:
+    """Above 64 KiB the copy is numpy's (which releases the GIL; ``b"".join`` holds it,
+    and a base migrated into packs held a trainer's thread for a quarter of a second)."""
+    assert isinstance(joined([b"h" * 64, bytes(1000)]), bytes)
+    big = joined([b"h" * 64, bytes(base._GIL_FREE_COPY)])
+    assert isinstance(big, memoryview) and big.format == "B" and big.ndim == 1
