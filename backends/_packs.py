@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from tiercheck.backends.base import BLOB_ID_RE, Buffer, check_blob_id, joined, scatter
+from tiercheck.backends.base import BLOB_ID_RE, Buffer, check_blob_id, fresh_buffer, joined, scatter
 from tiercheck.errors import NotFound
 from tiercheck.formats.framing import frame_record, unframe_record
 from tiercheck.formats.packs import (
@@ -564,7 +564,7 @@ class PackedBlobs:
                 self._spans.move_to_end(key)
         if owner:
             run = PackEntry(entry.blob_id, start, end - start)  # the run as one range
-            buf = memoryview(bytearray(end - start))
+            buf = fresh_buffer(end - start)
             try:
                 self._range(name, run, 0, (buf,))
             except BaseException as exc:

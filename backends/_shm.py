@@ -105,6 +105,7 @@ from tiercheck.backends.base import (
     Tier,
     check_blob_id,
     check_budget,
+    fresh_buffer,
     invalid_url,
     parse_budget,
 )
@@ -593,7 +594,7 @@ class ShmTier(Tier):
         try:
             size = os.fstat(fd).st_size
             if out is None:
-                target = memoryview(bytearray(size))
+                target = fresh_buffer(size)
             elif len(out) < size:
                 raise ValueError(
                     f"buffer of {len(out)} bytes too small for blob of {size} bytes "

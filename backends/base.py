@@ -546,6 +546,19 @@ def copy_bytes(dst: memoryview, src: Buffer) -> None:
         dst[:] = src
 
 
+def fresh_buffer(n: int) -> memoryview:
+    """A new writable buffer of ``n`` bytes whose pages are not touched here (the copy or
+    read into it touches them, without the GIL where :func:`copy_bytes` or a file read
+    does it). ``bytearray(n)`` zeroes it holding the GIL: a background thread making a
+    chunk-sized buffer stalls the trainer's Python thread for the time. Contents are
+    undefined until written."""
+    if n < _GIL_FREE_COPY:
+        return memoryview(bytearray(n))
+    import numpy as np
+
+    return np.empty(n, dtype=np.uint8).data
+
+
 def joined(parts: Sequence[Buffer]) -> bytes | memoryview:
     """``parts`` in order in one new buffer (a copy: the caller may reuse its buffers at
     once), made without holding the GIL when large. ``b"".join`` copies under it, and a
@@ -557,9 +570,7 @@ def joined(parts: Sequence[Buffer]) -> bytes | memoryview:
     total = sum(len(v) for v in views)
     if total < _GIL_FREE_COPY:
         return b"".join(views)
-    import numpy as np
-
-    out = np.empty(total, dtype=np.uint8).data  # no page touched yet
+    out = fresh_buffer(total)
     pos = 0
     for v in views:
         copy_bytes(out[pos : pos + len(v)], v)

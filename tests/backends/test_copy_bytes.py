@@ -11,7 +11,7 @@ import array
 import pytest
 
 from tiercheck.backends import base
-from tiercheck.backends.base import copy_bytes, joined, scatter
+from tiercheck.backends.base import copy_bytes, fresh_buffer, joined, scatter
 
 
 @pytest.mark.parametrize("n", [0, 1, 4096, 64 * 1024 - 1, 64 * 1024, 3 << 20])
@@ -74,3 +74,15 @@ def test_joined_copies_a_large_blob_outside_the_gil_and_a_small_one_as_bytes() -
     assert isinstance(joined([b"h" * 64, bytes(1000)]), bytes)
     big = joined([b"h" * 64, bytes(base._GIL_FREE_COPY)])
     assert isinstance(big, memoryview) and big.format == "B" and big.ndim == 1
+
+
+@pytest.mark.parametrize("n", [0, 10, base._GIL_FREE_COPY - 1, base._GIL_FREE_COPY, 5 << 20])
+def test_fresh_buffer_is_a_writable_flat_buffer_of_its_size(n: int) -> None:
+    """The scratch and read buffers of background threads: ``n`` writable bytes, which a
+    read fills (large ones are numpy's, not zeroed under the GIL as ``bytearray`` is)."""
+    buf = fresh_buffer(n)
+    assert len(buf) == n and buf.format == "B" and buf.ndim == 1 and not buf.readonly
+    data = bytes((i * 31) % 256 for i in range(n))
+    copy_bytes(buf, data)
+    assert bytes(buf) == data
+    assert isinstance(buf.obj, bytearray) == (n < base._GIL_FREE_COPY)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from tiercheck.backends.base import Pins, Tier
+from tiercheck.backends.base import Pins, Tier, fresh_buffer
 from tiercheck.errors import (
     BlobCorrupt,
     FormatVersionError,
@@ -106,20 +106,20 @@ class ChunkFetcher:
         if getattr(self._local, "in_base", 0):
             # a delta's base: the delta blob being decoded still occupies the scratch buffer
             return tier.get(chunk_id)
-        scratch: bytearray | None = getattr(self._local, "buf", None)
+        scratch: memoryview | None = getattr(self._local, "buf", None)
         if scratch is None:
-            scratch = self._local.buf = bytearray(_SCRATCH)
+            scratch = self._local.buf = fresh_buffer(_SCRATCH)
         try:
-            return tier.get(chunk_id, memoryview(scratch))
+            return tier.get(chunk_id, scratch)
         except ValueError:  # larger than the scratch buffer
             return tier.get(chunk_id)
 
     def _scratch(self, n: int) -> memoryview:
         """This thread's reusable buffer, at least ``n`` bytes."""
-        scratch: bytearray | None = getattr(self._local, "buf", None)
+        scratch: memoryview | None = getattr(self._local, "buf", None)
         if scratch is None or len(scratch) < n:
-            scratch = self._local.buf = bytearray(max(n, _SCRATCH))
-        return memoryview(scratch)
+            scratch = self._local.buf = fresh_buffer(max(n, _SCRATCH))
+        return scratch
 
     def _read_decode(
         self, slot: TierSlot, chunk_id: str, out: memoryview | None
@@ -152,7 +152,8 @@ class ChunkFetcher:
         else:
             blob = self._read(tier, chunk_id)
         raw = decode_blob(blob, chunk_id, base_lookup=self._base, out=out)
-        if raw.obj is getattr(self._local, "buf", None):
+        buf = getattr(self._local, "buf", None)
+        if buf is not None and raw.obj is buf.obj:
             raw = memoryview(bytes(raw))  # the scratch buffer is reused by the next read
         return raw, len(blob)
 

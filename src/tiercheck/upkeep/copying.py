@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
-from tiercheck.backends.base import PendingPut
+from tiercheck.backends.base import PendingPut, fresh_buffer
 from tiercheck.errors import CheckpointError, NotFound, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
 from tiercheck.formats.ids import Buffer
@@ -109,11 +109,11 @@ def migrate_shard(
         length = manifest.chunks[index].length
         # decode into this thread's buffer: no fresh pages, and no copy out of the
         # fetcher's scratch buffer (the encoded blob is the only new allocation)
-        buf: bytearray | None = getattr(local, "buf", None)
+        buf: memoryview | None = getattr(local, "buf", None)
         if buf is None or len(buf) < length:
-            buf = local.buf = bytearray(max(length, manifest.chunk_size))
+            buf = local.buf = fresh_buffer(max(length, manifest.chunk_size))
         # verified as read (a copy must not carry damage to a slower tier); not hashed again
-        raw, _ = fetcher.fetch(cid, memoryview(buf)[:length], order=sources)
+        raw, _ = fetcher.fetch(cid, buf[:length], order=sources)
         parts: list[Buffer]
         if codec == "raw":  # header + this thread's buffer, written without joining
             parts = encode_blob_parts(raw, Codec.RAW)
