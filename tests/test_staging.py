@@ -3,14 +3,10 @@ the buffer before, and the per-layout plan rebuilt when the layout or the buffer
 
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
 from typing import Any
 
-import _fresh
 import numpy as np
-import pytest
 import torch
 
 from tiercheck.core.chunking import plan_layout
@@ -170,54 +166,3 @@ def test_a_copy_told_to_stop_leaves_the_rest_of_the_leaves() -> None:
     assert (copied == 1.0).all()
     left = bytes(view[second.offset : second.offset + second.nbytes])
     assert left == b"\xff" * second.nbytes
-
-
-_THREAD_CENSUS = r"""
-import os, sys, threading
-import blake3, torch
-import tiercheck
-
-def native_threads():
-    python = {t.native_id for t in threading.enumerate()}
-    return {int(t) for t in os.listdir("/proc/self/task")} - python
-
-torch.set_num_threads(2)
-torch.ones(1 << 22).add_(1)  # the trainer's own OpenMP team, made before the census
-blake3.blake3(bytes(4 << 20), max_threads=blake3.blake3.AUTO).digest()  # and blake3's pool
-gen = torch.Generator().manual_seed(0)
-state = {
-    "w": torch.randn(1 << 22, generator=gen),
-    "t": torch.randn(1024, 2048, generator=gen).t(),
-    "h": torch.randn(1 << 21, generator=gen).to(torch.bfloat16),
-    "b": torch.rand(1 << 20, generator=gen) > 0.5,
-}
-ckpt = tiercheck.Checkpointer(sys.argv[1])
-try:
-    before = native_threads()
-    ckpt.prepare(state)
-    for step in (1, 2):
-        ckpt.save(step, state).wait()
-    made = native_threads() - before
-    back = {k: torch.zeros_like(v) for k, v in state.items()}
-    ckpt.restore(back)
-finally:
-    ckpt.destroy()
-assert all(torch.equal(back[k], state[k]) for k in state), "restored bytes differ"
-print("threads", len(made))
-"""
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_staging_copies_start_no_threads_beside_the_trainers_openmp_team(tmp_path: Path) -> None:
-    """A save's host copies run on the staging thread alone: ATen's ``copy_`` of a large
-    tensor would make an OpenMP team on that thread, kept while it lives, and with more
-    OpenMP threads than cores GNU OpenMP stops spinning in every team, the trainer's too
-    (``host_copy``). Counted in a fresh process: the threads that are not Python's, after
-    two saves of the default store, against before the store's first save (the trainer's
-    own team and blake3's pool made first). Contiguous, transposed, bf16 and bool tensors;
-    restored bit for bit."""
-    done = _fresh.run(
-        ["-c", _THREAD_CENSUS, str(tmp_path / "store")], capture_output=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-2:] == ["threads", "0"], done.stdout + done.stderr

@@ -18,7 +18,6 @@ of the tensors they serve, so a rank that uses ``cuda:3`` never creates a contex
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -71,44 +70,6 @@ def ready_events(leaves: Sequence[Leaf]) -> dict[int, torch.cuda.Event]:
             event.record(torch.cuda.current_stream(device))
             events[device] = event
     return events
-
-
-def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for host tensors of one dtype and shape, on the calling thread
-    alone.
-
-    ATen splits a large copy over an OpenMP team of the calling thread, and the team
-    lives as long as the thread: a store's staging thread kept one. Once a process holds
-    more OpenMP threads than cores, GNU OpenMP stops spinning between parallel regions in
-    every team, the trainer's too, and each region of its next CPU step waits for sleeping
-    threads to wake (the CPU proxy's optimizer step, 16 parallel regions, ran 3-6 ms
-    (~10%) slower for as long as the store was open after its first save; the same with
-    any other thread's team alive, and not once it ended). This is one numpy copy (strided
-    where the tensors are, the GIL released), through an integer view of the element size;
-    what that cannot express (conjugate or negative views, 16-byte elements, another
-    layout) is left to ``copy_``."""
-    import torch
-
-    as_int = _int_of_size().get(src.element_size())
-    if (
-        as_int is None
-        or src.dtype != dst.dtype
-        or src.shape != dst.shape
-        or not (src.layout == dst.layout == torch.strided)
-        or src.is_conj()
-        or src.is_neg()
-    ):
-        dst.copy_(src)
-        return
-    np.copyto(dst.detach().view(as_int).numpy(), src.detach().view(as_int).numpy())
-
-
-@functools.cache
-def _int_of_size() -> dict[int, torch.dtype]:
-    """Element size -> the torch integer dtype of that size."""
-    import torch
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -183,7 +144,7 @@ class StagingBuffer:
                 buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         else:
             buf = torch.empty(size, dtype=torch.uint8)
-        buf.numpy().fill(0)  # first touch now, not during a save (on this thread alone)
+        buf.zero_()  # first touch now, not during a save
         self._buf = buf
         self._pinned = pinned
 
@@ -299,7 +260,7 @@ class StagingBuffer:
                     break
                 if leaf.kind == "tensor":
                     if not leaf.value.is_cuda:
-                        host_copy(target, leaf.value)
+                        target.copy_(leaf.value)
                 elif leaf.kind == "ndarray":
                     arr = np.asarray(leaf.value)
                     np.copyto(target.numpy().view(arr.dtype).reshape(arr.shape), arr, casting="no")
@@ -479,7 +440,6 @@ class _Plan:
     def zero_gaps(self) -> None:
         """Zero the bytes between entries: others may have written there (a restore into
         this buffer, a save of another layout), and equal states must make equal chunks."""
-        flat = np.frombuffer(self.bytes, dtype=np.uint8)
-        flat[self.small_gaps] = 0
+        np.frombuffer(self.bytes, dtype=np.uint8)[self.small_gaps] = 0
         for start, end in self.large_gaps:
-            flat[start:end] = 0
+            self.buf[start:end].zero_()
