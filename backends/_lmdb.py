@@ -93,7 +93,7 @@ from tiercheck.backends.base import (
     StoreOwner,
     Tier,
     check_blob_id,
-    copy_bytes,
+    gather,
     invalid_url,
     scatter,
 )
@@ -124,11 +124,7 @@ def _joined(e: _Env, views: builtins.list[memoryview]) -> memoryview:
     if len(e.join) < n:
         e.join = bytearray(n)
     out = memoryview(e.join)
-    pos = 0
-    for v in views:
-        copy_bytes(out[pos : pos + len(v)], v)
-        pos += len(v)
-    return out[:n]
+    return out[: gather(views, out)]
 
 
 def _parse_url(url: str) -> str:

@@ -811,7 +811,7 @@ class PackedBlobs:
         written: list[tuple[str, _Pack]] = []
         for name, entries in live.items():
             for entry in entries:
-                buf = memoryview(bytearray(entry.length))
+                buf = fresh_buffer(entry.length)
                 self._range(name, entry, 0, (buf,))
                 batch[entry.blob_id] = buf
                 size += entry.length

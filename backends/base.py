@@ -276,7 +276,7 @@ class Tier(abc.ABC):
         tier able to write several buffers at once (a vectored write) spares the copy and
         the fresh pages of joining them; such a tier overrides this. The default joins.
         """
-        return self.put(blob_id, b"".join(parts), overwrite=overwrite)
+        return self.put(blob_id, joined(parts), overwrite=overwrite)
 
     def begin_put(self, blob_id: str, parts: Sequence[Buffer]) -> PendingPut:
         """Begin :meth:`put_parts` (without ``overwrite``): once this returns, ``parts`` may
@@ -301,7 +301,7 @@ class Tier(abc.ABC):
         of the engine joining every blob into fresh memory. The default joins each blob
         as it is consumed and calls :meth:`put_many`.
         """
-        return self.put_many((blob_id, b"".join(parts)) for blob_id, parts in items)
+        return self.put_many((blob_id, joined(parts)) for blob_id, parts in items)
 
     @abc.abstractmethod
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
@@ -571,11 +571,18 @@ def joined(parts: Sequence[Buffer]) -> bytes | memoryview:
     if total < _GIL_FREE_COPY:
         return b"".join(views)
     out = fresh_buffer(total)
+    gather(views, out)
+    return out
+
+
+def gather(views: Sequence[memoryview | bytes], out: memoryview) -> int:
+    """Copy ``views`` one after another to the start of ``out`` (long enough), each by
+    :func:`copy_bytes`; return how many bytes (the inverse of :func:`scatter`)."""
     pos = 0
     for v in views:
         copy_bytes(out[pos : pos + len(v)], v)
         pos += len(v)
-    return out
+    return pos
 
 
 def scatter(data: Buffer, parts: Sequence[memoryview]) -> int:
