@@ -15,9 +15,10 @@ import mmap
 import os
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from tiercheck.backends.base import Pins, check_blob_id
+from tiercheck.backends.base import Later, Pins, check_blob_id
 from tiercheck.core.sizes import tree_bytes
 from tiercheck.errors import NotFound, TierError
 
@@ -32,6 +33,7 @@ __all__ = [
     "read_owner",
     "remove_segment",
     "shm_free_bytes",
+    "unmap",
 ]
 
 DEFAULT_ROOT = f"/dev/shm/tiercheck-{os.getuid()}"
@@ -213,16 +215,41 @@ class ShmPins(Pins):
         self._maps.append((view, mapped))
         return view
 
-    def close(self) -> None:
-        """Unmap every blob (one still viewed elsewhere is unmapped when that view goes)
-        and release the pool's lock."""
+    def close(self, later: Later | None = None) -> None:
+        """Release the pool's lock, then unmap every blob: on ``later`` where given (a
+        restore's caller need not wait for it: ~30 ms per GiB of 4 KiB pages here), else
+        here. Once the views are released nothing reads the maps, so a put may recycle a
+        deleted blob's pages before they go. A map still viewed elsewhere is unmapped
+        when its last view goes."""
         maps, self._maps = self._maps, []
-        for view, mapped in maps:
+        mapped = []
+        for view, m in maps:
             try:
                 view.release()
-                mapped.close()
             except BufferError:
-                pass  # a slice of it is still alive: unmapped when it is collected
+                pass  # sliced: the slices keep it mapped until they go
+            mapped.append(m)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if not mapped:
+            return
+        if later is not None:
+            try:
+                later(partial(unmap, mapped))
+                return
+            except RuntimeError:  # a pool shut down: unmap here
+                pass
+        unmap(mapped)
+
+
+def unmap(maps: builtins.list[mmap.mmap]) -> int:
+    """Close each of ``maps``; how many were still viewed (each unmapped when its last
+    view goes, wherever that is)."""
+    viewed = 0
+    for m in maps:
+        try:
+            m.close()
+        except BufferError:
+            viewed += 1
+    return viewed

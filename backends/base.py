@@ -67,7 +67,7 @@ import abc
 import builtins
 import json
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
@@ -80,6 +80,7 @@ __all__ = [
     "Buffer",
     "Capabilities",
     "FailureDomain",
+    "Later",
     "LogScan",
     "PendingPut",
     "Pins",
@@ -93,6 +94,8 @@ __all__ = [
 ]
 
 Buffer = bytes | bytearray | memoryview
+Later = Callable[[Callable[[], object]], object]
+"""Where work may run after its caller returns (an ``Executor``'s ``submit``)."""
 
 BLOB_ID_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -130,8 +133,11 @@ class Pins:
     def get(self, blob_id: str) -> memoryview:
         raise NotSupported(f"{type(self).__name__} holds no blobs in place")
 
-    def close(self) -> None:
-        """Release every view :meth:`get` returned. Idempotent."""
+    def close(self, later: Later | None = None) -> None:
+        """Release every view :meth:`get` returned. Idempotent. ``later`` (a thread
+        pool's ``submit``, say) runs what need not hold up the caller once the views are
+        released (shm's unmapping, tens of milliseconds per GiB); without it, or where it
+        refuses the work, that runs here."""
 
     def __enter__(self) -> Pins:
         return self

@@ -165,3 +165,61 @@ def test_chunks_verified_in_place_cannot_change_before_they_are_copied(
     assert ckpt.restore(target).version == 1
     assert_same(target, saved)
     assert shm.segments_reused == reused  # every put while pinned wrote fresh pages
+
+
+def _mapped(blob_id: str) -> bool:
+    """Whether this process maps ``blob_id``'s file (``/proc/self/maps``)."""
+    return blob_id in Path("/proc/self/maps").read_text()
+
+
+def test_pins_release_the_pool_at_once_and_unmap_on_later(tmp_path: Path) -> None:
+    """``close(later)`` releases shm's pool lock before it returns (a put may recycle
+    pages, another reader may pin) and leaves the unmapping to ``later``: the blob stays
+    mapped until that runs, then is gone, every map closed (none still viewed)."""
+    shm = ShmTier(f"shm://pl{uuid.uuid4().hex[:10]}", root=str(tmp_path / "shm"))
+    try:
+        blob_id, data = blob(3 * CHUNK, seed=7)
+        shm.put(blob_id, data)
+        pins = shm.pin()
+        assert pins is not None
+        assert bytes(pins.get(blob_id)) == data
+        jobs: list[Any] = []
+        pins.close(jobs.append)
+        again = shm.pin()
+        assert again is not None, "close left the pool locked"
+        again.close()
+        assert _mapped(blob_id) and len(jobs) == 1
+        assert jobs[0]() == 0  # unmapped: no view of it was left
+        assert not _mapped(blob_id)
+        pins.close()  # idempotent
+    finally:
+        shm.close()
+
+
+def test_a_restore_unmaps_its_pins_off_the_callers_time(
+    store: tuple[tiercheck.Checkpointer, list[TierSpec]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore drops its views of the blobs it verified in shm before it closes its
+    pins, and hands their unmapping (~30 ms per GiB) to the I/O pool: no map is left for
+    the caller's frame to unmap when the views die there."""
+    from tiercheck.backends import _shm_segments
+
+    ckpt, _ = store
+    seen: list[tuple[bool, int]] = []
+    close = _shm_segments.ShmPins.close
+
+    def watched(self: _shm_segments.ShmPins, later: Any = None) -> None:
+        def run_now(job: Any) -> None:
+            seen.append((True, job()))
+
+        if later is None:
+            seen.append((False, -1))
+            close(self)
+        else:
+            close(self, run_now)
+
+    monkeypatch.setattr(_shm_segments.ShmPins, "close", watched)
+    target = blank_state()
+    assert ckpt.restore(target).version == 0
+    assert_same(target, saved_state())
+    assert seen == [(True, 0)]  # handed on, and nothing of the restore still viewed it

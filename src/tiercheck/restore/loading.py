@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiercheck.backends.base import Pins, copy_bytes
+from tiercheck.backends.base import Later, Pins, copy_bytes
 from tiercheck.core.entries import decode_scalar, is_stateful
 from tiercheck.errors import StateError, TiercheckError
 from tiercheck.formats.manifest import ChunkRef, ShardManifest
@@ -73,11 +73,13 @@ class PinnedTiers:
                 self._pins[slot.name] = None
         return self._pins[slot.name]
 
-    def close(self) -> None:
+    def close(self, later: Later | None = None) -> None:
+        """Release every pin, what need not hold up the caller (shm's unmapping) on
+        ``later`` where given (:meth:`~tiercheck.backends.base.Pins.close`)."""
         pins, self._pins = list(self._pins.values()), {}
         for p in pins:
             if p is not None:
-                p.close()
+                p.close(later)
 
 
 class VerifiedStream:

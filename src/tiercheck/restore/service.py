@@ -167,6 +167,7 @@ class RestoreService:
                 log.warning("%s", fallback)
         self._staging.acquire()
         pinned = PinnedTiers()  # chunks verified in place stay as they are until the end
+        staged: _Staged | None = None
         try:
             # Every rank takes part in each round, so that all agree on one version: the
             # newest every rank can read; if any rank then fails to read it, all try older.
@@ -193,7 +194,7 @@ class RestoreService:
                         tiers=tiers,
                     )
                     return None
-                staged: _Staged | None = None
+                staged = None
                 fatal: TiercheckError | None = None
                 # what loading would overwrite, copied while the version is fetched
                 undo = Undo(keep_all=catalog.versions[vid].role == "log")
@@ -230,7 +231,10 @@ class RestoreService:
                 fallback = f"version {vid} could not be restored: {last_error}"
                 candidates = [c for c in candidates if c < vid]
         finally:
-            pinned.close()
+            # the verified views of pinned blobs go first, so that the pins' unmapping
+            # can run on the I/O pool, not in the caller's time
+            staged = None
+            pinned.close(self._pool.submit)
             self._staging.release()
 
     def _report_losses(self, info: RestoreInfo, catalog: Catalog, explicit: bool) -> RestoreInfo:
