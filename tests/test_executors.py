@@ -15,7 +15,7 @@ import torch
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.errors import ConfigError
-from tiercheck.runtime.executors import Executors
+from tiercheck.runtime.executors import Executors, lower_priority, own_nice
 from tiercheck.testing.faults import FaultEvent, FaultPlan, inject
 from tiercheck.upkeep.copying import WRITE_WINDOW
 
@@ -182,7 +182,9 @@ def test_the_threads_that_save_yield_the_cpu_and_the_staging_copy_does_not(
     """``background="low"`` (the default) runs every thread that hashes, places, commits
     or migrates at ``nice`` +10 or more, ``"idle"`` under ``SCHED_IDLE`` too (the kernel
     preempts it the moment another thread wants its core); the staging copy, which the
-    trainer waits for, keeps the caller's priority either way."""
+    trainer waits for, keeps the caller's priority either way. The levels are the
+    opener's +10 and, for a migration's reads, +19: not +10 again for a pool thread that
+    the (already lowered) save thread started (those ran at +19)."""
     before = set(threading.enumerate())
     open_store(tmp_path).close()  # its tiers: LMDB in the commit, a remote by migration
     kwargs = {} if background == "low" else {"background": background}  # low: the default
@@ -199,6 +201,9 @@ def test_the_threads_that_save_yield_the_cpu_and_the_staging_copy_does_not(
         policy, nice = seen[name]
         assert nice >= main[1] + 10, name
         assert policy == (os.SCHED_IDLE if background == "idle" else os.SCHED_OTHER), name
+    for name in ["tiercheck-save", "tiercheck-tier", "tiercheck-log"]:
+        assert seen[name][1] == min(19, main[1] + 10), name
+    assert seen["tiercheck-migrate-io"][1] == 19
 
 
 def test_an_unknown_background_priority_is_refused_before_the_store_opens(
@@ -207,3 +212,25 @@ def test_an_unknown_background_priority_is_refused_before_the_store_opens(
     with pytest.raises(ConfigError, match="background must be one of 'idle', 'low'"):
         Checkpointer(tmp_path / "s", background="lowest")  # type: ignore[arg-type]
     assert not (tmp_path / "s").exists()
+
+
+def test_priority_levels_are_absolute_and_never_raise_a_thread() -> None:
+    """``lower_priority(n)`` puts the calling thread at ``nice`` n (absolute: twice is
+    still n, where +10 twice was +20), capped at 19, and leaves a thread already lower
+    where it is."""
+    base = own_nice()
+    seen: list[int] = []
+
+    def run(first: int | None, level: int) -> None:
+        if first is not None:
+            os.nice(first - own_nice())
+        lower_priority(level)
+        lower_priority(level)
+        seen.append(own_nice())
+
+    for first, level in [(None, base + 10), (None, base + 40), (base + 15, base + 10)]:
+        t = threading.Thread(target=run, args=(first, level))
+        t.start()
+        t.join()
+    assert seen == [min(19, base + 10), 19, min(19, base + 15)]
+    assert own_nice() == base  # the caller's own thread is untouched

@@ -40,6 +40,11 @@ an unprivileged thread cannot leave ``SCHED_IDLE``, and where other processes ke
 core busy an idle thread gets almost no CPU, while the trainer may wait for it (a save's
 staging buffer is free only once the fastest tier holds the save before): with two
 busy-looping processes on two cores, 40 steps took over 300 s idle, 41 s with ``nice``.
+The levels are absolute, counted from the ``nice`` of the thread that opened the store
+(:attr:`Priority.base`): a pool's threads are started by whichever thread first submits
+to it, and inherit its level, so a relative +10 put the pools the (already lowered) save
+thread started at +19, not +10 (stops 46-47 measured them so). A thread already lower than
+its level stays there: a pool a migration's thread started keeps the migration's level.
 Threads a background thread starts inherit its priority (blake3's worker pool, which
 hashes a save's large chunks, takes that of whichever thread first started it: the save
 pipeline's, unless something else in the process hashed first). Only the staging copy,
@@ -52,7 +57,7 @@ import os
 import queue
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, get_args
 
@@ -66,23 +71,37 @@ __all__ = [
     "Executors",
     "Priority",
     "lower_priority",
+    "own_nice",
 ]
 
 WRITE_WINDOW = 16  # blobs in flight to a target tier at once, per migration
 LOG_READERS = 8  # tiers whose logs are read at once
 NICE = 10  # how much lower the background threads run than the trainer
 MIGRATION_NICE = 19  # migrations: the lowest priority there is
+MAX_NICE = 19  # the lowest priority there is
 
 
 Background = Literal["idle", "low"]  # Checkpointer(background=...): see the module docstring
 
 
-def lower_priority(steps: int = NICE, *, idle: bool = False) -> None:
-    """Run the calling thread at a lower priority: ``nice`` +``steps`` and, with ``idle``,
-    the ``SCHED_IDLE`` policy; on Linux both apply to the calling thread only. Where the
-    system has no such thing (``SCHED_IDLE`` is Linux's), that part is left out."""
+def own_nice() -> int:
+    """The calling thread's ``nice`` (Linux schedules threads one by one; 0 where the
+    system has no such thing)."""
     try:
-        os.nice(steps)
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except (AttributeError, OSError):
+        return 0
+
+
+def lower_priority(nice: int = NICE, *, idle: bool = False) -> None:
+    """Run the calling thread at ``nice`` (an absolute level, at most 19) and, with
+    ``idle``, the ``SCHED_IDLE`` policy; on Linux both apply to the calling thread only.
+    A thread already lower stays as it is: only the opener's privileges could raise it,
+    and a thread made by a lower one (a migration's) inherits its maker's level. Where
+    the system has no such thing (``SCHED_IDLE`` is Linux's), that part is left out."""
+    try:
+        if own_nice() < nice:
+            os.setpriority(os.PRIO_PROCESS, 0, min(nice, MAX_NICE))
     except (AttributeError, OSError):
         pass
     if idle and hasattr(os, "SCHED_IDLE"):
@@ -95,10 +114,13 @@ def lower_priority(steps: int = NICE, *, idle: bool = False) -> None:
 @dataclass(frozen=True)
 class Priority:
     """The priority of one store's background threads (``Checkpointer(background=)``; see
-    the module docstring): :meth:`lower` for the save's and the pools' threads,
-    :meth:`lowest` for a migration's."""
+    the module docstring), relative to the thread that opened the store (``base``, its
+    ``nice`` when this was made): :meth:`lower` for the save's and the pools' threads,
+    :meth:`lowest` for a migration's. The levels are absolute: a pool thread made by the
+    save thread runs at the save thread's level, not +:data:`NICE` below it again."""
 
     background: Background = "low"
+    base: int = field(default_factory=own_nice)
 
     def __post_init__(self) -> None:
         if self.background not in get_args(Background):
@@ -109,13 +131,13 @@ class Priority:
 
     @property
     def lower(self) -> Callable[[], None]:
-        """The initializer of a background thread (``nice`` +:data:`NICE`)."""
-        return partial(lower_priority, NICE, idle=self.background == "idle")
+        """The initializer of a background thread (the opener's ``nice`` +:data:`NICE`)."""
+        return partial(lower_priority, self.base + NICE, idle=self.background == "idle")
 
     @property
     def lowest(self) -> Callable[[], None]:
         """The initializer of a migration's thread (``nice`` +:data:`MIGRATION_NICE`)."""
-        return partial(lower_priority, MIGRATION_NICE, idle=self.background == "idle")
+        return partial(lower_priority, self.base + MIGRATION_NICE, idle=self.background == "idle")
 
 
 class _Pool(ThreadPoolExecutor):
