@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -559,6 +559,25 @@ class TierConformance:
         again = tier.pin()
         assert again is not None
         again.close()
+
+    def test_pins_closed_with_later_leave_only_cleanup_to_it(self, tier: Tier) -> None:
+        """``close(later)``: the tier pins again at once (nothing of the pins still holds
+        it), and the work handed to ``later``, run afterwards, raises nothing."""
+        bid, data = blob(70_000, seed=350)
+        tier.put(bid, data)
+        pins = tier.pin()
+        if pins is None:
+            return  # this tier reads with get_parts only
+        assert bytes(pins.get(bid)) == data
+        jobs: list[Callable[[], object]] = []
+        pins.close(jobs.append)
+        again = tier.pin()
+        assert again is not None
+        again.close()
+        for job in jobs:
+            job()
+        pins.close(jobs.append)  # idempotent
+        assert bytes(tier.get(bid)) == data
 
     # --- lifecycle -----------------------------------------------------------------
 

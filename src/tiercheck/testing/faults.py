@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from tiercheck import errors
-from tiercheck.backends.base import Buffer, LogScan, PendingPut, Pins, Tier, scatter
+from tiercheck.backends.base import Buffer, Later, LogScan, PendingPut, Pins, Tier, scatter
 from tiercheck.backends.registry import open_tier, register_tier
 from tiercheck.backends.wrappers import WrapperTier
 from tiercheck.errors import ConfigError, TierError, TierUnavailable
@@ -618,8 +618,8 @@ class _FaultyPins(Pins):
         self._tier._after("get", call, faults, blob_id)
         return view
 
-    def close(self) -> None:
-        self._inner.close()
+    def close(self, later: Later | None = None) -> None:
+        self._inner.close(later)
 
 
 def open_faulty(
