@@ -8,6 +8,7 @@ into a plain unsharded model). The one-process side runs here, in a one-rank glo
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -28,10 +29,17 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def load_worker() -> ModuleType:
+    """The worker script as a module, with its directory on the path as torchrun gives it
+    (it imports ``_leave`` from there; the test passed alone only where an earlier test of
+    the same process had left that directory on the path)."""
     spec = importlib.util.spec_from_file_location("fsdp_worker", WORKER)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(WORKER.parent))
     return module
 
 
