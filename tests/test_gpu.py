@@ -152,9 +152,9 @@ def test_a_model_and_optimizer_on_the_gpu_restore_exactly(tmp_path: Path, shm_ro
 def test_a_failed_restore_into_device_tensors_leaves_them_as_they_were(
     tmp_path: Path, shm_root: str
 ) -> None:
-    """A module whose last layer does not fit raises in ``load_state_dict`` after copying
-    the layers that fit: its device tensors are put back from the undo copy, and the plain
-    device tensor beside it (written last, no undo copy) was never written."""
+    """A module whose last layer does not fit raises in ``load_state_dict`` after loading
+    the layers that fit: its device tensors (it loads by reference: written last) and the
+    plain device tensor beside it (written last too) were never written."""
     torch.manual_seed(0)
     saved = {
         "model": torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)).cuda(),

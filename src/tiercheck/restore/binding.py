@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from tiercheck.restore.devices import DeviceStream
 
-__all__ = ["MISSING", "Binding", "bind", "check_stream"]
+__all__ = ["MISSING", "Binding", "bind", "check_stream", "loads_by_reference"]
 
 
 @dataclass
@@ -44,9 +44,13 @@ class Binding:
     # entry index -> the caller's contiguous tensor on an accelerator: loaded from staging
     # by host-to-device copies (loading.py), no host tensor of its own
     device: dict[int, Any] = field(default_factory=dict)
-    # entries written straight into a caller's tensor outside every stateful object: nothing
-    # after their write can fail, so they are written last and need no undo copy (undo.py)
+    # entries written straight into a caller's tensor outside every stateful object, or in
+    # one that loads by reference: nothing after their write can fail, so they are written
+    # last and need no undo copy (undo.py)
     loose: set[int] = field(default_factory=set)
+    # id(tree node) -> the loose entries of a stateful object that loads by reference
+    # (:func:`loads_by_reference`): its load_state_dict runs before their bytes are written
+    by_reference: dict[int, set[int]] = field(default_factory=dict)
     # the verified stream's bytes for ``device``, copied to the GPU while it was read
     on_device: DeviceStream | None = None
 
@@ -93,6 +97,51 @@ def _mismatch(entry: Entry, target: Any) -> str:
 
 
 MISSING = object()
+
+# torch's own overrides of Module._load_from_state_dict that only rename or add keys (a
+# missing num_batches_tracked, old versions' running stats) and then load as Module does
+_KEY_ONLY_LOADERS = {
+    "torch.nn.modules.batchnorm._NormBase._load_from_state_dict",
+    "torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict",
+}
+
+
+def loads_by_reference(obj: Any) -> bool:
+    """Whether ``obj.load_state_dict(sd)``, given its own ``state_dict()``'s tensors, keeps
+    those very tensors, reading none of their values: then a restore may write their bytes
+    after the call, when nothing can fail any more, and needs no copy of them to put back
+    (undo.py). True for an ``nn.Module`` each of whose modules loads as ``Module`` does
+    (``copy_`` into its parameters and buffers; torch's norm layers, which only fix keys,
+    included) with no load hooks, unless torch swaps tensors on load; and for a
+    ``torch.optim.Optimizer`` whose ``load_state_dict`` is the base class's, with no load
+    hooks (it keeps each state tensor whose dtype and device match its parameter's). The
+    restore checks afterwards that the tensors were kept (a dtype that did not match gives
+    a copy): :func:`tiercheck.restore.loading.copied_on_load`."""
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        if torch.__future__.get_swap_module_params_on_conversion():
+            return False
+        for m in obj.modules():
+            cls = type(m)
+            if cls.load_state_dict is not torch.nn.Module.load_state_dict:
+                return False
+            loader = cls._load_from_state_dict
+            if loader is not torch.nn.Module._load_from_state_dict and (
+                f"{loader.__module__}.{loader.__qualname__}" not in _KEY_ONLY_LOADERS
+            ):
+                return False
+            if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+                return False
+        return True
+    if isinstance(obj, torch.optim.Optimizer):
+        if type(obj).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+            return False
+        return not (
+            getattr(obj, "_optimizer_load_state_dict_pre_hooks", None)
+            or getattr(obj, "_optimizer_load_state_dict_post_hooks", None)
+        )
+    return False
 
 
 def check_stream(manifest: ShardManifest) -> None:
@@ -167,9 +216,11 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
             b.pieces.append(piece)
         assembled.add(i)
 
-    # entries bound to a caller's tensor or array outside every stateful object
+    # entries bound to a caller's tensor or array outside every stateful object but those
+    # that load by reference
     plain: set[int] = set()
-    inside = [0]  # how many stateful objects the walk is in
+    inside = [0]  # how many stateful objects the walk is in that do not load by reference
+    owners: list[int] = []  # the objects that do, innermost last (id of their tree node)
 
     def walk(node: Any, target: Any, key: str, checked: bool) -> None:
         if not isinstance(node, dict) or len(node) != 1:
@@ -188,6 +239,8 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
                 b.targets[sub] = target
                 if not inside[0]:
                     plain.add(sub)
+                    if owners:
+                        b.by_reference[owners[-1]].add(sub)
             elif (
                 checked
                 and target is not MISSING
@@ -206,9 +259,17 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
                     for j, p in enumerate(params):
                         if is_dtensor(p):
                             like[f"{key}/state/{j}" if key else f"state/{j}"] = p
-                inside[0] += 1
+                by_reference = not inside[0] and loads_by_reference(target)
+                if by_reference:
+                    b.by_reference[id(node)] = set()
+                    owners.append(id(node))
+                else:
+                    inside[0] += 1
                 walk(sub, sd, key, False)
-                inside[0] -= 1
+                if by_reference:
+                    owners.pop()
+                else:
+                    inside[0] -= 1
             elif checked and target is not MISSING:
                 raise StateError(
                     f"saved an object with state_dict(), the state has {type(target).__qualname__}",
@@ -297,4 +358,6 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
             buf = bytearray(entry.nbytes)
             b.values[i] = buf
             b.dests[i] = memoryview(buf)
+    for owned in b.by_reference.values():
+        owned &= b.loose  # the others are copied in while the tree is put together
     return b

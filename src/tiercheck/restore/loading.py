@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,10 +48,12 @@ __all__ = [
     "InPlace",
     "PinnedTiers",
     "VerifiedStream",
+    "copied_on_load",
     "fetch_stream",
     "load_stream",
     "materialize",
     "plan_in_place",
+    "reload",
 ]
 
 
@@ -253,7 +255,12 @@ _COPY_ALONE = 8 << 20  # below this many bytes in all, copied on the caller's th
 
 
 def load_stream(
-    manifest: ShardManifest, binding: Binding, source: VerifiedStream, *, loose: bool = False
+    manifest: ShardManifest,
+    binding: Binding,
+    source: VerifiedStream,
+    *,
+    loose: bool = False,
+    only: Collection[int] | None = None,
 ) -> None:
     """Copy entries' bytes from the verified ``source`` into their destinations, each byte
     once: into a host destination by memcpys (spread over the cores, without the GIL),
@@ -264,6 +271,7 @@ def load_stream(
     ``loose=False`` writes every entry but the binding's loose ones (which an undo copy
     covers, then :func:`materialize` runs); ``loose=True`` writes the loose ones, last,
     when nothing of the restore can fail any more (:class:`~tiercheck.restore.undo.Undo`).
+    ``only``: exactly these entries, loose or not.
     """
     stream = source.stream
     on_device = binding.on_device
@@ -271,7 +279,7 @@ def load_stream(
     from_device: list[tuple[Any, int, int]] = []
     copies: list[tuple[memoryview, memoryview]] = []
     for i, entry in enumerate(manifest.entries):
-        if not entry.nbytes or (i in binding.loose) != loose:
+        if not entry.nbytes or ((i in binding.loose) != loose if only is None else i not in only):
             continue
         target = binding.device.get(i)
         if target is not None:
@@ -339,11 +347,14 @@ def materialize(
     allow_pickle: bool = False,
     replayed: Mapping[str, Any] | None = None,
     undo: Undo | None = None,
+    loaded: dict[int, Any] | None = None,
 ) -> Any:
     """Put restored values into ``state`` (in place where possible) and return it.
     ``replayed`` holds the tensors of a log version's ``{"r": NAME}`` leaves. ``undo``
     (covering ``binding``) is told of each container before it is changed and of each
-    object before its ``load_state_dict`` runs, so that a failure can be undone."""
+    object before its ``load_state_dict`` runs, so that a failure can be undone.
+    ``loaded`` gets, for each object that loads by reference, what its
+    ``load_state_dict`` was given (id of its tree node -> that state)."""
     import torch
 
     entries = manifest.entries
@@ -379,10 +390,9 @@ def materialize(
             if target is not MISSING and is_stateful(target):
                 if undo is not None:
                     undo.touched(target)
-                try:
-                    target.load_state_dict(restored)
-                except Exception as exc:
-                    raise StateError(f"load_state_dict failed: {exc}", key=key) from exc
+                reload(target, restored, key)
+                if loaded is not None and id(node) in binding.by_reference:
+                    loaded[id(node)] = restored
                 return target
             return restored
         if tag == "d":
@@ -411,6 +421,46 @@ def materialize(
         raise StateError(f"unknown tree node {tag!r}", key=key)
 
     return build(manifest.tree, state if state is not None else MISSING, "")
+
+
+def reload(obj: Any, restored: Any, key: str) -> None:
+    """``obj.load_state_dict(restored)``, a failure a :class:`StateError` naming ``key``."""
+    try:
+        obj.load_state_dict(restored)
+    except Exception as exc:
+        raise StateError(f"load_state_dict failed: {exc}", key=key) from exc
+
+
+def copied_on_load(binding: Binding) -> set[int]:
+    """The objects of ``binding.by_reference`` (ids of their tree nodes) whose
+    ``load_state_dict`` did not keep every tensor the restore writes: their state, read
+    again, lacks one (an optimizer's state tensor of another dtype than its parameter is
+    converted, so copied). Their bytes must be written, and they loaded again."""
+    import torch
+
+    def where(t: Any) -> tuple[Any, ...]:
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+    def tensors(value: Any) -> Iterator[Any]:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                yield from tensors(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from tensors(v)
+
+    out: set[int] = set()
+    for node_id, entries in binding.by_reference.items():
+        written = [binding.targets[i] for i in entries]
+        written = [t for t in written if isinstance(t, torch.Tensor) and t.numel()]
+        if not written:
+            continue
+        held = {where(t) for t in tensors(binding.objects[node_id][1].state_dict())}
+        if any(where(t) not in held for t in written):
+            out.add(node_id)
+    return out
 
 
 def _child(key: str, k: object) -> str:

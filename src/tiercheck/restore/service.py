@@ -50,10 +50,12 @@ from tiercheck.restore.info import RestoreInfo
 from tiercheck.restore.loading import (
     PinnedTiers,
     VerifiedStream,
+    copied_on_load,
     fetch_stream,
     load_stream,
     materialize,
     plan_in_place,
+    reload,
 )
 from tiercheck.restore.reshard import Gathered, gather
 from tiercheck.restore.undo import Undo
@@ -380,18 +382,32 @@ class RestoreService:
     ) -> Any:
         """Write ``staged``'s verified bytes into the caller's tensors and load its
         objects into ``target`` (each change kept by ``undo`` first); the restored state."""
-        load_stream(staged.manifest, staged.binding, staged.source)
+        binding = staged.binding
+        load_stream(staged.manifest, binding, staged.source)
         staged.pieces.apply()
+        loaded: dict[int, Any] = {}
         restored = materialize(
             staged.manifest,
-            staged.binding,
+            binding,
             target,
             allow_pickle=self.allow_pickle,
             replayed=replayed,
             undo=undo,
+            loaded=loaded,
         )
+        # an object that was to load by reference but kept copies: its bytes kept and
+        # written now, then loaded again (binding.loads_by_reference)
+        late = copied_on_load(binding)
+        if late:
+            entries = set().union(*(binding.by_reference[n] for n in late))
+            undo.late(binding.targets[i] for i in entries)
+            binding.loose -= entries
+            load_stream(staged.manifest, binding, staged.source, only=entries)
+            for n in late:
+                key, obj = binding.objects[n]
+                reload(obj, loaded[n], key)
         # last, when nothing can fail any more: the entries no undo copy covers (undo.py)
-        load_stream(staged.manifest, staged.binding, staged.source, loose=True)
+        load_stream(staged.manifest, binding, staged.source, loose=True)
         return restored
 
     def _info(

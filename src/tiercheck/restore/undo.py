@@ -9,7 +9,7 @@ everything the load wrote is put back as it was.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -52,10 +52,15 @@ class Undo:
 
     Only what can still fail is copied: the tensors of stateful objects and of fresh
     values copied in place while the tree is put together, not the binding's loose
-    entries (a caller's tensor or array outside every stateful object, written straight
-    from the verified staging buffer). Those are written last, after every
-    ``load_state_dict`` and leaf decoding succeeded, and nothing after them can fail:
-    a plain dict of tensors is restored with no copy of the state at all. A log version
+    entries (a caller's tensor or array outside every stateful object, or held by a
+    module or optimizer that loads by reference, written straight from the verified
+    stream). Those are written last, after every ``load_state_dict`` and leaf decoding
+    succeeded, and nothing after them can fail: a plain dict of tensors, or a model and
+    its optimizer, is restored with no copy of the state at all. An object that loads by
+    reference is given its own tensors, not yet written (:func:`~tiercheck.restore.
+    binding.loads_by_reference`); if its load kept copies of them after all
+    (:func:`~tiercheck.restore.loading.copied_on_load`), :meth:`late` keeps their bytes
+    before they are written and it is loaded again. A log version
     (``keep_all``) copies everything its entries write: its replay runs after the base's
     entries were written, and may break.
 
@@ -80,21 +85,27 @@ class Undo:
     # --- before anything is written ------------------------------------------------------
 
     def cover(self, binding: Binding) -> None:
-        """Keep everything a load of ``binding`` can write (call before the first byte is)."""
+        """Keep everything a load of ``binding`` can write (call before the first byte is):
+        an object that loads by reference (``binding.by_reference``) keeps its tree but not
+        its tensors' bytes, which are written last, like the loose entries."""
         for node_id, (key, obj) in binding.objects.items():
-            self.object(key, obj, binding.stateful.get(node_id))
+            by_reference = not self.keep_all and node_id in binding.by_reference
+            self.object(key, obj, binding.stateful.get(node_id), keep_bytes=not by_reference)
         for i, target in binding.targets.items():
             if self.keep_all or i not in binding.loose:
                 self.tensor(target)
         for piece in binding.pieces:
             self.tensor(piece.dest)
 
-    def object(self, key: str, obj: Any, sd: Mapping[str, Any] | None = None) -> None:
-        """Keep ``obj``'s state (``sd``: its ``state_dict()`` taken now, if already taken)."""
+    def object(
+        self, key: str, obj: Any, sd: Mapping[str, Any] | None = None, *, keep_bytes: bool = True
+    ) -> None:
+        """Keep ``obj``'s state (``sd``: its ``state_dict()`` taken now, if already taken);
+        with ``keep_bytes=False`` its tree only, its tensors' bytes left to the caller."""
         if id(obj) in self._objects:
             return
         current = obj.state_dict() if sd is None else sd
-        self._objects[id(obj)] = (key, obj, self._tree(current))
+        self._objects[id(obj)] = (key, obj, self._tree(current, keep_bytes))
 
     def tensor(self, t: Any) -> None:
         """Keep the bytes of a caller tensor or array the restore may write (copied by
@@ -140,6 +151,17 @@ class Undo:
                 f"({type(exc).__name__}: {exc}); nothing of the state was written"
             ) from exc
 
+    def late(self, tensors: Iterable[Any]) -> None:
+        """Keep the bytes of ``tensors`` now, on this thread, while loading: those of an
+        object that was to load by reference but kept copies (they are written before its
+        ``load_state_dict`` runs again). A copy that cannot be made raises, the copies
+        kept so far intact, so that the load's rollback puts everything back."""
+        for t in tensors:
+            self.tensor(t)
+        for k, t in self._tensors.items():
+            if k not in self._kept and k not in self._copying:
+                self._kept[k] = _copy_of(t)
+
     def discard(self) -> None:
         """Drop the copies (the restore did not get to load: nothing to put back)."""
         for copying in self._copying.values():
@@ -151,13 +173,15 @@ class Undo:
         """Keep which ``.grad`` each parameter has (the replay sets and clears them)."""
         self._grads.extend((p, p.grad) for p in params)
 
-    def _tree(self, value: Any) -> Any:
+    def _tree(self, value: Any, keep_bytes: bool = True) -> Any:
         """A copy of a ``state_dict()``'s containers whose tensors are the same objects,
-        their bytes kept (a dict keeps its type and attributes: a module's ``_metadata``)."""
+        their bytes kept unless not ``keep_bytes`` (a dict keeps its type and attributes:
+        a module's ``_metadata``)."""
         import torch
 
         if isinstance(value, (torch.Tensor, np.ndarray)):
-            self.tensor(value)
+            if keep_bytes:
+                self.tensor(value)
             return value
         if isinstance(value, dict):
             try:
@@ -165,12 +189,12 @@ class Undo:
             except Exception:
                 out = dict(value)
             for k in list(out):
-                out[k] = self._tree(out[k])
+                out[k] = self._tree(out[k], keep_bytes)
             return out
         if isinstance(value, list):
-            return [self._tree(v) for v in value]
+            return [self._tree(v, keep_bytes) for v in value]
         if isinstance(value, tuple):
-            items = [self._tree(v) for v in value]
+            items = [self._tree(v, keep_bytes) for v in value]
             return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
         if isinstance(value, (set, bytearray)):
             return copy.copy(value)
