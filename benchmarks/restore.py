@@ -260,7 +260,7 @@ def section(path: Path = Path(__file__).parent / "results" / "restore.json") -> 
     def over(key: str) -> str:
         mine, peer = key.split(" / ")
         label = LABELS.get(peer, peer)
-        return label if mine == "tc_shm_s" else f"{label}: {LABELS.get(mine, mine)} over it"
+        return label if mine == "tc_shm_s" else f"({LABELS.get(mine, mine)}) / ({label})"
 
     ratios = [f"| {over(k)} | {r:.2f}x |" for k, r in doc["ratios"].items()]
     return (
