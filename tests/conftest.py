@@ -196,6 +196,20 @@ def _segments() -> dict[str, Any]:
     return {s.path: s for s in list_segments(DEFAULT_SHM_ROOT, sizes=False)}
 
 
+@pytest.fixture
+def memory_ckpt(tmp_path: Any) -> Iterator[Any]:
+    """A store of one in-process memory tier (for tests that are not about tiers)."""
+    import tiercheck
+
+    store = tiercheck.Checkpointer(
+        tmp_path / "store", tiers=[("mem", f"memory://{uuid.uuid4().hex}")]
+    )
+    try:
+        yield store
+    finally:
+        store.close()
+
+
 @pytest.fixture(autouse=True)
 def _quick_migration_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     from tiercheck.upkeep import migration

@@ -10,8 +10,7 @@ before, and that the error is typed and names what failed.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +55,9 @@ def image(value: Any, path: str = "", *, ids: bool = True) -> dict[str, Any]:
 
 
 @pytest.fixture
-def ckpt(tmp_path: Path) -> Iterator[tiercheck.Checkpointer]:
+def ckpt(memory_ckpt: tiercheck.Checkpointer) -> tiercheck.Checkpointer:
     """A store of one in-process memory tier (these tests are not about tiers)."""
-    store = tiercheck.Checkpointer(
-        tmp_path / "store", tiers=[("mem", f"memory://{uuid.uuid4().hex}")]
-    )
-    try:
-        yield store
-    finally:
-        store.close()
+    return memory_ckpt
 
 
 def train(model: nn.Linear, opt: torch.optim.Optimizer, steps: int) -> None:

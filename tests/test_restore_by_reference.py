@@ -9,9 +9,6 @@ gives. A real memory tier and real torch objects.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,14 +23,8 @@ from tiercheck.restore.binding import loads_by_reference
 
 
 @pytest.fixture
-def ckpt(tmp_path: Path) -> Iterator[tiercheck.Checkpointer]:
-    store = tiercheck.Checkpointer(
-        tmp_path / "store", tiers=[("mem", f"memory://{uuid.uuid4().hex}")]
-    )
-    try:
-        yield store
-    finally:
-        store.close()
+def ckpt(memory_ckpt: tiercheck.Checkpointer) -> tiercheck.Checkpointer:
+    return memory_ckpt
 
 
 def trained(seed: int, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -77,7 +77,7 @@ __all__ = [
 WRITE_WINDOW = 16  # blobs in flight to a target tier at once, per migration
 LOG_READERS = 8  # tiers whose logs are read at once
 NICE = 10  # how much lower the background threads run than the trainer
-MIGRATION_NICE = 19  # migrations: the lowest priority there is
+MIGRATION_NICE = 19  # how much lower a migration's threads run (at most MAX_NICE)
 MAX_NICE = 19  # the lowest priority there is
 
 
