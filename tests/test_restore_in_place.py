@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,8 @@ def _mapped(blob_id: str) -> bool:
 def test_pins_release_the_pool_at_once_and_unmap_on_later(tmp_path: Path) -> None:
     """``close(later)`` releases shm's pool lock before it returns (a put may recycle
     pages, another reader may pin) and leaves the unmapping to ``later``: the blob stays
-    mapped until that runs, then is gone, every map closed (none still viewed)."""
+    mapped until that runs, then is gone, every map closed (none still viewed). A
+    ``later`` that refuses the work (a pool shut down) leaves it to ``close`` itself."""
     shm = ShmTier(f"shm://pl{uuid.uuid4().hex[:10]}", root=str(tmp_path / "shm"))
     try:
         blob_id, data = blob(3 * CHUNK, seed=7)
@@ -192,6 +194,14 @@ def test_pins_release_the_pool_at_once_and_unmap_on_later(tmp_path: Path) -> Non
         assert jobs[0]() == 0  # unmapped: no view of it was left
         assert not _mapped(blob_id)
         pins.close()  # idempotent
+        # a pool already shut down refuses the work: the unmapping runs in close()
+        pins = shm.pin()
+        assert pins is not None
+        pins.get(blob_id)
+        pool = ThreadPoolExecutor(1)
+        pool.shutdown()
+        pins.close(pool.submit)
+        assert not _mapped(blob_id)
     finally:
         shm.close()
 
