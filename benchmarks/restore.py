@@ -86,6 +86,13 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def shm_store_of(ckpt: tiercheck.Checkpointer) -> tuple[str, str]:
+    """Where a restarted process finds ``ckpt``'s store: its root and its shm tier's URL."""
+    shm = ckpt.tierset.get("shm").tier
+    assert shm is not None
+    return str(ckpt.root), shm.url
+
+
 def restarted(kind: str, where: str, url: str, tensors: int, tensor_mib: float) -> float:
     """One restore in a fresh process (this script's ``--child``): seconds of the call."""
     out = subprocess.run(
@@ -174,9 +181,7 @@ def measure(
             shm_only.save(1, live).wait()
             systems["tc_shm_s"] = lambda: shm_only.restore(live)
             if restart is not None:
-                shm = shm_only.tierset.get("shm").tier
-                assert shm is not None
-                where, url = str(shm_only.root), shm.url
+                where, url = shm_store_of(shm_only)
                 systems["tc_shm_restart_s"] = lambda: restarted("tc", where, url, *restart)
                 systems["dcp_load_restart_s"] = lambda: restarted(
                     "dcp", str(work / "dcp"), "", *restart
@@ -187,9 +192,7 @@ def measure(
                 of_model.save(1, {"model": model}).wait()
                 systems["tc_module_s"] = lambda: of_model.restore({"model": model})
                 if restart is not None:
-                    shm = of_model.tierset.get("shm").tier
-                    assert shm is not None
-                    m_where, m_url = str(of_model.root), shm.url
+                    m_where, m_url = shm_store_of(of_model)
                     systems["tc_module_restart_s"] = lambda: restarted(
                         "tc_module", m_where, m_url, *restart
                     )

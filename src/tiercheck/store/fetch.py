@@ -106,11 +106,8 @@ class ChunkFetcher:
         if getattr(self._local, "in_base", 0):
             # a delta's base: the delta blob being decoded still occupies the scratch buffer
             return tier.get(chunk_id)
-        scratch: memoryview | None = getattr(self._local, "buf", None)
-        if scratch is None:
-            scratch = self._local.buf = fresh_buffer(_SCRATCH)
         try:
-            return tier.get(chunk_id, scratch)
+            return tier.get(chunk_id, self._scratch(_SCRATCH))
         except ValueError:  # larger than the scratch buffer
             return tier.get(chunk_id)
 
