@@ -42,6 +42,21 @@ def test_default_remote_holds_a_base_in_at_most_four_objects(tmp_path: Path) -> 
         ckpt.destroy()
 
 
+def test_the_default_remote_writes_packs_of_16_mib(tmp_path: Path) -> None:
+    """A pack waits in memory until it is written (up to three at once), so the default
+    store's remote directory writes 16 MiB packs: a 40 MiB base is three, none over
+    16 MiB and a chunk (the old default wrote it as one pack of 40 MiB, held in memory)."""
+    root = tmp_path / "store"
+    numel = 40 * 1024 * 1024 // 4
+    with Checkpointer(root) as ckpt:
+        assert ckpt.save(0, _state(0, numel)).wait_migrated().tiers["remote"] == "committed"
+        packs = sorted((root / "remote" / "packs").glob("*.pack"))
+        sizes = [p.stat().st_size for p in packs]
+        assert len(packs) == 3, sizes
+        assert max(sizes) <= (16 + 4 + 1) * 1024 * 1024, sizes
+        ckpt.destroy()
+
+
 def _s3_store(tmp_path: Path, s3: tuple[str, dict[str, Any]], pack_size: str) -> Checkpointer:
     url, options = s3
     tiers = [

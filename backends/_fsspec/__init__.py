@@ -62,7 +62,8 @@ write in place: a crash may leave a partial blob, which the codec layer detects 
 
 **Packs** (``pack_size``, SPEC section 16, :mod:`tiercheck.backends._packs`): an object
 store gets its blobs in pack objects of about ``pack_size`` bytes (128 MiB by default;
-``0``: one object per blob, the only layout of local and memory stores unless asked).
+``0``: one object per blob, the only layout of local and memory stores unless asked; the
+default store's ``remote`` directory asks for 16 MiB).
 Blobs put are gathered in memory and written as packs before the next log record, at
 ``flush()`` and at ``close()``; reads are ranged reads. A root with packs says layout 2.
 
