@@ -96,6 +96,18 @@ def first_save_held(
     return handle
 
 
+def skipped_on(handle: SaveHandle, tier: str) -> bool:
+    """Wait (up to a minute) until ``handle``'s save has skipped ``tier`` (its state there
+    ``missing``); False if it ended or the minute ran out first."""
+    for _ in range(6000):
+        if handle.result_now().tiers.get(tier) == "missing":
+            return True
+        if handle.done():
+            return False
+        threading.Event().wait(0.01)
+    return False
+
+
 def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> None:
     ckpt = open_store(tmp_path)
     armed, entered, release = hold_slow_placement(ckpt)
@@ -106,6 +118,9 @@ def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> No
         # before: the buffer stayed with version 0 until slow had written it, so this
         # timed out (WaitTimeout) while slow was held
         h1.wait_staged(timeout=60)
+        # slow is let go only once version 1 has skipped it: released earlier, slow could
+        # be free before version 1 asks, and take it (a race the suite hit under load)
+        assert skipped_on(h1, "slow"), h1.result_now()
         release.set()
         r0, r1 = h0.wait(timeout=60), h1.wait(timeout=60)
         assert r0.tiers == {"fast": "committed", "slow": "committed"}, r0
