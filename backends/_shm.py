@@ -43,6 +43,11 @@ fills the pool ahead of the puts (``Checkpointer.prepare`` calls it for the firs
 versions): it writes each segment's pages, as a fallocate'd page of tmpfs is zeroed
 only at its first write, and that first touch is what the pool saves.
 
+Kept mappings: a put into a segment reused before copies through a writable mapping of
+the file kept since then, not with ``pwrite`` (twice as fast on a VM; see
+:mod:`tiercheck.backends._shm_segments`, which also says what bounds them). Where ``_os`` is
+not the os module (the power-loss recorder), every write goes through it with ``pwrite``.
+
 Atomicity: a put writes ``tmp/<pid>.<n>`` and then links (create-if-absent) or renames
 (overwrite) it to ``blobs/<id>``, so a reader never sees a prefix. A log append is one
 framed record written at the end of ``log`` under an exclusive ``flock``; a crash can
@@ -67,7 +72,6 @@ writes fresh pages while a reader pins, so a pinned blob's bytes never change.
 
 from __future__ import annotations
 
-import bisect
 import builtins
 import contextlib
 import errno
@@ -88,6 +92,8 @@ from tiercheck.backends._shm_segments import (
     _OWNER_KIND,
     DEFAULT_ROOT,
     OWNER_FILE,
+    KeptMaps,
+    Pool,
     ShmPins,
     hold_pool,
     read_owner,
@@ -176,41 +182,6 @@ def _private_root(root: str) -> None:
         os.chmod(root, 0o700)
 
 
-class _Pool:
-    """Index of free segments by size. Thread-safe; only an index of ``pool/``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_size: dict[int, builtins.list[str]] = {}
-        self._sizes: builtins.list[int] = []  # sorted distinct keys of _by_size
-        self.total = 0
-
-    def add(self, token: str, size: int) -> None:
-        with self._lock:
-            tokens = self._by_size.get(size)
-            if tokens is None:
-                self._by_size[size] = tokens = []
-                bisect.insort(self._sizes, size)
-            tokens.append(token)
-            self.total += size
-
-    def take(self, size: int) -> tuple[str, int] | None:
-        """Remove and return the best segment for ``size`` bytes: the smallest that is at
-        least as big, else the biggest there is (its pages still save part of the cost)."""
-        with self._lock:
-            if not self._sizes:
-                return None
-            i = bisect.bisect_left(self._sizes, size)
-            found = self._sizes[i] if i < len(self._sizes) else self._sizes[-1]
-            tokens = self._by_size[found]
-            token = tokens.pop()
-            if not tokens:
-                del self._by_size[found]
-                self._sizes.remove(found)
-            self.total -= found
-            return token, found
-
-
 class ShmTier(Tier):
     """Tier in host shared memory. See the module docstring for layout and guarantees.
 
@@ -259,7 +230,7 @@ class ShmTier(Tier):
         self._pool_dir = os.path.join(self.path, "pool")
         self._tmp = os.path.join(self.path, "tmp")
         self._log_path = os.path.join(self.path, "log")
-        self._pool = _Pool()
+        self._pool = Pool()
         self._counter = itertools.count()
         self._tag = f"{os.getpid()}.{id(self):x}"
         self._log_lock = threading.Lock()
@@ -271,6 +242,7 @@ class ShmTier(Tier):
         #: Segments taken from the pool / created fresh by this instance's puts.
         self.segments_reused = 0
         self.segments_created = 0
+        self._kept = KeptMaps()
         if read_only:
             if not os.path.isdir(self._blobs):
                 # lost with the node's memory (a reboot) or never made on this node
@@ -406,7 +378,8 @@ class ShmTier(Tier):
                 self._to_pool(entry.path, st.st_size)
 
     def close(self) -> None:
-        """Release the log file descriptor. Idempotent."""
+        """Release the log file descriptor and the kept mappings. Idempotent."""
+        self._kept.close()
         with self._log_lock:
             if self._log_fd >= 0:
                 _os.close(self._log_fd)
@@ -476,6 +449,7 @@ class ShmTier(Tier):
     def _to_pool(self, path: str, size: int) -> bool:
         """Move the file at ``path`` into the pool, or unlink it when the pool is full."""
         if self._pool.total + size > self.pool_limit:
+            self._kept.drop(path)
             _os.unlink(path)
             return False
         token = self._new_token()
@@ -537,13 +511,18 @@ class ShmTier(Tier):
                 raise
             if seg_size > size:
                 _os.ftruncate(fd, size)  # frees only the pages past the new end
-            offset = 0
-            for view in views:
-                _write_all(fd, view, offset)
-                offset += len(view)
+            # through the file's kept mapping where its pages cover the blob, else pwrite
+            if not (seg_size >= size and _os is os and self._kept.write(fd, views, size)):
+                offset = 0
+                for view in views:
+                    _write_all(fd, view, offset)
+                    offset += len(view)
+                if seg_size and _os is os:  # a segment reused once is reused again
+                    self._kept.keep(fd, size)
             _os.close(fd)
             fd = -1
             if overwrite:
+                self._kept.drop(final)  # the copy it replaces goes
                 _os.replace(tmp, final)
                 kept = True
                 self._release(replaced)
@@ -560,6 +539,7 @@ class ShmTier(Tier):
             if fd >= 0:
                 _os.close(fd)
             if tmp:
+                self._kept.drop(tmp)
                 try:
                     _os.unlink(tmp)
                 except FileNotFoundError:
@@ -667,6 +647,8 @@ class ShmTier(Tier):
                 raise self._os_error(exc, "delete", blob_id) from exc
             self._release(size)
             removed += 1
+        if removed:
+            self._sweep_kept()
         return removed
 
     def list(self) -> Iterator[str]:
@@ -701,12 +683,20 @@ class ShmTier(Tier):
         freed = 0
         while self._pool.total > keep_bytes and (found := self._pool.take(0)) is not None:
             token, size = found
+            path = os.path.join(self._pool_dir, token)
+            self._kept.drop(path)
             try:
-                _os.unlink(os.path.join(self._pool_dir, token))
+                _os.unlink(path)
             except FileNotFoundError:
                 continue
             freed += size
+        if freed:
+            self._sweep_kept()
         return freed
+
+    def _sweep_kept(self) -> None:
+        """Drop the kept mappings of files that are gone (see :class:`_KeptMaps`)."""
+        self._kept.sweep((self._blobs, self._pool_dir, self._tmp))
 
     def preallocate(self, sizes: Sequence[int]) -> int:
         """Add a pooled segment of each size, its pages allocated (and zeroed by tmpfs)
@@ -745,9 +735,12 @@ class ShmTier(Tier):
                     # its first write, and that first touch is the cost to move here
                     for at in range(0, size, len(_ZEROS)):
                         _write_all(fd, _ZEROS[: size - at], at)
+                    if _os is os:  # the first save writes through it
+                        self._kept.keep(fd, size)
                 finally:
                     _os.close(fd)
             except OSError as exc:
+                self._kept.drop(tmp)
                 with contextlib.suppress(FileNotFoundError):
                     _os.unlink(tmp)
                 if exc.errno in _NO_SPACE:

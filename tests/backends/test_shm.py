@@ -306,3 +306,109 @@ def test_compaction_replaces_the_log_file_under_an_open_appender(root: Path) -> 
         second.append(b"after compaction")
         assert first.read_log() == [b"checkpoint", b"r4", b"from second", b"after compaction"]
         assert not (Path(first.path) / "log.compact").exists()
+
+
+# --- kept mappings ---------------------------------------------------------------------
+
+
+def _mapped(tier: ShmTier) -> list[str]:
+    """The lines of /proc/self/maps that name a file of ``tier``'s segment."""
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if tier.path in line]
+
+
+def _stale(tier: ShmTier) -> list[str]:
+    """Mappings of files the segment no longer has (their inode in none of its directories;
+    the path a line shows may be a temporary name since replaced by a link)."""
+    live = {
+        e.inode() for d in ("blobs", "pool", "tmp") for e in os.scandir(os.path.join(tier.path, d))
+    }
+    return [line for line in _mapped(tier) if int(line.split()[4]) not in live]
+
+
+def _cycle(tier: ShmTier, rounds: int, seed: int = 0) -> None:
+    """``rounds`` of: put four 1 MiB blobs, read each back exact, delete them."""
+    for r in range(rounds):
+        items = [blob(1 << 20, seed=seed + 10 * r + i) for i in range(4)]
+        tier.put_many(items)
+        for bid, data in items:
+            assert bytes(tier.get(bid)) == data
+        tier.delete(bid for bid, _ in items)
+
+
+def test_a_segment_reused_again_is_written_through_its_kept_mapping(root: Path) -> None:
+    """A put into a fresh segment and the first reuse write with pwrite (the second maps
+    the file); the next reuse copies through that mapping. Every blob reads back exact,
+    a smaller one in a larger segment too, and a blob larger than the segment's pages or
+    its mapping goes through pwrite (never a mapped write past the pages the file has)."""
+    with _open(root) as tier:
+        _cycle(tier, 2)
+        assert tier._kept.writes == 0 and len(tier._kept) == 4
+        _cycle(tier, 1, seed=100)
+        assert tier._kept.writes == 4
+        small = blob((1 << 20) - 100, seed=200)  # truncates a mapped segment
+        tier.put(*small)
+        assert tier._kept.writes == 5 and bytes(tier.get(small[0])) == small[1]
+        big = blob(2 << 20, seed=201)  # grows a segment: pwrite
+        tier.put(*big)
+        assert tier._kept.writes == 5 and bytes(tier.get(big[0])) == big[1]
+        tier.delete([small[0], big[0]])
+        tier.trim_pool(keep_bytes=2 << 20)  # the grown segment stays, its mapping 1 MiB
+        assert tier.pool_bytes == 2 << 20
+        past = blob((1 << 20) + 4096, seed=202)  # within its pages, past its mapping
+        tier.put(*past)
+        assert tier._kept.writes == 5 and bytes(tier.get(past[0])) == past[1]
+
+
+def test_no_kept_mapping_outlives_its_file(root: Path) -> None:
+    """A kept mapping holds its file's pages: one left on a deleted file would be memory
+    nobody counts. None is left after segments are freed past the pool's limit, by
+    trim_pool, by an overwrite replacing a blob, or by close."""
+    with _open(root, pool_limit=2 << 20) as tier:  # two of four deleted segments freed
+        _cycle(tier, 4)
+        assert _mapped(tier)
+        assert _stale(tier) == []
+        _cycle(tier, 1, seed=50)
+        kept = blob(1 << 20, seed=60)
+        tier.put(*kept)  # into a mapped segment
+        assert tier.put(kept[0], blob(1 << 20, seed=61)[1], overwrite=True)
+        assert _stale(tier) == []
+        tier.trim_pool(keep_bytes=0)
+        assert _stale(tier) == []
+    assert _mapped(tier) == []
+
+
+def test_a_forked_child_inherits_no_kept_mapping(root: Path) -> None:
+    """A DataLoader worker forked by the trainer must not hold the store's pages."""
+    with _open(root) as tier:
+        _cycle(tier, 3)
+        assert _mapped(tier)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what it maps, and go
+            os.write(write, str(len(_mapped(tier))).encode())
+            os._exit(0)
+        os.close(write)
+        seen = int(os.read(read, 64))
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert seen == 0
+
+
+def test_a_mapped_write_stays_inside_the_pages_the_file_has(root: Path) -> None:
+    """A segment truncated below its mapping and then reused for a blob longer than it
+    now is: the blob grows the file with pwrite. A write through the mapping past the
+    file's end would be SIGBUS (the page has no file behind it), not an error."""
+    with _open(root) as tier:
+        for seed in range(2):  # the second put maps the segment
+            bid, data = blob(1 << 20, seed=seed)
+            tier.put(bid, data)
+            tier.delete([bid])
+        assert len(tier._kept) == 1
+        short = blob((1 << 20) - 4096, seed=10)  # the file ends a page before its mapping
+        tier.put(*short)
+        tier.delete([short[0]])
+        whole = blob(1 << 20, seed=11)
+        tier.put(*whole)
+        assert bytes(tier.get(whole[0])) == whole[1]
+        assert tier._kept.writes == 1  # the short one only
