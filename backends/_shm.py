@@ -695,7 +695,7 @@ class ShmTier(Tier):
         return freed
 
     def _sweep_kept(self) -> None:
-        """Drop the kept mappings of files that are gone (see :class:`_KeptMaps`)."""
+        """Drop the kept mappings of files that are gone (see :class:`KeptMaps`)."""
         self._kept.sweep((self._blobs, self._pool_dir, self._tmp))
 
     def preallocate(self, sizes: Sequence[int]) -> int:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from tiercheck.backends.base import Later, Pins, check_blob_id, copy_bytes
+from tiercheck.backends.base import Later, Pins, check_blob_id, gather
 from tiercheck.core.sizes import tree_bytes
 from tiercheck.errors import NotFound, TierError
 
@@ -345,10 +345,7 @@ class KeptMaps:
             return False
         whole = memoryview(mapped)
         try:
-            offset = 0
-            for view in views:
-                copy_bytes(whole[offset : offset + len(view)], view)
-                offset += len(view)
+            gather(views, whole)
         finally:
             whole.release()
         with self._lock:
@@ -388,7 +385,7 @@ class KeptMaps:
         with self._lock:
             mapped = self._maps.pop(ino, None)
         if mapped is not None:
-            _unmap(mapped)
+            unmap([mapped])  # one a put still copies through goes when that put lets go
 
     def sweep(self, dirs: Sequence[str]) -> int:
         """Drop the mappings whose file is in none of ``dirs`` (gone); how many."""
@@ -402,21 +399,10 @@ class KeptMaps:
                 continue
         with self._lock:
             gone = [self._maps.pop(ino) for ino in builtins.list(self._maps) if ino not in live]
-        for mapped in gone:
-            _unmap(mapped)
+        unmap(gone)
         return len(gone)
 
     def close(self) -> None:
         with self._lock:
             maps, self._maps = builtins.list(self._maps.values()), {}
-        for mapped in maps:
-            _unmap(mapped)
-
-
-def _unmap(mapped: mmap.mmap) -> None:
-    """Close a kept mapping taken out of :class:`KeptMaps`; one a put is still copying
-    through (the store closing meanwhile) is unmapped when that put lets go of it."""
-    try:
-        mapped.close()
-    except BufferError:
-        pass
+        unmap(maps)  # the store closing under a put: that put's mapping goes after it
