@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 import numpy as np
@@ -26,6 +27,7 @@ from tiercheck.formats import (
     encode_blob_parts,
     read_header,
 )
+import tiercheck.formats.ids as ids_module
 from tiercheck.formats.codecs import _header_check
 
 FAST = settings(max_examples=40, deadline=None)
@@ -468,3 +470,27 @@ def test_encode_argument_errors() -> None:
         encode_blob(b"abc", Codec.DELTA, base=b"abc", base_id="ABC")
     with pytest.raises(ValueError, match="elem_size"):
         encode_blob(b"abc", Codec.DELTA, base=b"a", base_id=chunk_id(b"a"), elem_size=0)
+
+
+def test_chunk_ids_with_a_thread_count_build_no_pool_per_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``threads=N`` hands large chunks to N threads; it never asks blake3 for a pool of its
+    own per chunk (``max_threads=N`` builds N threads per hasher and tears them down)."""
+    rng = np.random.default_rng(1)
+    big = [rng.bytes(1 << 20) for _ in range(6)]
+    want = [blake3.blake3(c).hexdigest() for c in big]
+    real = blake3.blake3
+    asked: list[int] = []
+
+    def recording(*args: object, max_threads: int = 1, **kwargs: object) -> object:
+        asked.append(max_threads)
+        return real(*args, max_threads=max_threads, **kwargs)
+
+    monkeypatch.setattr(ids_module.blake3, "blake3", recording)
+    with ThreadPoolExecutor(2, thread_name_prefix="lane") as pool:
+        assert chunk_ids(big, threads=3, pool=pool) == want
+    assert len(asked) == len(big) and set(asked) == {1}
+    asked.clear()
+    assert chunk_ids(big, threads=2) == want  # no pool: one made for the call
+    assert set(asked) == {1}
