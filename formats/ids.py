@@ -124,9 +124,11 @@ def _hash_in_lanes(
                 return
             ids[i] = blake3.blake3(views[i]).hexdigest()
 
-    own = ThreadPoolExecutor(lanes - 1, thread_name_prefix="tiercheck-hash") if pool is None else None
+    own = None
+    if pool is None:
+        pool = own = ThreadPoolExecutor(lanes - 1, thread_name_prefix="tiercheck-hash")
     try:
-        helpers = [(own or pool).submit(lane) for _ in range(lanes - 1)]  # type: ignore[union-attr]
+        helpers = [pool.submit(lane) for _ in range(lanes - 1)]
         lane()
         for helper in helpers:
             helper.result()
