@@ -15,7 +15,9 @@ start to its end, the save call included (each CUDA step ends synchronized).
 
 **The CPU proxy** (``--device cpu``): the state is ``--state-mib`` of fp32 tensors in host
 memory; the device time is a wait that releases the GIL (the step's deadline, 140 ms by
-default, less the measured time of the optimizer step), and the optimizer step adds
+default, less the optimizer step's time as measured once at the start of the run: every
+mode waits as long, as a model's device time does not depend on its checkpointing), and
+the optimizer step adds
 0x01010101 to every 32-bit word of the state (every byte changes each step, and no two
 steps' states are equal). The optimizer step is the only thing that may wait for a save
 (``wait_staged()`` before it, or ``guard(optimizer)``, or DCP's ``staging_completion``).
@@ -150,6 +152,45 @@ class MemoryPeak:
         self.sample()
 
 
+class CpuAccount:
+    """Where the CPU went while a mode ran, in cores (CPU seconds over wall seconds): this
+    process's (the trainer and the store's threads), the rest of the machine's busy time
+    (other processes, and kernel threads such as page-cache writeback), time a core sat
+    waiting for I/O, and time the hypervisor gave this VM's cores to someone else
+    (``steal``). A mode that runs slow while its own process takes no more CPU than
+    ``none`` and ``others`` or ``steal`` rise was slowed from outside."""
+
+    def __init__(self) -> None:
+        self.cores: dict[str, float] = {}
+
+    @staticmethod
+    def _stat() -> list[int]:
+        with open("/proc/stat") as f:  # user nice system idle iowait irq softirq steal ...
+            return [int(x) for x in f.readline().split()[1:9]]
+
+    @staticmethod
+    def _process() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def __enter__(self) -> CpuAccount:
+        self._t0, self._s0, self._p0 = time.perf_counter(), self._stat(), self._process()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._t0
+        d = [b - a for a, b in zip(self._s0, self._stat())]
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = (d[0] + d[1] + d[2] + d[5] + d[6]) / tick
+        process = self._process() - self._p0
+        self.cores = {
+            "process": process / wall,
+            "others": max(0.0, busy - process) / wall,
+            "iowait": d[4] / tick / wall,
+            "steal": d[7] / tick / wall,
+        }
+
+
 # --- the trainer ----------------------------------------------------------------------------
 
 
@@ -191,32 +232,39 @@ def _launch_work(seconds: float) -> None:
             x += i
 
 
-def cpu_trainer(state_bytes: int, step_s: float, launch_s: float) -> Trainer:
-    """The CPU proxy (module docstring), its forward+backward wait calibrated so a step
-    without checkpointing lasts ``step_s``."""
+def cpu_trainer(
+    state_bytes: int, step_s: float, launch_s: float, device_s: float | None = None
+) -> Trainer:
+    """The CPU proxy (module docstring). Its forward+backward wait is ``device_s``, or,
+    where that is None, calibrated here so a step without checkpointing lasts ``step_s``
+    (the median of 5 optimizer steps after 2). A run calibrates once and gives every mode
+    the same wait, as a model's device time does not change with how it is checkpointed:
+    calibrated per mode, a mode whose few timed steps came out fast got a longer wait for
+    all its steps (40 ms against 43-51 ms for the same change, so steps of 150-181 ms from
+    the first, before any save: the "slow from step 0" runs of stops 47-49)."""
     n = max(1, state_bytes // (64 * MIB))
     per = state_bytes // n // 4
     gen = torch.Generator().manual_seed(0)
     tensors = {f"layer{i}": torch.randn(per, generator=gen) for i in range(n)}
     optimizer = DenseChange(list(tensors.values()))
     times = []
-    for _ in range(3):
+    for _ in range(7 if device_s is None else 2):  # the first two warm the pages up
         t0 = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - t0)
-    change = sorted(times)[1]
-    device_s = max(0.0, step_s - launch_s - change)
+    change = statistics.median(times[2:]) if device_s is None else 0.0
+    wait = max(0.0, step_s - launch_s - change) if device_s is None else device_s
     return Trainer(
         state=lambda: {"model": tensors},
-        forward_backward=lambda: time.sleep(device_s),
+        forward_backward=lambda: time.sleep(wait),
         optimizer=optimizer,
         nbytes=sum(t.numel() * 4 for t in tensors.values()),
         launch_s=launch_s,
-        device_s=device_s,
+        device_s=wait,
         proxy=True,
-        description=f"CPU proxy: {n} fp32 tensors; optimizer step {change * 1e3:.0f} ms, "
-        f"device wait {device_s * 1e3:.0f} ms, launch {launch_s * 1e3:.0f} ms",
-        extra={"optimizer_step_s": change},
+        description=f"CPU proxy: {n} fp32 tensors; device wait {wait * 1e3:.0f} ms, "
+        f"launch {launch_s * 1e3:.0f} ms",
+        extra={"calibrated_optimizer_step_s": change} if change else {},
     )
 
 
@@ -505,7 +553,8 @@ def run_mode(
         saver = make_saver(mode, trainer, cuda)
         setup = time.perf_counter() - t_setup
         try:
-            out = train(trainer, saver, args.steps, every, args.step_ms / 1e3)
+            with CpuAccount() as cpu:
+                out = train(trainer, saver, args.steps, every, args.step_ms / 1e3)
             t_fin = time.perf_counter()
             failed = saver.finish() if saver is not None else 0
             out["drain_s"] = time.perf_counter() - t_fin
@@ -523,6 +572,7 @@ def run_mode(
         memory_private_bytes=mem.private,
         memory_shm_bytes=mem.shm,
         memory_x=mem.total / state_bytes,
+        cpu_cores=cpu.cores,
     )
     del trainer
     return out
@@ -605,6 +655,12 @@ def summarize(runs: dict[str, dict[str, Any]], staging: float, state_bytes: int)
         r["mean_x"] = r["mean_step_s"] / base
         r["max_x"] = r["max_step_s"] / base
         r["between_x"] = _mean(r["between_s"]) / base_between if r["between_s"] else None
+        # the steps before the first save over the same steps of `none`: a mode slow from
+        # its start was not slowed by its saves
+        first = r["saved_at"][0] if r["saved_at"] else len(r["step_s"])
+        r["before_first_save_x"] = (
+            _mean(r["step_s"][:first]) / _mean(runs["none"]["step_s"][:first]) if first else None
+        )
         b = r["blocked_per_save_s"]
         r["blocked_per_save_mean_s"] = _mean(b) if b else None
         r["blocked_per_save_max_s"] = max(b) if b else None
@@ -665,17 +721,19 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def table(result: dict[str, Any]) -> str:
     head = (
         "| mode | mean step | slowest | between saves | blocked/save | memory/state | failed "
-        "| skipped |"
+        "| skipped | cores: process / others / steal |"
     )
-    rows = [head, "|---|---|---|---|---|---|---|---|"]
+    rows = [head, "|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["modes"].items():
         bl = r["blocked_per_save_mean_s"]
         bw = r["between_x"]
+        c = r.get("cpu_cores")  # absent in runs from before it was measured
+        cores = "-" if not c else f"{c['process']:.2f} / {c['others']:.2f} / {c['steal']:.2f}"
         rows.append(
             f"| {name} (every {r['every']}) | {r['mean_x']:.3f}x | {r['max_x']:.2f}x | "
             f"{'-' if bw is None else f'{bw:.3f}x'} | "
             f"{'-' if bl is None else f'{bl * 1e3:.0f} ms'} | {r['memory_x']:.2f}x | "
-            f"{r['failed']} | {r['skipped'] if name != 'none' else '-'} |"
+            f"{r['failed']} | {r['skipped'] if name != 'none' else '-'} | {cores} |"
         )
     return "\n".join(rows)
 
@@ -718,8 +776,12 @@ that step may wait for a save). Ratios are to the mean step without checkpointin
 *between saves* are the steps that neither save nor follow a save; *blocked/save* is the
 save call plus the wait before the next optimizer step (the staging copy alone:
 {res["staging_copy_s"] * 1e3:.0f} ms); memory is the peak private memory plus /dev/shm's
-used bytes above the state, over the state. `tc_default_idle` is `tc_default` with
-`Checkpointer(background="idle")` (the background under `SCHED_IDLE`); `tc_shm_every_step`
+used bytes above the state, over the state; *cores* is where the CPU went while the mode
+ran (CPU seconds over wall seconds): this process (the trainer and the store's threads),
+the rest of the machine (other processes, and kernel threads such as page-cache
+writeback), and the time the hypervisor gave this VM's cores to others (steal).
+`tc_default_idle` is `tc_default` with `Checkpointer(background="idle")` (the background
+under `SCHED_IDLE`); `tc_shm_every_step`
 saves every step into a store with the shm tier alone (`guard`); `dcp_async` is
 `dcp.async_save` with DCP's `DefaultStager`
 ({next((r["stager"] for r in res["modes"].values() if r.get("stager")), "-")}). Targets:
@@ -800,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, modes: list[str]) -> int:
     t_start = time.perf_counter()
+    device_wait: list[float] = []  # the CPU proxy's, calibrated by its first trainer
     if args.device == "cuda":
 
         def make() -> Trainer:
@@ -814,7 +877,11 @@ def _run(args: argparse.Namespace, modes: list[str]) -> int:
         state_bytes = int(args.state_mib * MIB)
 
         def make() -> Trainer:
-            return cpu_trainer(state_bytes, args.step_ms / 1e3, 0.003)
+            t = cpu_trainer(
+                state_bytes, args.step_ms / 1e3, 0.003, device_wait[0] if device_wait else None
+            )
+            device_wait[:] = [t.device_s]
+            return t
 
         description = "CPU proxy (see the module docstring)"
     log(f"{description}; {state_bytes / MIB:.0f} MiB; {args.steps} steps; every {args.every}")
@@ -850,6 +917,7 @@ def _run(args: argparse.Namespace, modes: list[str]) -> int:
         "steps": args.steps,
         "every": args.every,
         "staging_copy_s": staging,
+        "device_wait_s": device_wait[0] if device_wait else None,
         "modes": runs,
         "base_commit": base,
         "seconds": 0.0,

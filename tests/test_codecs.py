@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tiercheck.formats.ids as ids_module
 from tiercheck.errors import BlobCorrupt, ConfigError, FormatVersionError, NotFound
 from tiercheck.formats import (
     BLOB_HEADER_SIZE,
@@ -27,7 +28,6 @@ from tiercheck.formats import (
     encode_blob_parts,
     read_header,
 )
-import tiercheck.formats.ids as ids_module
 from tiercheck.formats.codecs import _header_check
 
 FAST = settings(max_examples=40, deadline=None)
