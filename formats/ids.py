@@ -131,7 +131,8 @@ def _hash_in_lanes(
         helpers = [pool.submit(lane) for _ in range(lanes - 1)]
         lane()
         for helper in helpers:
-            helper.result()
+            if not helper.cancel():  # one that never started has nothing left to take
+                helper.result()
     finally:
         if own is not None:
             own.shutdown()

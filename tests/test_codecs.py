@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -494,3 +495,23 @@ def test_chunk_ids_with_a_thread_count_build_no_pool_per_chunk(
     asked.clear()
     assert chunk_ids(big, threads=2) == want  # no pool: one made for the call
     assert set(asked) == {1}
+
+
+def test_chunk_ids_do_not_wait_for_a_busy_pool() -> None:
+    """The caller's thread hashes every chunk itself when the pool's threads are all busy
+    (or the caller is one of them): it never waits for a lane that has not started."""
+    rng = np.random.default_rng(2)
+    big = [rng.bytes(1 << 20) for _ in range(4)]
+    want = [blake3.blake3(c).hexdigest() for c in big]
+    release = threading.Event()
+    got: list[list[str]] = []
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(release.wait)  # the pool's one thread, busy until released
+        caller = threading.Thread(target=lambda: got.append(chunk_ids(big, 2, pool=pool)))
+        caller.start()
+        caller.join(timeout=30)
+        finished = not caller.is_alive()
+        release.set()
+        caller.join()
+    assert finished, "chunk_ids waited for a pool thread that never came"
+    assert got == [want]
