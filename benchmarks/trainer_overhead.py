@@ -239,9 +239,10 @@ def cpu_trainer(
     where that is None, calibrated here so a step without checkpointing lasts ``step_s``
     (the median of 5 optimizer steps after 2). A run calibrates once and gives every mode
     the same wait, as a model's device time does not change with how it is checkpointed:
-    calibrated per mode, a mode whose few timed steps came out fast got a longer wait for
-    all its steps (40 ms against 43-51 ms for the same change, so steps of 150-181 ms from
-    the first, before any save: the "slow from step 0" runs of stops 47-49)."""
+    calibrated per mode from three steps (31-49 ms across runs on a 2-core VM), a mode
+    whose steps came out fast waited longer at every step (108.8 ms against 92.9 ms in one
+    process, its steps 152 ms against 140 from the first, before any save: the "slow from
+    step 0" runs of stops 47-49)."""
     n = max(1, state_bytes // (64 * MIB))
     per = state_bytes // n // 4
     gen = torch.Generator().manual_seed(0)
