@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,16 +97,21 @@ def first_save_held(
     return handle
 
 
-def skipped_on(handle: SaveHandle, tier: str) -> bool:
-    """Wait (up to a minute) until ``handle``'s save has skipped ``tier`` (its state there
-    ``missing``); False if it ended or the minute ran out first."""
+def until(condition: Callable[[], bool], ended: Callable[[], bool] = lambda: False) -> bool:
+    """Poll ``condition`` every 10 ms for up to a minute (a handle has no event for one
+    tier's state); False if ``ended`` held first or the minute ran out."""
     for _ in range(6000):
-        if handle.result_now().tiers.get(tier) == "missing":
+        if condition():
             return True
-        if handle.done():
+        if ended():
             return False
         threading.Event().wait(0.01)
     return False
+
+
+def tier_is(handle: SaveHandle, tier: str, state: str) -> Callable[[], bool]:
+    """Whether ``handle``'s save is ``state`` at ``tier`` now (for :func:`until`)."""
+    return lambda: handle.result_now().tiers.get(tier) == state
 
 
 def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> None:
@@ -120,7 +126,7 @@ def test_next_save_stages_while_a_slower_tier_still_writes(tmp_path: Path) -> No
         h1.wait_staged(timeout=60)
         # slow is let go only once version 1 has skipped it: released earlier, slow could
         # be free before version 1 asks, and take it (a race the suite hit under load)
-        assert skipped_on(h1, "slow"), h1.result_now()
+        assert until(tier_is(h1, "slow", "missing"), h1.done), h1.result_now()
         release.set()
         r0, r1 = h0.wait(timeout=60), h1.wait(timeout=60)
         assert r0.tiers == {"fast": "committed", "slow": "committed"}, r0
@@ -161,17 +167,11 @@ def test_a_slower_tier_that_finishes_before_the_next_save_reads_only_the_buffer(
         armed.set()
         h0 = ckpt.save(0, s0)
         assert entered.wait(60), "tier slow never asked what it holds"
-        for _ in range(6000):  # fast commits while slow is held
-            if h0.result_now().tiers.get("fast") == "committed":
-                break
-            threading.Event().wait(0.01)
+        until(tier_is(h0, "fast", "committed"))  # fast commits while slow is held
         assert h0.result_now().tiers["fast"] == "committed"
         saves = ckpt._engine.saves
         assert saves is not None
-        for _ in range(6000):  # the pipeline hands the rest of version 0 to the tail
-            if saves._tail is not None:
-                break
-            threading.Event().wait(0.01)
+        until(lambda: saves._tail is not None)  # the rest of version 0 goes to the tail
         # slow has not read a byte yet: the buffer is still version 0's (a pipeline that
         # released it on handing over let the next save overwrite what slow reads next)
         assert saves.staging._busy.locked()
@@ -212,11 +212,7 @@ def test_the_fastest_tier_makes_room_while_a_slower_tier_takes_its_newest_versio
         h2 = ckpt.save(2, states[2])  # a base: shm commits it, LMDB is held writing it
         assert entered.wait(60), "LMDB never asked what it holds"
         h3 = ckpt.save(3, states[3])  # shm holds versions 1 and 2: 1 must go, at once
-        for _ in range(6000):
-            if h3.result_now().tiers.get("shm") == "committed":
-                break
-            threading.Event().wait(0.01)
-        committed_while_held = h3.result_now().tiers.get("shm") == "committed"
+        committed_while_held = until(tier_is(h3, "shm", "committed"))
         release.set()
         r2, r3 = h2.wait(timeout=60), h3.wait(timeout=60)
         assert committed_while_held, r3
@@ -285,10 +281,7 @@ def test_a_slower_tier_takes_the_next_save_once_the_version_it_wrote_is_waited_f
         assert r0.tiers == {"shm": "committed", "lmdb": "committed"}, r0
         assert in_flush.wait(60), "the base's commit never waited for retention"
         h1 = ckpt.save(1, state_of(1))  # while version 0's tail waits in the flush
-        for _ in range(6000):  # committed in shm: where else it goes is decided
-            if h1.result_now().tiers.get("shm") == "committed":
-                break
-            threading.Event().wait(0.01)
+        until(tier_is(h1, "shm", "committed"))  # committed in shm: where else it goes is decided
         go_on.set()
         r1 = h1.wait(timeout=60)
         assert r1.tiers == {"shm": "committed", "lmdb": "committed"}, r1
