@@ -69,7 +69,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from bench_lib import disk_dir, private_disk_dir
+from bench_lib import cpu_seconds, disk_dir, private_disk_dir
 
 import tiercheck
 from tiercheck.runtime.executors import Background
@@ -168,13 +168,8 @@ class CpuAccount:
         with open("/proc/stat") as f:  # user nice system idle iowait irq softirq steal ...
             return [int(x) for x in f.readline().split()[1:9]]
 
-    @staticmethod
-    def _process() -> float:
-        t = os.times()
-        return t.user + t.system
-
     def __enter__(self) -> CpuAccount:
-        self._t0, self._s0, self._p0 = time.perf_counter(), self._stat(), self._process()
+        self._t0, self._s0, self._p0 = time.perf_counter(), self._stat(), cpu_seconds()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -182,7 +177,7 @@ class CpuAccount:
         d = [b - a for a, b in zip(self._s0, self._stat())]
         tick = os.sysconf("SC_CLK_TCK")
         busy = (d[0] + d[1] + d[2] + d[5] + d[6]) / tick
-        process = self._process() - self._p0
+        process = cpu_seconds() - self._p0
         self.cores = {
             "process": process / wall,
             "others": max(0.0, busy - process) / wall,
