@@ -45,7 +45,8 @@ only at its first write, and that first touch is what the pool saves.
 
 Kept mappings: a put into a segment reused before copies through a writable mapping of
 the file kept since then, not with ``pwrite`` (twice as fast on a VM; see
-:mod:`tiercheck.backends._shm_segments`, which also says what bounds them). Where ``_os`` is
+:mod:`tiercheck.backends._shm_segments`, which also says what bounds them); a restore in
+this process reads the blobs it pins through them. Where ``_os`` is
 not the os module (the power-loss recorder), every write goes through it with ``pwrite``.
 
 Atomicity: a put writes ``tmp/<pid>.<n>`` and then links (create-if-absent) or renames
@@ -564,7 +565,7 @@ class ShmTier(Tier):
     def pin(self) -> Pins | None:
         """Blobs mapped in place while no put may recycle a segment (None while a put is
         recycling one or another reader pins): see :class:`ShmPins`."""
-        return ShmPins.take(self.path, self.url)
+        return ShmPins.take(self.path, self.url, None if self.read_only else self._kept)
 
     def get(self, blob_id: str, out: memoryview | None = None) -> memoryview:
         """Read ``blob_id`` into ``out`` (or a new buffer) with ``preadv``, no mmap:

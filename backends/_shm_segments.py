@@ -25,7 +25,9 @@ and 1,024 (4 GiB of 4 MiB chunks; the trainer's DataLoader needs descriptors too
 that, puts use ``pwrite``); a forked child (a DataLoader worker) does not inherit them
 (``MADV_DONTFORK``). A kept mapping also keeps its inode: no other file can have that
 number meanwhile, so a lookup by the inode of a file just opened finds that file's mapping
-or none.
+or none. The writing process's restore reads through them too (:class:`ShmPins`): the
+pin's lock keeps every put from recycling a segment, so nothing writes through a mapping
+a restore reads.
 """
 
 from __future__ import annotations
@@ -198,25 +200,32 @@ def _lock_pool(pool_dir: str, how: int) -> int:
 
 class ShmPins(Pins):
     """Blobs of the shm store at ``path`` read in place (``ShmTier.pin``): each blob's file
-    mapped read-only (its pages faulted in by whoever reads them first), while this holds
+    mapped read-only (its pages faulted in by whoever reads them first), or, in the
+    process that writes the store, read through the mapping it keeps of that file where
+    it has one (:meth:`KeptMaps.view`: already mapped, its pages in its page tables; a
+    restore of 1 GiB in that process 208-230 ms instead of 242-274), while this holds
     the exclusive lock of the store's ``pool/`` directory, so that no put rewrites a
     deleted blob's pages until :meth:`close`. A blob deleted meanwhile keeps its pages
     while mapped. Build it with :meth:`take`, which returns None while a put is recycling
     a segment or another reader pins."""
 
-    def __init__(self, path: str, url: str, lock_fd: int) -> None:
+    def __init__(self, path: str, url: str, lock_fd: int, kept: KeptMaps | None = None) -> None:
         self._blobs = os.path.join(path, "blobs")
         self._url = url
         self._lock_fd = lock_fd
-        self._maps: builtins.list[tuple[memoryview, mmap.mmap]] = []
+        self._kept = kept
+        self._maps: builtins.list[tuple[memoryview, mmap.mmap | None]] = []
 
     @classmethod
-    def take(cls, path: str, url: str) -> ShmPins | None:
+    def take(cls, path: str, url: str, kept: KeptMaps | None = None) -> ShmPins | None:
+        """Pins of the store at ``path``; ``kept``: the writer's own mappings of its
+        segments (the process that writes the store), read through where a blob's file has
+        one, with no mapping made and no page faulted."""
         try:
             fd = _lock_pool(os.path.join(path, "pool"), fcntl.LOCK_EX)
         except OSError:
             return None  # no pool/ (lost, or never written): read with get_parts
-        return None if fd < 0 else cls(path, url, fd)
+        return None if fd < 0 else cls(path, url, fd, kept)
 
     def get(self, blob_id: str) -> memoryview:
         check_blob_id(blob_id, self._url)
@@ -229,9 +238,14 @@ class ShmPins(Pins):
         except OSError as exc:
             raise TierError(f"pin failed: {exc}", url=self._url, key=blob_id) from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if not size:
                 return memoryview(b"")
+            kept = self._kept.view(st.st_ino, size) if self._kept is not None else None
+            if kept is not None:
+                self._maps.append((kept, None))
+                return kept
             # not MAP_POPULATE: populating 1 GiB of 4 KiB pages in mmap took 95-108 ms
             # of a restore's CPU, faulting them in as the chunks are hashed (64 KiB per
             # fault) 20-40 ms plus 30-50 ms more hashing; a 1 GiB restore in one process
@@ -258,7 +272,8 @@ class ShmPins(Pins):
                 view.release()
             except BufferError:
                 pass  # sliced: the slices keep it mapped until they go
-            mapped.append(m)
+            if m is not None:  # None: a kept mapping, the writer's own
+                mapped.append(m)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -353,6 +368,26 @@ class KeptMaps:
         with self._lock:
             self.writes += 1
         return True
+
+    def view(self, ino: int, size: int) -> memoryview | None:
+        """The first ``size`` bytes of inode ``ino``'s file, read-only, through its kept
+        mapping; None where it has none that covers them. The caller knows the file has
+        ``size`` bytes (a mapping may reach past a file truncated since it was made, and
+        a read there would be ``SIGBUS``), and keeps every put from recycling a segment
+        while it reads (:class:`ShmPins`). The view keeps the mapping alive: dropped
+        meanwhile, it is unmapped once the view goes."""
+        with self._lock:
+            mapped = self._maps.get(ino)
+        if mapped is None or len(mapped) < size:
+            return None
+        try:
+            whole = memoryview(mapped)
+        except ValueError:  # closed by a drop since the lookup
+            return None
+        try:
+            return whole[:size].toreadonly()
+        finally:
+            whole.release()
 
     def keep(self, fd: int, size: int) -> None:
         """Map the first ``size`` bytes of ``fd``'s file (pages that exist) for later puts,

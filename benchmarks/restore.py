@@ -13,6 +13,10 @@ Every system restores into the same live tensors (a dict of ``--tensors`` fp32 t
 - ``memcpy_s``: one copy of the state's bytes (host to host, or host to device): the floor;
 - ``tc_shm_s``: ``restore(state)`` from a store whose only tier is shm (raw blobs), every
   byte verified (BLAKE3) and the restore all or nothing;
+- ``tc_shm_prepared_s``: the same from a shm-only store the trainer prepared
+  (``ckpt.prepare(state)``) before its save, as a training loop does (or any store from its
+  third save on): shm wrote the blobs into segments it keeps mapped, and a restore in the
+  process that wrote them reads through those mappings (no mapping made, no page faulted);
 - ``tc_default_s``: the same from the default store (shm + LMDB), served from shm;
 - ``tc_module_s``: the same bytes as the parameters of an ``nn.Module``, restored as
   ``restore({"model": module})`` from a shm-only store: a trainer's model (it loads by
@@ -177,9 +181,13 @@ def measure(
         )
         tp = tiercheck.TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1)
         tiers, policy = one_tier("shm", "shm://tc-restore-{uid}", tp)
-        with store(tiers, policy) as shm_only:
+        prepared_tiers, _ = one_tier("shm", "shm://tc-restore-prepared-{uid}", tp)
+        with store(tiers, policy) as shm_only, store(prepared_tiers, policy) as prepared:
             shm_only.save(1, live).wait()
             systems["tc_shm_s"] = lambda: shm_only.restore(live)
+            prepared.prepare(live)
+            prepared.save(1, live).wait()
+            systems["tc_shm_prepared_s"] = lambda: prepared.restore(live)
             if restart is not None:
                 where, url = shm_store_of(shm_only)
                 systems["tc_shm_restart_s"] = lambda: restarted("tc", where, url, *restart)
@@ -236,6 +244,7 @@ def check(live: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None
 LABELS = {
     "memcpy_s": "one copy of the state's bytes (the floor)",
     "tc_shm_s": "tiercheck restore, shm-only store (verified, all or nothing)",
+    "tc_shm_prepared_s": "tiercheck restore, shm-only store prepared before its save",
     "tc_default_s": "tiercheck restore, default store (from shm)",
     "dcp_load_s": "dcp.load from /dev/shm",
     "torch_load_s": "torch.load from /dev/shm + copy_",
@@ -343,8 +352,19 @@ def main() -> int:
     ratios = {
         f"tc_shm_s / {peer}": median(m["tc_shm_s"]) / median(m[peer])
         for peer in m
-        if peer not in ("tc_shm_s", "tc_shm_restart_s", "dcp_load_restart_s", "tc_module_restart_s")
+        if peer
+        not in (
+            "tc_shm_s",
+            "tc_shm_prepared_s",
+            "tc_shm_restart_s",
+            "dcp_load_restart_s",
+            "tc_module_restart_s",
+        )
     }
+    if "tc_shm_prepared_s" in m:
+        ratios["tc_shm_prepared_s / dcp_load_s"] = median(m["tc_shm_prepared_s"]) / median(
+            m["dcp_load_s"]
+        )
     for mine in ("tc_shm_restart_s", "tc_module_restart_s"):
         if mine in m:
             ratios[f"{mine} / dcp_load_restart_s"] = median(m[mine]) / median(

@@ -206,6 +206,42 @@ def test_pins_release_the_pool_at_once_and_unmap_on_later(tmp_path: Path) -> Non
         shm.close()
 
 
+def test_the_writing_process_pins_through_its_kept_mappings(tmp_path: Path) -> None:
+    """In the process that wrote them, blobs in segments shm keeps mapped (prepared, or
+    reused) are pinned through those mappings: no mapping of the blob's file is made and
+    no page faulted. What was verified stays what is read: a put while pinned writes
+    fresh pages, not the pinned segment's, and a blob deleted and its segment freed while
+    a view of it lives (its kept mapping dropped) stays readable, unchanged, until the
+    last slice of it goes."""
+    shm = ShmTier(f"shm://kp{uuid.uuid4().hex[:10]}", root=str(tmp_path / "shm"))
+    try:
+        blob_id, data = blob(3 * CHUNK, seed=8)
+        assert shm.preallocate([len(data)]) == len(data)  # a segment shm keeps mapped
+        shm.put(blob_id, data)
+        pins = shm.pin()
+        assert pins is not None
+        view = pins.get(blob_id)
+        assert view.readonly and bytes(view) == data
+        assert not _mapped(blob_id), "pinned with a mapping of its own"
+        shm.delete([blob_id])  # its segment to the pool, still mapped
+        reused = shm.segments_reused
+        other = blob(3 * CHUNK, seed=9)
+        shm.put(*other)  # pinned: fresh pages
+        assert shm.segments_reused == reused and bytes(view) == data
+        assert shm.trim_pool(0) == len(data)  # the segment freed, its mapping dropped
+        assert bytes(view) == data
+        part = view[CHUNK:]  # a slice outlives close (the view itself is released)
+        pins.close()
+        assert bytes(part) == data[CHUNK:]
+        part.release()
+        again = shm.pin()
+        assert again is not None
+        assert bytes(again.get(other[0])) == other[1]
+        again.close()
+    finally:
+        shm.close()
+
+
 def test_a_restore_unmaps_its_pins_off_the_callers_time(
     store: tuple[tiercheck.Checkpointer, list[TierSpec]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
