@@ -13,9 +13,10 @@ Kept mappings: a put into a segment that was reused before copies through a writ
 mapping of that file kept since then, not with ``pwrite``. On a VM, ``pwrite`` of 1 GiB
 into existing tmpfs pages took 175 ms of system time, a ``memcpy`` through mappings whose
 page tables are already filled 83 ms, through a fresh mapping per put 420 ms (the faults).
-A mapping is made (``MAP_POPULATE``) once a file's pages exist: when a reused segment is
-written, and by ``preallocate``; a put uses it only inside the pages the file has (a
-mapped write past a file's end is ``SIGBUS``, not an error) and within the mapping.
+A mapping is made (``MAP_POPULATE``) once a file's pages exist: when a chunk's fresh
+segment or any reused one is written, and by ``preallocate``; a put uses it only inside
+the pages the file has (a mapped write past a file's end is ``SIGBUS``, not an error) and
+within the mapping.
 
 What bounds them: a mapping pins its file's pages and (Python's ``mmap`` keeps a
 duplicate) holds a descriptor. Every unlink of the tier drops the file's mapping first, a

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tiercheck.backends import _shm
-from tiercheck.backends._shm import ShmTier
+from tiercheck.backends._shm import KEEP_FRESH_BYTES, ShmTier
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import InvalidURL, ReadOnlyTier, TierFull, TierLost
@@ -336,13 +336,13 @@ def _cycle(tier: ShmTier, rounds: int, seed: int = 0) -> None:
         tier.delete(bid for bid, _ in items)
 
 
-def test_a_segment_reused_again_is_written_through_its_kept_mapping(root: Path) -> None:
-    """A put into a fresh segment and the first reuse write with pwrite (the second maps
-    the file); the next reuse copies through that mapping. Every blob reads back exact,
-    a smaller one in a larger segment too, and a blob larger than the segment's pages or
-    its mapping goes through pwrite (never a mapped write past the pages the file has)."""
+def test_a_reused_segment_is_written_through_its_kept_mapping(root: Path) -> None:
+    """A put into a fresh segment of a chunk's size writes with pwrite and maps the file;
+    its reuse copies through that mapping. Every blob reads back exact, a smaller one in a
+    larger segment too, and a blob larger than the segment's pages or its mapping goes
+    through pwrite (never a mapped write past the pages the file has)."""
     with _open(root) as tier:
-        _cycle(tier, 2)
+        _cycle(tier, 1)
         assert tier._kept.writes == 0 and len(tier._kept) == 4
         _cycle(tier, 1, seed=100)
         assert tier._kept.writes == 4
@@ -358,6 +358,22 @@ def test_a_segment_reused_again_is_written_through_its_kept_mapping(root: Path) 
         past = blob((1 << 20) + 4096, seed=202)  # within its pages, past its mapping
         tier.put(*past)
         assert tier._kept.writes == 5 and bytes(tier.get(past[0])) == past[1]
+
+
+def test_a_one_off_segment_is_mapped_only_once_reused(root: Path) -> None:
+    """A fresh segment shorter than ``KEEP_FRESH_BYTES`` (a manifest's) is not mapped at
+    its first put (most are never reused: a mapping would hold a descriptor for nothing);
+    one of a chunk's size is, for the saves that reuse it and a restore in this process
+    (tests/test_restore_in_place.py)."""
+    with _open(root) as tier:
+        tiny = blob(4096, seed=300)
+        tier.put(*tiny)
+        assert len(tier._kept) == 0
+        tier.delete([tiny[0]])
+        tier.put(*blob(4096, seed=301))  # its segment reused: mapped now
+        assert len(tier._kept) == 1
+        tier.put(*blob(KEEP_FRESH_BYTES, seed=302))
+        assert len(tier._kept) == 2
 
 
 def test_no_kept_mapping_outlives_its_file(root: Path) -> None:
@@ -400,11 +416,10 @@ def test_a_mapped_write_stays_inside_the_pages_the_file_has(root: Path) -> None:
     now is: the blob grows the file with pwrite. A write through the mapping past the
     file's end would be SIGBUS (the page has no file behind it), not an error."""
     with _open(root) as tier:
-        for seed in range(2):  # the second put maps the segment
-            bid, data = blob(1 << 20, seed=seed)
-            tier.put(bid, data)
-            tier.delete([bid])
-        assert len(tier._kept) == 1
+        bid, data = blob(1 << 20, seed=0)  # the first put maps the segment
+        tier.put(bid, data)
+        tier.delete([bid])
+        assert len(tier._kept) == 1 and tier._kept.writes == 0
         short = blob((1 << 20) - 4096, seed=10)  # the file ends a page before its mapping
         tier.put(*short)
         tier.delete([short[0]])
