@@ -46,14 +46,8 @@ only at its first write, and that first touch is what the pool saves.
 Kept mappings: a put into a segment written before copies through a writable mapping of
 the file kept since then, not with ``pwrite`` (twice as fast on a VM; see
 :mod:`tiercheck.backends._shm_segments`, which also says what bounds them); a restore in
-this process reads the blobs it pins through them. A fresh segment is mapped after its
-first put when it is a chunk's (``KEEP_FRESH_BYTES`` or more), a smaller one once reused.
-Mapping a fresh 1 GiB costs its save 0.1-0.35 s of CPU (the page tables filled), which the
-next save that reuses those segments gets back (a dense 1 GiB diff into them 0.58-0.65 s of
-CPU instead of 0.70-0.77 s through ``pwrite``), and a restore right after the first save
-reads them through the mapping (1 GiB in one process 221-233 ms instead of 271-293 ms).
-Where ``_os`` is not the os module (the power-loss recorder), every write goes through it
-with ``pwrite``.
+this process reads the blobs it pins through them. Where ``_os`` is not the os module
+(the power-loss recorder), every write goes through it with ``pwrite``.
 
 Atomicity: a put writes ``tmp/<pid>.<n>`` and then links (create-if-absent) or renames
 (overwrite) it to ``blobs/<id>``, so a reader never sees a prefix. A log append is one
@@ -98,6 +92,7 @@ import psutil
 from tiercheck.backends._shm_segments import (
     _OWNER_KIND,
     DEFAULT_ROOT,
+    KEEP_FRESH_BYTES,
     OWNER_FILE,
     KeptMaps,
     Pool,
@@ -187,11 +182,6 @@ def _private_root(root: str) -> None:
         )
     if root == DEFAULT_ROOT and st.st_mode & 0o077:
         os.chmod(root, 0o700)
-
-
-# A fresh segment at least this long is mapped for later (kept) at its first put: a
-# chunk's (a save's chunks are rarely smaller), not a manifest's.
-KEEP_FRESH_BYTES = 1 << 20
 
 
 class ShmTier(Tier):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tiercheck.backends import _shm
-from tiercheck.backends._shm import KEEP_FRESH_BYTES, ShmTier
+from tiercheck.backends._shm import ShmTier
+from tiercheck.backends._shm_segments import KEEP_FRESH_BYTES
 from tiercheck.backends.base import Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.errors import InvalidURL, ReadOnlyTier, TierFull, TierLost
