@@ -9,7 +9,7 @@ Nothing here writes into a live store but :meth:`KeptMaps.write`, for a put of
 power-loss recorder replaces, and uses no kept mapping under the recorder);
 ``remove_segment`` deletes a whole one.
 
-Kept mappings: a put into a segment that was reused before copies through a writable
+Kept mappings: a put into a segment that was written before copies through a writable
 mapping of that file kept since then, not with ``pwrite``. On a VM, ``pwrite`` of 1 GiB
 into existing tmpfs pages took 175 ms of system time, a ``memcpy`` through mappings whose
 page tables are already filled 83 ms, through a fresh mapping per put 420 ms (the faults).
