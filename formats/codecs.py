@@ -34,6 +34,7 @@ __all__ = [
     "delta_or_raw",
     "encode_blob",
     "encode_blob_parts",
+    "raw_header",
     "raw_payload",
     "read_header",
 ]
@@ -209,9 +210,14 @@ def _header_check(header: Buffer) -> bytes:
 
 
 def _pack_header(
-    codec: Codec, elem_size: int, raw_length: int, payload_length: int, base: bytes
+    codec: Codec,
+    elem_size: int,
+    raw_length: int,
+    payload_length: int,
+    base: bytes,
+    header_size: int = BLOB_HEADER_SIZE,
 ) -> bytes:
-    header = bytearray(BLOB_HEADER_SIZE)
+    header = bytearray(header_size)  # the extension bytes past the first 64 stay zero
     _HEADER.pack_into(
         header,
         0,
@@ -220,7 +226,7 @@ def _pack_header(
         FORMAT_MINOR,
         int(codec),
         elem_size,
-        BLOB_HEADER_SIZE,
+        header_size,
         0,
         bytes(_CHECK_LEN),
         raw_length,
@@ -229,6 +235,16 @@ def _pack_header(
     )
     header[_CHECK_AT : _CHECK_AT + _CHECK_LEN] = _header_check(header)
     return bytes(header)
+
+
+def raw_header(length: int, header_size: int = BLOB_HEADER_SIZE) -> bytes:
+    """The header of a raw blob of ``length`` bytes, ``header_size`` long (64 to 4096; the
+    bytes past the first 64 are zero extension bytes, SPEC section 2). A header of a page
+    puts the payload at a page offset of the blob's file: shm stages a chunk straight
+    into such a file and makes it the blob (:mod:`tiercheck.backends._shm_stage`)."""
+    if not BLOB_HEADER_SIZE <= header_size <= _MAX_HEADER_SIZE:
+        raise ValueError(f"header_size must be {BLOB_HEADER_SIZE}..{_MAX_HEADER_SIZE}")
+    return _pack_header(Codec.RAW, 1, length, length, _NO_BASE, header_size)
 
 
 def read_header(blob: Buffer, *, expected_id: str = "") -> BlobHeader:
@@ -450,32 +466,43 @@ def raw_payload(
     """The chunk of a blob read in two parts, if it is a plain raw blob; else None.
 
     ``size`` is the blob's length; its first :data:`BLOB_HEADER_SIZE` bytes were read into
-    ``header`` and the rest into ``payload`` (a tier's ``get_parts``). A raw blob with the
-    standard header returns ``payload[:raw_length]``, checked as :func:`decode_blob` checks
-    (header, lengths, and with ``verify`` the id): the payload was decoded where it landed.
-    Any other codec or header size, or a payload longer than ``payload``, returns None:
-    the caller decodes the whole blob with :func:`decode_blob`. Raises what
-    :func:`decode_blob` raises for a damaged or newer blob.
+    ``header`` and the rest into ``payload`` (a tier's ``get_parts``). A raw blob returns
+    its chunk, ``payload[:raw_length]`` (with a longer header, past the header's extension
+    bytes at the start of ``payload``), checked as :func:`decode_blob` checks (header,
+    lengths, and with ``verify`` the id): the payload was decoded where it landed. Any
+    other codec, or a payload longer than ``payload``, returns None: the caller decodes the
+    whole blob with :func:`decode_blob`. Raises what :func:`decode_blob` raises for a
+    damaged or newer blob (the header check of a longer header is checked once the
+    extension bytes are at hand, at the start of ``payload``).
     """
     hview = as_byte_view(header)
-    hdr = read_header(hview[: min(size, len(hview))], expected_id=expected_id)
-    if hdr.codec is not Codec.RAW or hdr.header_size != BLOB_HEADER_SIZE:
+    head: Buffer = hview[: min(size, len(hview))]
+    skip = 0  # the header's bytes at the start of ``payload`` (its extension)
+    if len(head) >= 10:
+        declared = int.from_bytes(head[8:10], "little")  # header_size (SPEC section 2)
+        if len(head) < declared <= min(size, _MAX_HEADER_SIZE):
+            skip = declared - len(head)
+            if skip > len(payload):
+                return None
+            head = bytes(head) + bytes(payload[:skip])  # checked whole by read_header
+    hdr = read_header(head, expected_id=expected_id)
+    if hdr.codec is not Codec.RAW:
         return None
-    n = size - BLOB_HEADER_SIZE
-    if n > len(payload):
+    n = size - hdr.header_size
+    if skip + max(n, 0) > len(payload):
         return None
     if hdr.payload_length != n:
         what = "truncated" if n < hdr.payload_length else "has trailing bytes"
         raise BlobCorrupt(
             f"blob {what}: {size} bytes, header + payload is "
-            f"{BLOB_HEADER_SIZE + hdr.payload_length}",
+            f"{hdr.header_size + hdr.payload_length}",
             key=expected_id,
         )
     if hdr.raw_length != n:
         raise BlobCorrupt(
             f"raw blob payload is {n} bytes, the header says {hdr.raw_length}", key=expected_id
         )
-    result = payload[:n]
+    result = payload[skip : skip + n]
     if verify:
         _check_id(result, expected_id)
     return result
