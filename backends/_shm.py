@@ -7,47 +7,38 @@ the option ``root=`` says otherwise)::
       owner.json       who owns the segment: store id and root, host, creating pid, time
       blobs/<id>       one file per blob; only complete files ever get this name
       pool/<token>     free segments: files of deleted blobs, pages still allocated
-      tmp/<pid>.<n>    puts in flight; a dead writer's leftovers are recycled at open
+      tmp/<pid>.<n>    puts in flight, staging slots (StageArea); a dead writer's are
+                       recycled at open (unlinked where they are blobs too)
       log              append-only log: framed records (tiercheck.formats.framing)
       log.compact      a compacted log being written (renamed over ``log``, or removed)
 
-Ownership: the first writable open writes ``owner.json`` (``{"kind": "tiercheck-shm",
-"store_id": null, "store": null, "host", "pid", "created", "url"}``);
-:meth:`ShmTier.write_owner` records the owning store's id, root and node in it
-(:meth:`ShmTier.read_owner` reads them back; formats/SPEC.md, "Store identity"),
-:meth:`ShmTier.claim_owner` does so only if no other store got there first, and
-:meth:`ShmTier.bind_store` the root alone; each reads, compares and writes under an
-exclusive ``flock`` of the segment directory. ``tiercheck gc --orphans`` reads it to find
-segments whose store is gone (:func:`list_segments`, :func:`remove_segment`; see
-:mod:`tiercheck.store.lifecycle`).
+Ownership: the first writable open writes ``owner.json`` (kind, store id, root and node,
+creator); ``write_owner``, ``claim_owner`` (only if no other store got there first) and
+``bind_store`` record the owning store in it (formats/SPEC.md, "Store identity"), each
+under an exclusive ``flock`` of the segment directory; ``tiercheck gc --orphans`` reads
+it to find segments whose store is gone (:mod:`tiercheck.store.lifecycle`).
 
-Privacy: the default root is per user (``/dev/shm/tiercheck-UID``), made mode 0700 and
-refused if another user owns it; a segment's directories are 0700 and its files 0600,
-so no other user of the node reads (or lists) what a store holds.
+Privacy: the default root is per user, made mode 0700 and refused if another user owns
+it; a segment's directories are 0700 and its files 0600.
 
 Budget: the option ``budget`` (bytes or a size such as ``"8GiB"``) bounds the bytes of
 blobs held plus the pool; pooled segments are freed first to make room, and a put that
-still does not fit raises ``OverBudget``. Every put that needs fresh pages first checks
-that /dev/shm (the file system under ``root``) has them free and raises ``OverBudget``
-otherwise; no write is attempted past the free space (a full tmpfs answers writes with
-ENOSPC, mapped to ``TierFull``, but a mapped page would fault with SIGBUS instead).
+still does not fit raises ``OverBudget``, as does a put needing fresh pages /dev/shm does
+not have free (a full tmpfs answers a write with ENOSPC, ``TierFull``, but faults a
+mapped page with SIGBUS: no write is attempted past the free space).
 
-Why a pool: tmpfs allocates (and zeroes) a page on the first write to it, which costs
-about ten times a write into a page that is already there. A checkpoint store deletes
-old blobs and writes new ones of the same size at every save, so ``delete`` moves a
-blob's file into ``pool/`` and a later ``put`` claims a pooled file (best fit by size),
-writes into its existing pages, truncates it to the new size and links it into
-``blobs/``. The pool is bounded by the option ``pool_limit`` (bytes); deletes beyond it
-free the memory; :meth:`ShmTier.trim_pool` releases it on demand. :meth:`ShmTier.preallocate`
-fills the pool ahead of the puts (``Checkpointer.prepare`` calls it for the first two
-versions): it writes each segment's pages, as a fallocate'd page of tmpfs is zeroed
-only at its first write, and that first touch is what the pool saves.
+Why a pool: tmpfs allocates (and zeroes) a page at its first write, ten times the cost
+of a write into a page already there, and a store deletes old blobs and writes new ones
+of the same size at every save: ``delete`` moves a blob's file into ``pool/``, a later
+``put`` claims one (best fit), writes into its pages, truncates it and links it into
+``blobs/``. ``pool_limit`` (bytes) bounds it (deletes past it free the memory;
+``trim_pool`` on demand); ``preallocate`` fills it ahead (``Checkpointer.prepare``: the
+pages of the first two versions, written, as a fallocate'd page is zeroed at first write).
 
 Kept mappings: a put into a segment written before copies through a writable mapping of
-the file kept since then, not with ``pwrite`` (twice as fast on a VM; see
-:mod:`tiercheck.backends._shm_segments`, which also says what bounds them); a restore in
-this process reads the blobs it pins through them. Where ``_os`` is not the os module
-(the power-loss recorder), every write goes through it with ``pwrite``.
+the file kept since then, not with ``pwrite`` (:mod:`tiercheck.backends._shm_segments`
+says why and what bounds them); a restore in this process reads through them too. Under
+the power-loss recorder (``_os`` not the os module) every write is a ``pwrite`` through it.
 
 Atomicity: a put writes ``tmp/<pid>.<n>`` and then links (create-if-absent) or renames
 (overwrite) it to ``blobs/<id>``, so a reader never sees a prefix. A log append is one
@@ -57,18 +48,19 @@ checksum) and which a writable open truncates away before appending again. A dam
 frame is stepped over, never truncated, and reported by :meth:`ShmTier.scan_log`: the
 records after it are kept (``scan_frames``, SPEC section 6.1); at the tail, only the start
 of a frame cut short is torn (``torn_tail``), a whole frame that fails its check is damage.
-Compaction (:meth:`ShmTier.replace_log_prefix`) writes the new log to ``log.compact`` and
-renames it over ``log`` under the same lock; an appender holding the old file notices the
-rename and reopens. Nothing is fsync'ed: tmpfs
-has no disk behind it, and a write that returned is visible to every later process.
+Compaction writes the new log to ``log.compact`` and renames it over ``log`` under the
+same lock (an appender holding the old file reopens). Nothing is fsync'ed: tmpfs has no
+disk behind it, and a write that returned is visible to every later process.
 
 One writer per NAME at a time (``Capabilities.shared`` is False); any number of
-``read_only=True`` readers. A blob file that is deleted can be reused at once by a
-later put, so a reader must not read a blob concurrently with its deletion (the engine
-only deletes blobs that no kept record references; the codec layer verifies every id).
-:meth:`ShmTier.pin` maps blobs in place for a restore and holds the ``pool/`` directory's
-exclusive lock meanwhile; a put recycles a pooled segment only under its shared lock, and
-writes fresh pages while a reader pins, so a pinned blob's bytes never change.
+``read_only=True`` readers. A deleted blob's file can be reused at once by a later put, so
+a reader must not read a blob concurrently with its deletion (the engine deletes only
+what no kept record references; the codec layer verifies every id). :meth:`ShmTier.pin`
+maps blobs in place for a restore and holds the ``pool/`` directory's exclusive lock
+meanwhile; a put recycles a pooled segment (and a save stages into a freed slot of a
+:class:`StageArea`) only under its shared lock, so a pinned blob's bytes never change.
+:meth:`ShmTier.staging_area`: saves stage straight into the store's own files, which
+become the blobs (:mod:`tiercheck.backends._shm_segments`, "Staging").
 """
 
 from __future__ import annotations
@@ -97,9 +89,12 @@ from tiercheck.backends._shm_segments import (
     KeptMaps,
     Pool,
     ShmPins,
+    StageArea,
     hold_pool,
     read_owner,
+    room_for,
     shm_free_bytes,
+    stageable,
 )
 from tiercheck.backends._vectored import read_parts
 from tiercheck.backends.base import (
@@ -109,6 +104,7 @@ from tiercheck.backends.base import (
     FailureDomain,
     LogScan,
     Pins,
+    StagingArea,
     StoreOwner,
     Tier,
     check_blob_id,
@@ -566,6 +562,11 @@ class ShmTier(Tier):
         except OSError as exc:
             raise self._os_error(exc, op, blob_id) from exc
 
+    def staging_area(self, windows: Sequence[tuple[int, int]], n: int) -> StagingArea | None:
+        """Ranges of this store's own files (:class:`StageArea`), if possible (not recorded)."""
+        ok = not self.read_only and _os is os and stageable(windows, n)
+        return StageArea(self, windows, n) if ok and room_for(self.path, windows) else None
+
     def pin(self) -> Pins | None:
         """Blobs mapped in place while no put may recycle a segment (None while a put is
         recycling one or another reader pins): see :class:`ShmPins`."""
@@ -644,8 +645,12 @@ class ShmTier(Tier):
         for blob_id in ids:
             path = self._blob_path(blob_id)
             try:
-                size = os.stat(path).st_size
-                self._to_pool(path, size)
+                st = os.stat(path)
+                size = st.st_size
+                if st.st_nlink > 1:  # also a staging slot (StageArea): never pooled
+                    _os.unlink(path)
+                else:
+                    self._to_pool(path, size)
             except FileNotFoundError:
                 continue
             except OSError as exc:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import builtins
+import ctypes
 import fcntl
 import json
 import mmap
@@ -49,26 +50,42 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tiercheck.backends.base import Later, Pins, check_blob_id, gather
+from tiercheck.backends.base import (
+    STAGED_HEADER,
+    Later,
+    Pins,
+    StagingArea,
+    Tier,
+    check_blob_id,
+    gather,
+)
 from tiercheck.core.sizes import tree_bytes
 from tiercheck.errors import NotFound, TierError
+from tiercheck.formats.codecs import raw_header
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_ROOT",
+    "HEADER",
     "KEEP_FRESH_BYTES",
     "OWNER_FILE",
     "KeptMaps",
     "Pool",
     "Segment",
     "ShmPins",
+    "StageArea",
     "hold_pool",
     "is_segment",
     "list_segments",
     "read_owner",
     "remove_segment",
+    "room_for",
     "shm_free_bytes",
+    "stageable",
     "unmap",
 ]
 
@@ -452,3 +469,263 @@ class KeptMaps:
         with self._lock:
             maps, self._maps = builtins.list(self._maps.values()), {}
         unmap(maps)  # the store closing under a put: that put's mapping goes after it
+
+
+# --- staging in the store's own files ------------------------------------------------------
+#
+# Staging a state straight into shm's segment files: the staging copy becomes the blobs.
+#
+# Without it a save holds three copies of a dense state in host memory at its peak: the
+# staging buffer, the version shm is writing, and the version before it (kept until the new
+# one is committed, and then its pages pooled for the next write). Here the staging buffer
+# *is* the next version's segment files: each chunk window of the staged stream is the
+# payload of a file of shm's ``tmp/`` directory, mapped into one contiguous range of the
+# process's address space at the window's offset, so the staging copy writes into shm's
+# pages, and once a window is hashed the file becomes the blob (:meth:`StageArea.adopt`:
+# its header written in front of the payload, then linked into ``blobs/``). Two such ranges
+# take turns: one holds the newest version's blobs while the next save stages into the
+# other, so the host holds two copies of the state, not three.
+#
+# The payload of a blob starts after its header; a header of a whole page (``header_size``
+# 4096, SPEC section 2: the bytes past the first 64 are zero extension bytes, which every
+# reader skips) puts it at a page offset of the file, which ``mmap`` needs.
+#
+# A slot is free to stage into when no blob name refers to its file: its link count is one
+# (its ``tmp/`` name). :meth:`StageArea.arm` makes every slot of a range free before a save
+# stages into it: a slot whose file is still a live blob (a chunk an older version still
+# names) gets a fresh file mapped over it, the old file staying the blob. Deleting a blob
+# whose file is also a slot unlinks its ``blobs/`` name and never moves the file into the
+# pool (``ShmTier.delete``), so the pool never hands a slot to a put. A freed slot that was a
+# blob is staged into only under the pool's shared lock, as a put recycles a pooled
+# segment: a reader of another process that pins blobs (``ShmPins``, the exclusive lock)
+# may still map that file; while one does, such slots get fresh files instead.
+#
+# A crashed process leaves its slots in ``tmp/`` under its pid; the next writable open
+# unlinks the names of those that are blobs and pools the others (``ShmTier._recover``, as
+# for any put in flight). Not under the power-loss recorder (shm is not persistent, and the
+# recorder sees only writes made through its hook).
+
+PAGE = mmap.PAGESIZE
+HEADER = STAGED_HEADER  # a staged blob's header: a page, its payload at a page offset
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_NONE = 0
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_MAP_POPULATE = 0x8000
+_ZEROS = memoryview(bytes(4 << 20))
+
+
+def stageable(windows: Sequence[tuple[int, int]], stream_bytes: int) -> bool:
+    """Whether a layout's chunk windows can each be a slot: contiguous from 0 to the end
+    of the stream, each starting at a page offset of it."""
+    pos = 0
+    for offset, length in windows:
+        if offset != pos or offset % PAGE or length <= 0:
+            return False
+        pos = offset + length
+    return bool(windows) and pos == stream_bytes and HEADER % PAGE == 0
+
+
+def _map(addr: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    got = _libc.mmap(addr, length, prot, flags, fd, offset)
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap: {os.strerror(err)}")
+    assert isinstance(got, int)
+    return got
+
+
+class StageArea(StagingArea):
+    """Two staging ranges of ``windows``' slots in ``tier``'s ``tmp/`` (module docstring).
+
+    Use: :meth:`take` a range for a save, :meth:`arm` it, copy into :meth:`tensor`,
+    :meth:`done_staging`, then :meth:`adopt` each window shm lacks once it is hashed.
+    One save stages at a time (the engine's staging buffer lock)."""
+
+    def __init__(self, tier: Tier, windows: Sequence[tuple[int, int]], stream_bytes: int):
+        if not stageable(windows, stream_bytes):
+            raise ValueError("these chunk windows cannot be staged in shm")
+        self.tier = tier
+        # the ShmTier's own directories and counters (typed loosely: this module is below
+        # backends._shm, which imports it)
+        self.shm: Any = tier
+        self.windows = tuple(windows)
+        self.stream_bytes = stream_bytes
+        self._span = -(-stream_bytes // PAGE) * PAGE
+        self._bases: list[int] = []
+        self._paths: list[list[str]] = []
+        self._adopted: list[set[int]] = [set(), set()]  # slots linked as blobs since armed
+        self._tensors: list[torch.Tensor] = []
+        self._next = 0
+        self._pool_fd = -1
+        self._lock = threading.Lock()
+        self.replaced = 0  # slots given a fresh file by arm (a live blob, or a reader pinned)
+        try:
+            for _ in range(2):
+                base = _map(
+                    None,
+                    self._span,
+                    _PROT_NONE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+                self._bases.append(base)
+                self._paths.append([])
+                for offset, length in self.windows:
+                    self._paths[-1].append(self._slot(base + offset, length))
+        except BaseException:
+            self.close()
+            raise
+        self.nbytes = 2 * sum(HEADER + n for _, n in self.windows)  # the ranges' shm pages
+
+    def _slot(self, addr: int, length: int, recycle: bool = False) -> str:
+        """A slot file for ``length`` bytes of payload, mapped at ``addr`` over whatever was
+        mapped there; returns its path. With ``recycle`` (the caller holds the pool's
+        shared lock) a pooled segment (a deleted blob's file, its pages there) if there is
+        one, else a fresh file, its pages written now (not faulted in by the copy)."""
+        tier = self.shm
+        size = HEADER + length
+        path: str
+        if recycle:
+            path, fd, pos = tier._claim_segment(size, True)
+            if pos > size:
+                os.ftruncate(fd, size)
+                pos = size
+        else:
+            path = os.path.join(tier._tmp, tier._new_token())
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            pos = 0
+        try:
+            while pos < size:
+                pos += os.pwrite(fd, _ZEROS[: min(len(_ZEROS), size - pos)], pos)
+            _map(
+                addr,
+                length,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_SHARED | _MAP_FIXED | _MAP_POPULATE,
+                fd,
+                HEADER,
+            )
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return path
+
+    def take(self) -> int:
+        """The range the next save stages into (they alternate)."""
+        with self._lock:
+            r, self._next = self._next, 1 - self._next
+        return r
+
+    def busy(self, r: int) -> int:
+        """How many slots of range ``r`` are still blobs (a version that keeps them)."""
+        return sum(os.stat(path).st_nlink > 1 for path in self._paths[r])
+
+    def arm(self, r: int) -> None:
+        """Make every slot of range ``r`` free to stage into (module docstring), holding
+        the pool's shared lock until :meth:`done_staging`: a slot still linked as a blob,
+        or one freed since it was adopted while a reader pins (no lock), gets a pooled
+        segment (a fresh file when the pool has none, or a reader pins)."""
+        fd = hold_pool(self.shm._pool_dir)
+        self._pool_fd = fd
+        for k, path in enumerate(self._paths[r]):
+            if os.stat(path).st_nlink > 1 or (fd < 0 and k in self._adopted[r]):
+                offset, length = self.windows[k]
+                fresh = self._slot(self._bases[r] + offset, length, recycle=fd >= 0)
+                os.unlink(path)  # the old file stays the blob (or goes with its last name)
+                self._paths[r][k] = fresh
+                self.replaced += 1
+        self._adopted[r] = set()
+
+    def done_staging(self) -> None:
+        """The staging copy into the range armed last is done: release the pool's lock."""
+        fd, self._pool_fd = self._pool_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def tensor(self, r: int) -> torch.Tensor:
+        """Range ``r`` as a byte tensor of the stream's length (made once)."""
+        import torch
+
+        while len(self._tensors) <= r:
+            n = len(self._tensors)
+            buf = (ctypes.c_char * self.stream_bytes).from_address(self._bases[n])
+            self._tensors.append(torch.frombuffer(buf, dtype=torch.uint8))
+        tensor: torch.Tensor = self._tensors[r]
+        return tensor
+
+    def adopt(self, r: int, k: int, blob_id: str) -> bool:
+        """Window ``k`` of range ``r`` (staged, hashed to ``blob_id``) becomes that blob:
+        its header is written in front of the payload and the file linked into ``blobs/``.
+        False if the blob is there already (nothing written). Counts the file's bytes as a
+        put does (``OverBudget`` past the budget)."""
+        tier = self.shm
+        length = self.windows[k][1]
+        size = HEADER + length
+        tier._reserve(blob_id, size, 0)
+        linked = False
+        try:
+            path = self._paths[r][k]
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.pwrite(fd, raw_header(length, HEADER), 0)
+            finally:
+                os.close(fd)
+            try:
+                os.link(path, tier._blob_path(blob_id))
+            except FileExistsError:
+                return False
+            linked = True
+            self._adopted[r].add(k)
+            return True
+        except OSError as exc:
+            raise tier._os_error(exc, "adopt", blob_id) from exc
+        finally:
+            if not linked:
+                tier._release(size)
+
+    def close(self, *, pool: bool = False) -> None:
+        """Unmap both ranges and unlink every slot's name (a slot that is a blob stays the
+        blob); with ``pool``, a free slot's file goes to the pool instead, its pages for
+        the puts of the saves that stage privately from now on. Idempotent."""
+        self.done_staging()
+        self._tensors = []
+        for base in self._bases:
+            _libc.munmap(base, self._span)
+        self._bases = []
+        for paths in self._paths:
+            for path in paths:
+                try:
+                    st = os.stat(path)
+                    if pool and st.st_nlink == 1:
+                        self.shm._to_pool(path, st.st_size)
+                    else:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        self._paths = []
+
+
+def room_for(path: str, windows: Sequence[tuple[int, int]]) -> bool:
+    """Whether the shm file system at ``path`` has room for the two ranges and as much
+    again for the rest."""
+    need = 2 * sum(HEADER + n for _, n in windows)
+    try:
+        return shm_free_bytes(path) >= 2 * need
+    except OSError:
+        return False

@@ -70,13 +70,14 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tiercheck.core.sizes import format_size, parse_size
 from tiercheck.errors import InvalidURL, NotSupported, OverBudget, ReadOnlyTier, TierError
 
 __all__ = [
     "BLOB_ID_RE",
+    "STAGED_HEADER",
     "Buffer",
     "Capabilities",
     "FailureDomain",
@@ -84,6 +85,7 @@ __all__ = [
     "LogScan",
     "PendingPut",
     "Pins",
+    "StagingArea",
     "StoreOwner",
     "Tier",
     "check_blob_id",
@@ -144,6 +146,51 @@ class Pins:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: the header of a blob a tier makes of a staged window (:meth:`Tier.staging_area`): a
+#: page (SPEC section 2 allows up to 4096 bytes), so the payload is at a page offset
+STAGED_HEADER = 4096
+
+
+class StagingArea:
+    """Two ranges of memory a save stages into that are a tier's own storage, so that a
+    window of the staged stream becomes that tier's blob without a copy
+    (:meth:`Tier.staging_area`; shm's is :class:`tiercheck.backends._shm_segments.StageArea`).
+
+    One save stages at a time: :meth:`take` a range, :meth:`arm` it, copy the stream into
+    :meth:`tensor`, :meth:`done_staging`, and once window ``k`` is hashed to ``blob_id``,
+    :meth:`adopt` it (False: the tier had that blob already; a blob takes
+    ``STAGED_HEADER`` bytes more than its window). The ranges take turns, so a range is
+    staged into again only two saves later. :meth:`close` when no save reads either."""
+
+    tier: Tier  # the tier whose storage the ranges are, which adopts their windows
+    windows: tuple[tuple[int, int], ...]
+    nbytes: int  # the memory both ranges take
+
+    def take(self) -> int:
+        raise NotImplementedError
+
+    def busy(self, r: int) -> int:
+        """Windows of range ``r`` still held as blobs (arming it replaces them)."""
+        raise NotImplementedError
+
+    def arm(self, r: int) -> None:
+        raise NotImplementedError
+
+    def done_staging(self) -> None:
+        raise NotImplementedError
+
+    def tensor(self, r: int) -> Any:
+        raise NotImplementedError
+
+    def adopt(self, r: int, k: int, blob_id: str) -> bool:
+        raise NotImplementedError
+
+    def close(self, *, pool: bool = False) -> None:
+        """Release the ranges; ``pool``: keep the memory of the free ones for the tier's
+        own puts (the saves stage privately from now on)."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -332,6 +379,15 @@ class Tier(abc.ABC):
         ``NotFound``.
         """
         return scatter(self.get(blob_id), parts)
+
+    def staging_area(
+        self, windows: Sequence[tuple[int, int]], stream_bytes: int
+    ) -> StagingArea | None:
+        """Ranges a save of this layout (chunk ``windows`` of a stream of
+        ``stream_bytes``) can stage into that are this tier's own storage, its windows
+        then adopted as raw blobs without a copy (:class:`StagingArea`); None where this
+        tier cannot (the default), or not for this layout or now (no room)."""
+        return None
 
     def pin(self) -> Pins | None:
         """Read blobs in place until the returned :class:`Pins` is closed, or None where

@@ -5,7 +5,8 @@
 subclass overrides only the calls it changes, and everything else reaches the inner tier
 unchanged. It forwards *every* method and property of
 :class:`~tiercheck.backends.base.Tier`, including those the base class gives a default
-(``put_parts``, ``begin_put``, ``put_many``, ``put_many_parts``, ``get_parts``, ``pin``, ``size``,
+(``put_parts``, ``begin_put``, ``put_many``, ``put_many_parts``, ``get_parts``, ``pin``,
+``staging_area``, ``size``,
 ``head``, ``replace_log_prefix``, ``usage``, ``set_budget``, ``read_owner``,
 ``write_owner``, ``claim_owner``, ``bind_store``): a wrapper that inherited those defaults
 would silently turn a vectored write into a join, hide a memory tier's budget from the
@@ -30,6 +31,7 @@ from tiercheck.backends.base import (
     LogScan,
     PendingPut,
     Pins,
+    StagingArea,
     StoreOwner,
     Tier,
 )
@@ -113,6 +115,11 @@ class WrapperTier(Tier):
 
     def pin(self) -> Pins | None:
         return self.inner.pin()
+
+    def staging_area(
+        self, windows: Sequence[tuple[int, int]], stream_bytes: int
+    ) -> StagingArea | None:
+        return self.inner.staging_area(windows, stream_bytes)
 
     def has(self, blob_ids: Iterable[str]) -> set[str]:
         return self.inner.has(blob_ids)

@@ -124,6 +124,7 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "get": lambda t: t.get(ID),
     "get_parts": lambda t: t.get_parts(ID, [memoryview(bytearray(300))]),
     "pin": lambda t: t.pin(),
+    "staging_area": lambda t: t.staging_area([(0, 4096)], 4096),
     "has": lambda t: t.has([ID]),
     "delete": lambda t: t.delete([OTHER]),
     "list": lambda t: list(t.list()),
