@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.backends.base import FailureDomain
-from tiercheck.core.chunking import plan_layout
+from tiercheck.core.chunking import choose_chunk_size, plan_layout
 from tiercheck.core.entries import flatten
 from tiercheck.engine.coordinator import Coordinator, DistCoordinator, LocalCoordinator
 from tiercheck.engine.saving import SaveService
+from tiercheck.engine.shm_staging import ShmStaging
 from tiercheck.engine.staging import StagingBuffer, cuda_devices
 from tiercheck.errors import CheckpointError, ConfigError, UnfinishedWork
 from tiercheck.logversions.planner import LogSource
@@ -121,6 +122,7 @@ class Engine:
         self.executors = Executors.start(threads, priority)
         self.pool = self.executors.io
         self.staging = StagingBuffer()
+        self.shm_staging: ShmStaging | None = None
         self.failures = Failures()
         self.catalog = LiveCatalog(read_catalog(self.tierset.tiers(), pool=self.executors.logs))
         fence = GCFence()
@@ -183,6 +185,11 @@ class Engine:
             ),
         )
         self.saves.acknowledged = AckLedger(self.root, self.tierset, self.rank).note
+        self.shm_staging = ShmStaging(
+            self.tierset, self.policy, self.world_size, self.maintenance.make_room
+        )
+        self.staging.area_for = self.shm_staging.area_for
+        self.staging.before_arm = self.shm_staging.before_arm
         # sweep once after opening: what a crashed writer left behind
         self.maintenance.request(s.name for s in self.tierset.slots)
 
@@ -263,19 +270,24 @@ class Engine:
     # --- saving ---------------------------------------------------------------------------
 
     def prepare(self, state: Mapping[str, Any]) -> None:
-        """Allocate the staging buffer for ``state``; note its size for the budgets."""
+        """Allocate the staging buffer for ``state`` (or the shm staging area its saves
+        will use); note its size for the budgets."""
         tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
-        if self.saves is not None:
-            self.saves.note_state(tree, leaves)
-        layout = plan_layout(leaves, self.policy.chunk_size)
+        layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         devices = cuda_devices(leaves)  # pinned under the state's own device
         self.staging.acquire()  # not while a save is using it
         try:
-            self.staging.ensure(
-                layout.stream_bytes + (1 << 20),
-                pinned=bool(devices),
-                device=devices[0] if devices else None,
-            )
+            area = None
+            if self.shm_staging is not None and not devices:
+                area = self.shm_staging.area_for(layout)
+            if self.saves is not None:
+                self.saves.note_state(tree, leaves, staged=area)
+            if area is None:
+                self.staging.ensure(
+                    layout.stream_bytes + (1 << 20),
+                    pinned=bool(devices),
+                    device=devices[0] if devices else None,
+                )
         finally:
             self.staging.release()
 
@@ -458,6 +470,9 @@ class Engine:
             self.maintenance.join()
             self.executors.shutdown(wait=True)
         finally:
+            if self.shm_staging is not None:
+                self.staging.close_area()
+                self.shm_staging.close()
             self.tierset.close()
             self.release_lock()
 

@@ -24,6 +24,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiercheck.backends.base import STAGED_HEADER, StagingArea
 from tiercheck.core.chunking import Layout
 from tiercheck.engine.staging import ShardBytes
 from tiercheck.errors import NotFound, OverBudget, TierError
@@ -48,6 +49,7 @@ from tiercheck.store.tierset import TierSlot
 
 __all__ = [
     "PlaceResult",
+    "Shard",
     "ShardStream",
     "Streamed",
     "build_manifest",
@@ -332,6 +334,7 @@ def place_shard(
     only: set[str] | None = None,
     clock: Callable[[], float] = time.time,
     streamed: Future[Streamed] | None = None,
+    adopt: Callable[[int, str], bool] | None = None,
 ) -> PlaceResult:
     """Write the chunks ``slot`` lacks, then the manifest, then the prepare record.
 
@@ -341,6 +344,9 @@ def place_shard(
     ``streamed``: what a :class:`ShardStream` wrote to this tier already (awaited here; its
     failure is this tier's failure). ``view``: the staged stream, or a :class:`ShardBytes`
     that may move the reads to another tier's copy meanwhile (every read is under its lease).
+    ``adopt(i, id)``: the tier holds the staged stream in its own files (shm staging in
+    place, :mod:`tiercheck.backends._shm_stage`) and makes chunk ``i``'s window the blob
+    ``id`` instead of writing a copy.
     """
     t0 = time.perf_counter()
     src = view if isinstance(view, ShardBytes) else ShardBytes(view)
@@ -392,6 +398,10 @@ def place_shard(
             return ref.id, encode_blob_parts(raw, Codec.ZSTD, level=zstd_level), None
 
         def write(index: int) -> _Encoded:
+            if adopt is not None:
+                ref = manifest.chunks[index]
+                adopt(index, ref.id)  # False: there already (a put racing it)
+                return ref.id, [], None
             with src.reading():
                 cid, parts, base_id = encode(index)
                 tier.put_parts(cid, parts)  # one vectored write where the tier has it
@@ -403,12 +413,17 @@ def place_shard(
 
         def note(cid: str, parts: Sequence[Buffer], base_id: str | None) -> None:
             result.chunks_written += 1
-            result.bytes_written += sum(len(p) for p in parts)
+            # an adopted window (no parts): its file's bytes
+            result.bytes_written += (
+                sum(len(p) for p in parts)
+                if parts
+                else manifest.chunks[first[cid]].length + STAGED_HEADER
+            )
             if base_id is not None:
                 result.deltas[cid] = base_id
 
         indices = [first[c] for c in missing]
-        if tier.capabilities.atomic_batch:
+        if tier.capabilities.atomic_batch and adopt is None:
             # A transactional tier pays one durable commit per transaction, not per chunk:
             # each window of chunks is one transaction. The next window is encoded on the
             # pool while this one is written and synced (raw needs no encoding: its parts
@@ -560,3 +575,25 @@ def encodes_deltas(slots: Sequence[TierSlot], role: Role) -> bool:
         and s.policy.wants(role)
         for s in slots
     )
+
+
+@dataclass
+class Shard:
+    """This rank's shard of a version, staged and hashed."""
+
+    view: ShardBytes
+    chunks: tuple[ChunkRef, ...]
+    manifest: Any
+    manifest_bytes: bytes
+    manifest_id: str
+    base_chunks: tuple[ChunkRef, ...] | None
+    stream: ShardStream  # the blobs placed while hashing (step 2 overlaps step 4)
+    # staged in shm's own segment files: the area and its range (shm adopts the windows)
+    staged: tuple[StagingArea, int] | None = None
+
+    def adopter(self, slot: TierSlot) -> Callable[[int, str], bool] | None:
+        """How ``slot`` takes chunk ``i`` staged in its own files, if it does."""
+        if self.staged is None or slot.tier is not self.staged[0].tier:
+            return None
+        area, r = self.staged
+        return lambda i, cid: area.adopt(r, i, cid)

@@ -53,13 +53,14 @@ from concurrent.futures import (
     as_completed,
     wait,
 )
-from dataclasses import dataclass
 from typing import Any
 
+from tiercheck.backends.base import STAGED_HEADER as HEADER
 from tiercheck.engine.coordinator import Coordinator, Vote
 from tiercheck.engine.handover import hand_over, skip_busy
 from tiercheck.engine.placing import (
     PlaceResult,
+    Shard,
     ShardStream,
     build_manifest,
     commit_on,
@@ -83,6 +84,7 @@ from tiercheck.errors import (
     OverBudget,
     TiercheckError,
 )
+from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.formats.manifest import AbortRecord, ChunkRef, VersionInfo
 from tiercheck.logversions.planner import LogSource, with_fingerprints
 from tiercheck.runtime.background import Halt, reporting
@@ -107,19 +109,6 @@ from tiercheck.store.tierset import TierSet, TierSlot
 __all__ = ["SaveService"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Shard:
-    """This rank's shard of a version, staged and hashed."""
-
-    view: ShardBytes
-    chunks: tuple[ChunkRef, ...]
-    manifest: Any
-    manifest_bytes: bytes
-    manifest_id: str
-    base_chunks: tuple[ChunkRef, ...] | None
-    stream: ShardStream  # the blobs placed while hashing (step 2 overlaps step 4)
 
 
 class SaveService(SaveQueue):
@@ -354,7 +343,7 @@ class SaveService(SaveQueue):
             job.hold = Hold(self.staging)
         hold = job.hold  # until the fastest tier holds the shard, or every tier write ended
         leased: list[TierSlot] = []
-        shard: _Shard | None = None
+        shard: Shard | None = None
         handed = False  # to the tail thread, with the buffer if it is still offered
         try:
             failure = job.failure or staging_failed
@@ -423,6 +412,7 @@ class SaveService(SaveQueue):
                     if _shared(slot) and exchange.owned is not None
                     else None,
                     streamed=shard.stream.result(slot.name),
+                    adopt=shard.adopter(slot),
                 ): slot
                 for slot in sync
             }
@@ -516,7 +506,7 @@ class SaveService(SaveQueue):
             assert slot.tier is not None
             self.leases.release_write(slot.tier)
 
-    def _encode(self, job: _Job) -> _Shard:
+    def _encode(self, job: _Job) -> Shard:
         """Stage, hash and describe this rank's shard (steps 1 and 2), placing its blobs
         in this rank's own synchronous tiers as they are hashed (:class:`ShardStream`)."""
         handle, layout = job.handle, job.layout
@@ -529,7 +519,9 @@ class SaveService(SaveQueue):
                     assert self.logs is not None
                     # the state now, before the guard lets the trainer step again
                     job.replay = with_fingerprints(job.replay, self.logs)
-                event = self.staging.stage(job.leaves, layout, ready=job.ready)
+                event = self.staging.stage(
+                    job.leaves, layout, ready=job.ready, shm=proposal is None
+                )
                 if event is not None:
                     event.synchronize()
             finally:
@@ -539,6 +531,8 @@ class SaveService(SaveQueue):
             handle._time("staged", time.perf_counter() - job.t_call)
             handle._mark_staged()
         view = ShardBytes(self.staging.view(layout.stream_bytes))
+        area, r = self.staging.area, self.staging.staged_range
+        staged = (area, r) if area is not None and r is not None else None
         busy = self._busy if self.world_size == 1 else set()  # they skip it (latest wins)
         stream = ShardStream(
             streamable(self.tierset.slots, job.role, self.budgets.unsized(), busy),
@@ -563,7 +557,7 @@ class SaveService(SaveQueue):
         except BaseException:
             stream.close()
             raise
-        return _Shard(view, chunks, manifest, mbytes, mid, base_chunks, stream)
+        return Shard(view, chunks, manifest, mbytes, mid, base_chunks, stream, staged)
 
     def _resolve_base(self, job: _Job) -> tuple[ChunkRef, ...] | None:
         """The chunks of diff ``job``'s base, committed by now (saves run in order) unless
@@ -581,7 +575,7 @@ class SaveService(SaveQueue):
         log.warning("version %d is a base: its base failed or gave way", job.version)
         return None
 
-    def _fit_budgets(self, job: _Job, shard: _Shard, sync: list[TierSlot]) -> list[TierSlot]:
+    def _fit_budgets(self, job: _Job, shard: Shard, sync: list[TierSlot]) -> list[TierSlot]:
         """The synchronous tiers that take ``job`` within their memory budgets.
 
         Sets the default budgets for this version's size, then makes room in each tier with
@@ -598,7 +592,10 @@ class SaveService(SaveQueue):
             # the defaults are sized for a full version: a log version (a third of the
             # state, or less) must not shrink the budget the next base needs
             size = version_bytes(
-                job.layout.stream_bytes, len(shard.chunks), len(shard.manifest_bytes)
+                job.layout.stream_bytes,
+                len(shard.chunks),
+                len(shard.manifest_bytes),
+                HEADER if shard.staged is not None else BLOB_HEADER_SIZE,
             )
             self.budgets.size_known(size)
         if job.role == "diff" and job.base is not None and self.world_size == 1:
@@ -625,7 +622,11 @@ class SaveService(SaveQueue):
                 continue
             try:
                 need = bytes_needed(
-                    slot.tier, shard.chunks, shard.manifest_id, len(shard.manifest_bytes)
+                    slot.tier,
+                    shard.chunks,
+                    shard.manifest_id,
+                    len(shard.manifest_bytes),
+                    HEADER if shard.adopter(slot) is not None else BLOB_HEADER_SIZE,
                 )
                 short = self.maintenance.make_room(slot, need)
                 tail = self._tail
@@ -661,7 +662,7 @@ class SaveService(SaveQueue):
         self,
         job: _Job,
         futures: Mapping[Future[PlaceResult], TierSlot],
-        shard: _Shard,
+        shard: Shard,
     ) -> tuple[VersionInfo, list[TierSlot], list[TierSlot], Callable[[], None] | None]:
         """Vote once one tier holds the shard, then commit each tier prepared by then.
 
@@ -759,7 +760,7 @@ class SaveService(SaveQueue):
         self,
         job: _Job,
         info: VersionInfo,
-        shard: _Shard,
+        shard: Shard,
         committed: list[TierSlot],
         shared_ready: list[TierSlot],
         owned: frozenset[str] | None,

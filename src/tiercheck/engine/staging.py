@@ -18,6 +18,7 @@ of the tensors they serve, so a rank that uses ``cuda:3`` never creates a contex
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -28,10 +29,15 @@ import numpy as np
 
 from tiercheck.core.chunking import Layout
 from tiercheck.core.entries import Leaf, torch_dtype
+from tiercheck.errors import TiercheckError
 from tiercheck.formats.manifest import Entry
 
 if TYPE_CHECKING:
     import torch
+
+    from tiercheck.backends.base import StagingArea
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CopiesInFlight",
@@ -113,7 +119,15 @@ class StagingBuffer:
         self._waiting = 0  # acquire() calls blocked on the buffer
         self._give_back: Callable[[], None] | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._plan: _Plan | None = None
+        self._plans: dict[int, _Plan] = {}  # by id of the buffer (private, or a range)
+        self._current: torch.Tensor | None = None  # what the last stage (or ensure) used
+        #: the engine's choice of a shm staging area for a layout (None: always private)
+        self.area_for: Callable[[Layout], StagingArea | None] | None = None
+        #: called before a range is armed: frees what a version no longer needs there
+        self.before_arm: Callable[[StagingArea, int], None] | None = None
+        self._area: StagingArea | None = None  # the area of the last stage
+        #: the range of ``_area`` the last stage copied into (None: the private buffer)
+        self.staged_range: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -133,10 +147,13 @@ class StagingBuffer:
         import torch
 
         pinned = pinned and torch.cuda.is_available()
+        self.staged_range = None
         if self._buf is not None and self.capacity >= nbytes and (self._pinned or not pinned):
+            self._current = self._buf
             return
-        self._buf = None
-        self._plan = None  # its views hold the old buffer
+        if self._buf is not None:
+            self._plans.pop(id(self._buf), None)  # its views hold the old buffer
+        self._buf = self._current = None
         size = max(nbytes, 1)
         if pinned:
             index = torch.cuda.current_device() if device is None else device
@@ -145,7 +162,7 @@ class StagingBuffer:
         else:
             buf = torch.empty(size, dtype=torch.uint8)
         buf.zero_()  # first touch now, not during a save
-        self._buf = buf
+        self._buf = self._current = buf
         self._pinned = pinned
 
     def acquire(self, timeout: float | None = None) -> bool:
@@ -180,13 +197,28 @@ class StagingBuffer:
         self._busy.release()
 
     def view(self, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of the buffer as a byte memoryview (valid until regrown)."""
-        assert self._buf is not None
-        return self._buf.numpy().data.cast("B")[:nbytes]
+        """The first ``nbytes`` of the buffer the last :meth:`stage` (or :meth:`ensure`)
+        used, as a byte memoryview (valid until regrown)."""
+        return self.tensor().numpy().data.cast("B")[:nbytes]
 
     def tensor(self) -> torch.Tensor:
-        assert self._buf is not None
-        return self._buf
+        """The buffer the last :meth:`stage` (or :meth:`ensure`) used: the private one, or
+        a range of the shm staging area."""
+        assert self._current is not None
+        return self._current
+
+    @property
+    def area(self) -> StagingArea | None:
+        """The shm staging area of the last :meth:`stage` (None: it staged privately)."""
+        return self._area if self.staged_range is not None else None
+
+    def close_area(self) -> None:
+        """Forget the shm staging area (its owner closes it): no view of it is kept."""
+        if self._area is not None:
+            self._plans = {k: p for k, p in self._plans.items() if p.buf is self._buf}
+            self._current = self._buf
+            self._area = None
+            self.staged_range = None
 
     def _stream(self, device: int) -> torch.cuda.Stream:
         """This buffer's side stream on ``device``, created there on first use."""
@@ -206,6 +238,7 @@ class StagingBuffer:
         *,
         ready: Mapping[int, torch.cuda.Event] | None = None,
         stop: Callable[[], bool] | None = None,
+        shm: bool = True,
     ) -> CopiesInFlight | None:
         """Copy every leaf to its offset; the padding between them is zero.
 
@@ -215,14 +248,47 @@ class StagingBuffer:
         before reading the buffer. ``ready`` maps a device index to the event of
         :func:`ready_events` taken when the save was asked for. ``stop`` is asked before
         each host copy: once it says True the rest is left (the save gave way; what the
-        buffer holds then is no version's).
+        buffer holds then is no version's). ``shm``: a full version, which may stage in the
+        shm staging area (a log version, whose layout is its gradients', never does: it
+        would take the state's area away).
         """
-        import torch
-
         devices = cuda_devices(leaves)
+        usable = shm and self.area_for is not None and not devices
+        area = self.area_for(layout) if usable and self.area_for is not None else None
+        if area is not self._area:
+            self.close_area()
+            self._area = area
+        if area is not None:
+            r = area.take()
+            try:
+                if self.before_arm is not None:
+                    self.before_arm(area, r)
+                area.arm(r)
+            except (OSError, TiercheckError) as exc:  # this save stages privately
+                area.done_staging()
+                log.warning("staging privately: could not ready a shm staging range: %s", exc)
+            else:
+                self._current, self.staged_range = area.tensor(r), r
+                try:
+                    return self._copy(leaves, layout, devices, ready, stop)
+                finally:
+                    area.done_staging()
         self.ensure(
             layout.stream_bytes, pinned=bool(devices), device=devices[0] if devices else None
         )
+        return self._copy(leaves, layout, devices, ready, stop)
+
+    def _copy(
+        self,
+        leaves: Sequence[Leaf],
+        layout: Layout,
+        devices: list[int],
+        ready: Mapping[int, torch.cuda.Event] | None,
+        stop: Callable[[], bool] | None,
+    ) -> CopiesInFlight | None:
+        """:meth:`stage`'s copies into the buffer it chose (:meth:`tensor`)."""
+        import torch
+
         plan = self._plan_for(layout)
         plan.zero_gaps()
         events = []
@@ -277,7 +343,7 @@ class StagingBuffer:
         """
 
         buf = self.tensor()
-        plan = self._plan
+        plan = self._plans.get(id(buf))
         if plan is not None and plan.buf is buf and plan.entries == layout.entries:
             return plan
         targets: list[torch.Tensor | None] = []
@@ -302,7 +368,7 @@ class StagingBuffer:
             pos = max(pos, entry.offset + entry.nbytes)
         if pos < layout.stream_bytes:
             large.append((pos, layout.stream_bytes))
-        self._plan = _Plan(
+        plan = self._plans[id(buf)] = _Plan(
             buf=buf,
             entries=layout.entries,
             targets=targets,
@@ -310,7 +376,7 @@ class StagingBuffer:
             small_gaps=np.concatenate(small) if small else np.zeros(0, dtype=np.int64),
             large_gaps=large,
         )
-        return self._plan
+        return plan
 
 
 class Hold:

@@ -21,6 +21,8 @@ from typing import Any
 
 import msgpack
 
+from tiercheck.backends.base import STAGED_HEADER as HEADER
+from tiercheck.backends.base import StagingArea
 from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.core.entries import Leaf, encode_scalar, flatten
 from tiercheck.engine.coordinator import Coordinator
@@ -325,10 +327,11 @@ class SaveQueue:
             if job.layout is not None and job.failure is None:
                 logs.full(job.version, job.layout.stream_bytes)
 
-    def note_state(self, tree: Any, leaves: list[Leaf]) -> None:
+    def note_state(self, tree: Any, leaves: list[Leaf], staged: StagingArea | None = None) -> None:
         """The state to be saved is known (``Checkpointer.prepare``): set the default memory
         budgets for its size now rather than at the first save, and ready the tiers' pages
-        for the first two versions (:meth:`TierSet.preallocate`)."""
+        for the first two versions (:meth:`TierSet.preallocate`), but the pages of the tier
+        the saves stage into (``staged``: its area holds them already)."""
         layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
         _, mbytes, _ = build_manifest(
@@ -339,11 +342,17 @@ class SaveQueue:
             chunks=placeholder,
             tree=tree,
         )
-        self.budgets.size_known(version_bytes(layout.stream_bytes, len(placeholder), len(mbytes)))
+        header = BLOB_HEADER_SIZE if staged is None else HEADER
+        self.budgets.size_known(
+            version_bytes(layout.stream_bytes, len(placeholder), len(mbytes), header)
+        )
         # the pages of the first two versions' blobs (what a default budget holds), now:
         # each chunk's, and the manifest's (compressed, so at most this long)
         blobs = [n + BLOB_HEADER_SIZE for _, n in layout.windows]
-        self.tierset.preallocate([*blobs, len(mbytes) + BLOB_HEADER_SIZE] * 2)
+        self.tierset.preallocate(
+            [*blobs, len(mbytes) + BLOB_HEADER_SIZE] * 2,
+            skip=() if staged is None else (staged.tier,),
+        )
 
     def note_version_ids(self, max_id: int) -> None:
         """Ids up to ``max_id`` are taken (another process saved; see ``refresh``)."""

@@ -107,10 +107,13 @@ def free_memory(tier: Tier) -> int | None:
     return None
 
 
-def version_bytes(stream_bytes: int, chunks: int, manifest_bytes: int) -> int:
+def version_bytes(
+    stream_bytes: int, chunks: int, manifest_bytes: int, header: int = BLOB_HEADER_SIZE
+) -> int:
     """Bytes one full raw copy of a version takes in a tier: the state, a blob header per
-    chunk, and the manifest blob (at most its encoded size plus a header)."""
-    return stream_bytes + chunks * BLOB_HEADER_SIZE + manifest_bytes + BLOB_HEADER_SIZE
+    chunk (``header`` bytes: a page where saves stage in shm's own files), and the
+    manifest blob (at most its encoded size plus a header)."""
+    return stream_bytes + chunks * header + manifest_bytes + BLOB_HEADER_SIZE
 
 
 def default_budget(version: int, free: int | None) -> int:
@@ -120,17 +123,21 @@ def default_budget(version: int, free: int | None) -> int:
 
 
 def bytes_needed(
-    tier: Tier, chunks: Iterable[ChunkRef], manifest_id: str, manifest_bytes: int
+    tier: Tier,
+    chunks: Iterable[ChunkRef],
+    manifest_id: str,
+    manifest_bytes: int,
+    header: int = BLOB_HEADER_SIZE,
 ) -> int:
     """What placing a version with ``chunks`` on ``tier`` adds at most: each chunk the tier
-    lacks with a blob header, and the manifest blob unless present. (Encoded with zstd or as
-    a delta a blob is usually smaller; a put past the budget is refused by the tier
-    anyway, and the engine then skips the tier for the version.)"""
+    lacks with a blob header (``header`` bytes), and the manifest blob unless present.
+    (Encoded with zstd or as a delta a blob is usually smaller; a put past the budget is
+    refused by the tier anyway, and the engine then skips the tier for the version.)"""
     sizes: dict[str, int] = {}
     for ref in chunks:
         sizes.setdefault(ref.id, ref.length)
     present = tier.has([*sizes, manifest_id])
-    need = sum(n + BLOB_HEADER_SIZE for cid, n in sizes.items() if cid not in present)
+    need = sum(n + header for cid, n in sizes.items() if cid not in present)
     if manifest_id not in present:
         need += manifest_bytes + BLOB_HEADER_SIZE
     return need

@@ -157,6 +157,13 @@ class Policy:
     - ``remote_every``: the cadence (``"30min"``, ``"2h"``, ``500`` steps; ``0``: every
       base) at which a remote tier with the default placement receives a base
       (``TierPolicy.every``); ``tiercheck plan`` writes its recommendation here.
+    - ``stage_in_shm``: where a save's staging copy goes when the fastest synchronous tier
+      is shm (raw, one rank, host tensors, chunk windows at page offsets): ``"auto"``
+      straight into shm's segment files, which then become the version's blobs, for a
+      state of 64 MiB or more in a store with another synchronous tier (the default
+      store: the host then holds two copies of a dense state, not three; see
+      :mod:`tiercheck.engine.shm_staging`); ``"on"`` whatever its size and store;
+      ``"off"`` into a private buffer, as for every other store.
     - ``tiers``: a :class:`TierPolicy` per tier name; absent names get defaults.
     """
 
@@ -170,6 +177,7 @@ class Policy:
     migrated_durability: Durability | None = None
     max_replay_seconds: float = 30.0
     remote_every: str | int = "30min"
+    stage_in_shm: Literal["auto", "on", "off"] = "auto"
     tiers: Mapping[str, TierPolicy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -178,6 +186,10 @@ class Policy:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 4096 or self.chunk_size % 64:
             raise ConfigError(
                 f"chunk_size must be a multiple of 64 and at least 4096, got {self.chunk_size!r}"
+            )
+        if self.stage_in_shm not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"stage_in_shm must be 'auto', 'on' or 'off', got {self.stage_in_shm!r}"
             )
         if self.on_busy not in ("wait", "skip"):
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")

@@ -209,7 +209,7 @@ class TierSet:
     def tiers(self) -> dict[str, Tier]:
         return {s.name: s.tier for s in self.slots if s.tier is not None}
 
-    def preallocate(self, sizes: Sequence[int]) -> None:
+    def preallocate(self, sizes: Sequence[int], skip: Sequence[Tier] = ()) -> None:
         """Ready every writable tier of this process for blobs of ``sizes``
         (``Tier.preallocate``: shm writes their pages into its pool within its budget,
         LMDB brings the pages it will write into the page cache). Called at
@@ -219,6 +219,8 @@ class TierSet:
         for slot in self.open():
             tier = slot.tier
             if tier is None or tier.read_only or tier.capabilities.shared:
+                continue
+            if any(tier is other for other in skip):  # its pages are ready otherwise
                 continue
             try:
                 ready = tier.preallocate(sizes)
