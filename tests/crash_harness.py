@@ -23,6 +23,9 @@ step`` after it. Modes:
   tier's default budget (two versions) makes room every other save;
 - ``guarded``: the same, with ``ckpt.guard(optimizer)``: saves become log versions, and a
   restore replays logged steps into the fresh optimizer;
+- ``staged``: ``dense`` with ``Policy(stage_in_shm="on")``: the default store, its saves
+  staged straight into shm's segment files, which become the blobs (the default does so
+  for states of 64 MiB or more; this model is 7 MiB);
 - ``dist``: two ranks (``torch.distributed`` with gloo over loopback, the environment
   torchrun sets: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), each saving
   its own shard; one rank is killed, and the other with it, as torchrun's agent does.
@@ -85,7 +88,7 @@ import tiercheck.restore.service as restoring_mod
 import tiercheck.store.catalog as manifest_log_mod
 import tiercheck.upkeep.migration as migrating_mod
 import tiercheck.upkeep.retention as retention_mod
-from tiercheck import Checkpointer
+from tiercheck import Checkpointer, Policy
 from tiercheck.engine.placing import ShardStream
 from tiercheck.engine.staging import StagingBuffer
 from tiercheck.errors import FormatVersionError, NoRestorableVersion
@@ -94,7 +97,7 @@ from tiercheck.store.leases import GCFence
 from tiercheck.store.lifecycle import destroy_store, shm_root_left_as_found
 from tiercheck.upkeep.maintenance import Maintenance
 
-MODES = ("dense", "guarded", "dist")
+MODES = ("dense", "guarded", "dist", "staged")
 LIFE_TIMEOUT = float(os.environ.get("TIERCHECK_CRASH_LIFE_TIMEOUT", "60"))
 WIDTH = 384  # two Linear(384, 384*2) layers: ~590k parameters, ~7 MiB with AdamW's state
 
@@ -402,7 +405,7 @@ def life(
     if kill is not None:
         kill.install()
     run = Run(seed)
-    ckpt = Checkpointer(root)
+    ckpt = Checkpointer(root, policy=Policy(stage_in_shm="on") if mode == "staged" else None)
     if mode == "guarded":
         ckpt.guard(run.opt)
     if digests is not None:

@@ -35,8 +35,10 @@ HARNESS = Path(__file__).with_name("crash_harness.py")
 SOAK = os.environ.get("TIERCHECK_SOAK") == "1"
 SEED = int(os.environ.get("TIERCHECK_CRASH_SEED", "20240607"))
 # lives per zygote in CI: about 85% end in a SIGKILL, so >= 60 kills together
-CI_ITERATIONS = {"dense": 32, "guarded": 30, "dist": 24}
-MODES = [m for m in os.environ.get("TIERCHECK_CRASH_MODES", "dense,guarded,dist").split(",") if m]
+CI_ITERATIONS = {"dense": 32, "guarded": 30, "dist": 24, "staged": 24}
+MODES = [
+    m for m in os.environ.get("TIERCHECK_CRASH_MODES", "dense,guarded,dist,staged").split(",") if m
+]
 SOAK_ITERATIONS = int(os.environ.get("TIERCHECK_SOAK_ITERATIONS", "300"))
 ROUNDS = int(os.environ.get("TIERCHECK_SOAK_ROUNDS", "5")) if SOAK else 1
 ITERATIONS = {m: SOAK_ITERATIONS if SOAK else CI_ITERATIONS[m] for m in MODES}
