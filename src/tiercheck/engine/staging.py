@@ -3,7 +3,9 @@
 It is the only part of a save the trainer waits for. The buffer is allocated once and
 reused across saves (writing into warm pages is several times faster than first-touch
 allocation), grown only when a state outgrows it, and pre-faulted when allocated so the
-first save pays nothing extra.
+first save pays nothing extra. Where the store's fastest tier offers a staging area of its
+own storage (shm: :mod:`tiercheck.engine.shm_staging`), a full version's copy goes into
+one of its two ranges instead, and that tier then adopts the staged windows as its blobs.
 
 CUDA tensors go to a pinned buffer with non-blocking device-to-host copies, issued per
 device on a side stream of *that* device. Each side stream first waits for the work the
