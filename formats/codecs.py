@@ -241,7 +241,7 @@ def raw_header(length: int, header_size: int = BLOB_HEADER_SIZE) -> bytes:
     """The header of a raw blob of ``length`` bytes, ``header_size`` long (64 to 4096; the
     bytes past the first 64 are zero extension bytes, SPEC section 2). A header of a page
     puts the payload at a page offset of the blob's file: shm stages a chunk straight
-    into such a file and makes it the blob (:mod:`tiercheck.backends._shm_stage`)."""
+    into such a file and makes it the blob (``StageArea``, backends/_shm_segments.py)."""
     if not BLOB_HEADER_SIZE <= header_size <= _MAX_HEADER_SIZE:
         raise ValueError(f"header_size must be {BLOB_HEADER_SIZE}..{_MAX_HEADER_SIZE}")
     return _pack_header(Codec.RAW, 1, length, length, _NO_BASE, header_size)

@@ -344,8 +344,8 @@ def place_shard(
     ``streamed``: what a :class:`ShardStream` wrote to this tier already (awaited here; its
     failure is this tier's failure). ``view``: the staged stream, or a :class:`ShardBytes`
     that may move the reads to another tier's copy meanwhile (every read is under its lease).
-    ``adopt(i, id)``: the tier holds the staged stream in its own files (shm staging in
-    place, :mod:`tiercheck.backends._shm_stage`) and makes chunk ``i``'s window the blob
+    ``adopt(i, id)``: the tier holds the staged stream in its own files (shm's
+    ``StageArea``, :meth:`Tier.staging_area`) and makes chunk ``i``'s window the blob
     ``id`` instead of writing a copy.
     """
     t0 = time.perf_counter()
