@@ -83,6 +83,7 @@ import psutil
 
 from tiercheck.backends._shm_segments import (
     _OWNER_KIND,
+    _ZEROS,
     DEFAULT_ROOT,
     KEEP_FRESH_BYTES,
     OWNER_FILE,
@@ -128,7 +129,6 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # pwrite/readv move at most ~2 GiB per call on Linux; stay well below.
 _IO_STEP = 1 << 30
-_ZEROS = memoryview(bytes(4 << 20))  # what ShmTier.preallocate writes
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:

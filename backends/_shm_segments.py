@@ -524,6 +524,7 @@ _PROT_NONE = 0
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000
 _MAP_POPULATE = 0x8000
+# what ShmTier.preallocate and a fresh slot write: pages written now, not faulted later
 _ZEROS = memoryview(bytes(4 << 20))
 
 
@@ -596,19 +597,13 @@ class StageArea(StagingArea):
         mapped there; returns its path. With ``recycle`` (the caller holds the pool's
         shared lock) a pooled segment (a deleted blob's file, its pages there) if there is
         one, else a fresh file, its pages written now (not faulted in by the copy)."""
-        tier = self.shm
         size = HEADER + length
         path: str
-        if recycle:
-            path, fd, pos = tier._claim_segment(size, True)
+        path, fd, pos = self.shm._claim_segment(size, recycle)  # pos: its pages (0: fresh)
+        try:
             if pos > size:
                 os.ftruncate(fd, size)
                 pos = size
-        else:
-            path = os.path.join(tier._tmp, tier._new_token())
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            pos = 0
-        try:
             while pos < size:
                 pos += os.pwrite(fd, _ZEROS[: min(len(_ZEROS), size - pos)], pos)
             _map(

@@ -531,8 +531,7 @@ class SaveService(SaveQueue):
             handle._time("staged", time.perf_counter() - job.t_call)
             handle._mark_staged()
         view = ShardBytes(self.staging.view(layout.stream_bytes))
-        area, r = self.staging.area, self.staging.staged_range
-        staged = (area, r) if area is not None and r is not None else None
+        staged = self.staging.staged
         busy = self._busy if self.world_size == 1 else set()  # they skip it (latest wins)
         stream = ShardStream(
             streamable(self.tierset.slots, job.role, self.budgets.unsized(), busy),

@@ -210,9 +210,11 @@ class StagingBuffer:
         return self._current
 
     @property
-    def area(self) -> StagingArea | None:
-        """The shm staging area of the last :meth:`stage` (None: it staged privately)."""
-        return self._area if self.staged_range is not None else None
+    def staged(self) -> tuple[StagingArea, int] | None:
+        """The shm staging area and range the last :meth:`stage` copied into (None: the
+        private buffer)."""
+        r = self.staged_range
+        return None if self._area is None or r is None else (self._area, r)
 
     def close_area(self) -> None:
         """Forget the shm staging area (its owner closes it): no view of it is kept."""
@@ -255,8 +257,8 @@ class StagingBuffer:
         would take the state's area away).
         """
         devices = cuda_devices(leaves)
-        usable = shm and self.area_for is not None and not devices
-        area = self.area_for(layout) if usable and self.area_for is not None else None
+        area_for = self.area_for if shm and not devices else None
+        area = area_for(layout) if area_for is not None else None
         if area is not self._area:
             self.close_area()
             self._area = area
