@@ -32,7 +32,12 @@ that, puts use ``pwrite``); a forked child (a DataLoader worker) does not inheri
 number meanwhile, so a lookup by the inode of a file just opened finds that file's mapping
 or none. The writing process's restore reads through them too (:class:`ShmPins`): the
 pin's lock keeps every put from recycling a segment, so nothing writes through a mapping
-a restore reads.
+a restore reads. A blob staged in this process (:class:`StageArea`) is read where its
+staging range maps its payload, while the range maps that file (:meth:`KeptMaps.staged`,
+by inode: the range's mapping holds it); the restore holds the staging buffer, so no save
+arms a range under it. 1 GiB staged by the default store, restored in the saving process
+(its migrations done): 200-244 ms in 5 of 6 processes (290-303 in one), against 256-316
+ms mapping each blob's file.
 """
 
 from __future__ import annotations
@@ -229,7 +234,8 @@ class ShmPins(Pins):
     mapped read-only (its pages faulted in by whoever reads them first), or, in the
     process that writes the store, read through the mapping it keeps of that file where
     it has one (:meth:`KeptMaps.view`: already mapped, its pages in its page tables; a
-    restore of 1 GiB in that process 208-230 ms instead of 242-274), while this holds
+    restore of 1 GiB in that process 208-230 ms instead of 242-274; a staged blob's
+    payload where its staging range maps it, :meth:`parts`), while this holds
     the exclusive lock of the store's ``pool/`` directory, so that no put rewrites a
     deleted blob's pages until :meth:`close`. A blob deleted meanwhile keeps its pages
     while mapped. Build it with :meth:`take`, which returns None while a put is recycling
@@ -284,6 +290,31 @@ class ShmPins(Pins):
         view = memoryview(mapped)
         self._maps.append((view, mapped))
         return view
+
+    def parts(self, blob_id: str, head: int) -> tuple[memoryview, memoryview, int]:
+        """A staged blob of the writing process (:meth:`KeptMaps.staged`) as its header
+        page, read, and its payload where the staging range maps it: no mapping made, no
+        page faulted; any other blob as :meth:`get` gives it."""
+        check_blob_id(blob_id, self._url)
+        staged = self._kept.staged if self._kept is not None else None
+        if staged is None or self._lock_fd < 0:
+            return super().parts(blob_id, head)
+        try:
+            fd = os.open(os.path.join(self._blobs, blob_id), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return super().parts(blob_id, head)  # (get says why)
+        try:
+            size = os.fstat(fd).st_size
+            payload = staged(os.fstat(fd).st_ino, size)
+            front = os.pread(fd, HEADER, 0) if payload is not None else b""
+        except OSError as exc:
+            raise TierError(f"pin failed: {exc}", url=self._url, key=blob_id) from exc
+        finally:
+            os.close(fd)
+        if payload is None or len(front) != HEADER:
+            return super().parts(blob_id, head)
+        self._maps.append((payload, None))
+        return memoryview(front), payload, size
 
     def close(self, later: Later | None = None) -> None:
         """Release the pool's lock, then unmap every blob: on ``later`` where given (a
@@ -372,8 +403,11 @@ class KeptMaps:
         #: at most this many (each holds a descriptor: an eighth of the limit at most)
         self.limit = max(0, min(1024, (soft if soft > 0 else 1024) // 8))
         self._maps: dict[int, mmap.mmap] = {}
+        # staging slots (StageArea): inode -> (address of its payload's mapping, length)
+        self._slots: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self.writes = 0  # puts that copied through a kept mapping
+        self.staged_reads = 0  # payloads read where a staging range maps them
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -414,6 +448,32 @@ class KeptMaps:
             return whole[:size].toreadonly()
         finally:
             whole.release()
+
+    def slot(self, ino: int, addr: int, length: int) -> None:
+        """Inode ``ino`` is a staging slot, its payload (``length`` bytes from file offset
+        :data:`HEADER`) mapped at ``addr`` until :meth:`unslot` (:class:`StageArea`)."""
+        with self._lock:
+            self._slots[ino] = (addr, length)
+
+    def unslot(self, ino: int) -> None:
+        """Inode ``ino``'s payload is no longer mapped where :meth:`slot` said (its slot
+        is about to be mapped over, or the range unmapped)."""
+        with self._lock:
+            self._slots.pop(ino, None)
+
+    def staged(self, ino: int, size: int) -> memoryview | None:
+        """The payload of the staged blob of inode ``ino`` (``size`` bytes with its header
+        page), read-only, where its staging range maps it; None where no range does. The
+        range stays mapped while the caller holds the staging buffer (a restore does: no
+        save arms a range meanwhile) and pins the store."""
+        with self._lock:
+            found = self._slots.get(ino)
+        if found is None or found[1] != size - HEADER:
+            return None
+        addr, length = found
+        with self._lock:
+            self.staged_reads += 1
+        return memoryview((ctypes.c_char * length).from_address(addr)).cast("B").toreadonly()
 
     def keep(self, fd: int, size: int) -> None:
         """Map the first ``size`` bytes of ``fd``'s file (pages that exist) for later puts,
@@ -468,6 +528,7 @@ class KeptMaps:
     def close(self) -> None:
         with self._lock:
             maps, self._maps = builtins.list(self._maps.values()), {}
+            self._slots = {}
         unmap(maps)  # the store closing under a put: that put's mapping goes after it
 
 
@@ -568,6 +629,7 @@ class StageArea(StagingArea):
         self._bases: list[int] = []
         self._paths: list[list[str]] = []
         self._adopted: list[set[int]] = [set(), set()]  # slots linked as blobs since armed
+        self._inodes: dict[int, int] = {}  # address of a slot's payload -> its file's inode
         self._tensors: list[torch.Tensor] = []
         self._next = 0
         self._pool_fd = -1
@@ -600,6 +662,9 @@ class StageArea(StagingArea):
         size = HEADER + length
         path: str
         path, fd, pos = self.shm._claim_segment(size, recycle)  # pos: its pages (0: fresh)
+        gone = self._inodes.pop(addr, None)
+        if gone is not None:  # a restore no longer finds that blob's payload here
+            self.shm._kept.unslot(gone)
         try:
             if pos > size:
                 os.ftruncate(fd, size)
@@ -614,6 +679,8 @@ class StageArea(StagingArea):
                 fd,
                 HEADER,
             )
+            self._inodes[addr] = ino = os.fstat(fd).st_ino
+            self.shm._kept.slot(ino, addr, length)
         except BaseException:
             os.unlink(path)
             raise
@@ -700,6 +767,9 @@ class StageArea(StagingArea):
         the puts of the saves that stage privately from now on. Idempotent."""
         self.done_staging()
         self._tensors = []
+        for ino in self._inodes.values():
+            self.shm._kept.unslot(ino)
+        self._inodes = {}
         for base in self._bases:
             _libc.munmap(base, self._span)
         self._bases = []

@@ -135,11 +135,21 @@ class Pins:
     def get(self, blob_id: str) -> memoryview:
         raise NotSupported(f"{type(self).__name__} holds no blobs in place")
 
+    def parts(self, blob_id: str, head: int) -> tuple[memoryview, memoryview, int]:
+        """A blob's stored bytes as ``(front, rest, size)``: the blob is ``front`` then
+        ``rest``, ``size`` bytes in all, ``front`` at least its first ``head`` bytes (or
+        the whole blob, if shorter). The same guarantee as :meth:`get`; by default its
+        view, cut. A tier whose blob is not one contiguous run of memory gives its parts
+        (shm: a staged blob's header page, read, and its payload where the staging range
+        maps it)."""
+        blob = self.get(blob_id)
+        return blob[:head], blob[head:], len(blob)
+
     def close(self, later: Later | None = None) -> None:
-        """Release every view :meth:`get` returned. Idempotent. ``later`` (a thread
-        pool's ``submit``, say) runs what need not hold up the caller once the views are
-        released (shm's unmapping, tens of milliseconds per GiB); without it, or where it
-        refuses the work, that runs here."""
+        """Release every view :meth:`get` and :meth:`parts` returned. Idempotent.
+        ``later`` (a thread pool's ``submit``, say) runs what need not hold up the caller
+        once the views are released (shm's unmapping, tens of milliseconds per GiB);
+        without it, or where it refuses the work, that runs here."""
 
     def __enter__(self) -> Pins:
         return self

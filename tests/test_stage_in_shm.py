@@ -171,6 +171,76 @@ def test_a_pinned_reader_keeps_what_it_verified(root: Path) -> None:
         assert _same(target, state)
 
 
+def test_the_saving_process_restores_staged_payloads_where_the_range_maps_them(
+    root: Path,
+) -> None:
+    """In the process that saves, a restore reads the payload of a blob staged there where
+    its staging range maps it (``ShmPins.parts``, counted by ``KeptMaps.staged_reads``),
+    with no mapping of its own; the restores of the newest and the first version are
+    exact."""
+    state = _state(7, n=8)  # two 4 MiB chunks: w0..w3 change every save, w4..w7 never
+    with _open(root) as ckpt:
+        ckpt.prepare(state)
+        first: dict[str, Any] = {}
+        for step in range(5):  # ranges 0, 1, 0, 1, 0
+            for i in range(4):
+                state[f"w{i}"].add_(1)
+            ckpt.save(step, state).wait()
+            first = first or _copy(state)
+        kept = _shm(ckpt)._kept
+        before = kept.staged_reads
+        target = _state(93, n=8)
+        assert ckpt.restore(target).step == 4
+        assert _same(target, state)
+        assert kept.staged_reads > before
+        assert ckpt.restore(target, step=0).step == 0
+        assert _same(target, first)
+
+
+def test_a_staged_blob_is_read_in_its_range_only_while_the_range_maps_its_file(
+    tmp_path: Path,
+) -> None:
+    """A slot's payload answers for its blob while the range maps that blob's file: once
+    arming gives the slot a fresh file (the old one still a blob) and other bytes are
+    staged there, the old blob is read from its own file, and the new one from the
+    range."""
+    import blake3
+    import numpy as np
+
+    tier = ShmTier(f"shm://r{uuid.uuid4().hex[:10]}", root=str(tmp_path / "shm"))
+    try:
+        area = tier.staging_area([(0, MIB)], MIB)
+        assert isinstance(area, StageArea)
+
+        def stage(fill: int) -> str:
+            r = area.take()
+            area.arm(r)
+            area.tensor(r).fill_(fill)
+            area.done_staging()
+            blob_id = blake3.blake3(bytes([fill]) * MIB).hexdigest()
+            assert area.adopt(r, 0, blob_id)
+            return blob_id
+
+        old = stage(1)  # range 0
+        stage(2)  # range 1
+        new = stage(3)  # range 0 again: its slot, still blob ``old``, gets a fresh file
+        assert area.replaced == 1
+        pins = tier.pin()
+        assert pins is not None
+        try:
+            for blob_id, fill, in_range in ((old, 1, False), (new, 3, True)):
+                front, rest, size = pins.parts(blob_id, 64)
+                assert size == HEADER + MIB and bytes(rest[-MIB:]) == bytes([fill]) * MIB
+                addr = np.frombuffer(rest, np.uint8).ctypes.data
+                assert (addr == area._bases[0]) is in_range
+                del front, rest
+        finally:
+            pins.close()
+        area.close()
+    finally:
+        tier.close()
+
+
 def test_a_killed_writer_leaves_its_slots_to_the_next_open(root: Path) -> None:
     """A process killed with its staging area in place leaves its slots in shm's ``tmp/``
     under its pid; the next writable open unlinks the names of those that are blobs (the

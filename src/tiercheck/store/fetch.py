@@ -241,16 +241,14 @@ class ChunkFetcher:
         if slot.policy is not None and slot.policy.codec != "raw":
             return None
         try:
-            blob = pins.get(chunk_id)
-            raw = raw_payload(
-                blob[:BLOB_HEADER_SIZE], blob[BLOB_HEADER_SIZE:], len(blob), chunk_id, verify=False
-            )
+            front, rest, size = pins.parts(chunk_id, BLOB_HEADER_SIZE)
+            raw = raw_payload(front, rest, size, chunk_id, verify=False)
             if raw is None or len(raw) != length:
                 return None
             _verify(raw, chunk_id)
         except (TiercheckError, OSError, ValueError):
             return None
-        self._count_read(slot.name, len(blob))
+        self._count_read(slot.name, size)
         return raw
 
     def _count_read(self, tier: str, stored: int) -> None:

@@ -618,6 +618,15 @@ class _FaultyPins(Pins):
         self._tier._after("get", call, faults, blob_id)
         return view
 
+    def parts(self, blob_id: str, head: int) -> tuple[memoryview, memoryview, int]:
+        damaged, call, faults = self._tier._damaged_get(blob_id)
+        if damaged is not None:
+            got = (damaged[:head], damaged[head:], len(damaged))
+        else:
+            got = self._inner.parts(blob_id, head)
+        self._tier._after("get", call, faults, blob_id)
+        return got
+
     def close(self, later: Later | None = None) -> None:
         self._inner.close(later)
 
