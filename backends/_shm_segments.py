@@ -260,6 +260,18 @@ class ShmPins(Pins):
         return None if fd < 0 else cls(path, url, fd, kept)
 
     def get(self, blob_id: str) -> memoryview:
+        return self._pin(blob_id, None)[1]
+
+    def parts(self, blob_id: str, head: int) -> tuple[memoryview, memoryview, int]:
+        """A staged blob of the writing process (:meth:`KeptMaps.staged`) as its header
+        page, read, and its payload where the staging range maps it: no mapping made, no
+        page faulted; any other blob as :meth:`get` gives it, cut."""
+        front, rest = self._pin(blob_id, head)
+        return front, rest, len(front) + len(rest)
+
+    def _pin(self, blob_id: str, head: int | None) -> tuple[memoryview, memoryview]:
+        """``blob_id``'s bytes in two parts, the first ``head`` long (the whole blob in the
+        second where None), or a staged blob's header page and its payload in the range."""
         check_blob_id(blob_id, self._url)
         if self._lock_fd < 0:
             raise TierError("pins used after close", url=self._url, key=blob_id)
@@ -269,52 +281,38 @@ class ShmPins(Pins):
             raise NotFound("blob not found", url=self._url, key=blob_id) from None
         except OSError as exc:
             raise TierError(f"pin failed: {exc}", url=self._url, key=blob_id) from exc
+        empty = memoryview(b"")
         try:
             st = os.fstat(fd)
             size = st.st_size
             if not size:
-                return memoryview(b"")
-            kept = self._kept.view(st.st_ino, size) if self._kept is not None else None
-            if kept is not None:
-                self._maps.append((kept, None))
-                return kept
-            # not MAP_POPULATE: populating 1 GiB of 4 KiB pages in mmap took 95-108 ms
-            # of a restore's CPU, faulting them in as the chunks are hashed (64 KiB per
-            # fault) 20-40 ms plus 30-50 ms more hashing; a 1 GiB restore in one process
-            # 234 ms against 254 (three alternating runs of benchmarks/restore.py)
-            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                return empty, empty
+            staged = self._kept.staged if self._kept is not None and head is not None else None
+            payload = staged(st.st_ino, size) if staged is not None else None
+            if payload is not None:
+                front = os.pread(fd, HEADER, 0)
+                if len(front) == HEADER:
+                    self._maps.append((payload, None))
+                    return memoryview(front), payload
+                payload.release()
+            view = self._kept.view(st.st_ino, size) if self._kept is not None else None
+            if view is not None:
+                self._maps.append((view, None))
+            else:
+                # not MAP_POPULATE: populating 1 GiB of 4 KiB pages in mmap took 95-108 ms
+                # of a restore's CPU, faulting them in as the chunks are hashed (64 KiB per
+                # fault) 20-40 ms plus 30-50 ms more hashing; a 1 GiB restore in one process
+                # 234 ms against 254 (three alternating runs of benchmarks/restore.py)
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                view = memoryview(mapped)
+                self._maps.append((view, mapped))
         except OSError as exc:
             raise TierError(f"pin failed: {exc}", url=self._url, key=blob_id) from exc
         finally:
             os.close(fd)  # the mapping stays; the pool lock is what keeps its bytes
-        view = memoryview(mapped)
-        self._maps.append((view, mapped))
-        return view
-
-    def parts(self, blob_id: str, head: int) -> tuple[memoryview, memoryview, int]:
-        """A staged blob of the writing process (:meth:`KeptMaps.staged`) as its header
-        page, read, and its payload where the staging range maps it: no mapping made, no
-        page faulted; any other blob as :meth:`get` gives it."""
-        check_blob_id(blob_id, self._url)
-        staged = self._kept.staged if self._kept is not None else None
-        if staged is None or self._lock_fd < 0:
-            return super().parts(blob_id, head)
-        try:
-            fd = os.open(os.path.join(self._blobs, blob_id), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return super().parts(blob_id, head)  # (get says why)
-        try:
-            size = os.fstat(fd).st_size
-            payload = staged(os.fstat(fd).st_ino, size)
-            front = os.pread(fd, HEADER, 0) if payload is not None else b""
-        except OSError as exc:
-            raise TierError(f"pin failed: {exc}", url=self._url, key=blob_id) from exc
-        finally:
-            os.close(fd)
-        if payload is None or len(front) != HEADER:
-            return super().parts(blob_id, head)
-        self._maps.append((payload, None))
-        return memoryview(front), payload, size
+        if head is None:
+            return empty, view
+        return view[:head], view[head:]
 
     def close(self, later: Later | None = None) -> None:
         """Release the pool's lock, then unmap every blob: on ``later`` where given (a

@@ -530,7 +530,8 @@ class TierConformance:
 
     def test_pinned_blobs_do_not_change_until_released(self, tier: Tier) -> None:
         """``pin()`` (a restore's reads in place): None, or pins whose views are the stored
-        bytes, read-only, ``NotFound`` for a missing blob, and unchanged until ``close()``
+        bytes, read-only (``get``, and ``parts`` in two), ``NotFound`` for a missing blob,
+        and unchanged until ``close()``
         while their blobs are deleted and blobs of the same sizes are put (the writes that
         reuse a deleted blob's memory, where a tier reuses it); the puts still store what
         they are given, and the tier pins again once released."""
@@ -544,8 +545,15 @@ class TierConformance:
             views = [pins.get(bid) for bid, _ in items]
             assert [bytes(v) for v in views] == [data for _, data in items]
             assert all(v.readonly for v in views)
+            for bid, data in items:  # the same bytes in two parts, the first at least 64
+                front, rest, size = pins.parts(bid, 64)
+                assert len(front) >= 64 and bytes(front) + bytes(rest) == data
+                assert size == len(data) and rest.readonly
+                del front, rest
             with pytest.raises(NotFound):
                 pins.get(_fake_id(331))
+            with pytest.raises(NotFound):
+                pins.parts(_fake_id(332), 64)
             tier.delete([bid for bid, _ in items])
             others = [blob(len(data), seed=340 + i) for i, (_, data) in enumerate(items)]
             for bid, data in others:
