@@ -17,7 +17,10 @@ then for each iteration forks a **life** (one process, or two ranks of a gloo jo
 ``--mode dist``). A life builds a fresh model and AdamW optimizer, opens the store, restores
 the newest version into them and checks it (below), then trains ``--steps`` steps, each
 writing ``SAVE step digest`` to a pipe before ``ckpt.save(step, state).wait()`` and ``ACK
-step`` after it. Modes:
+step`` after it; after every fourth ack it also restores in its own process (a trainer
+rolling back to its last version: read where the saving process holds it, in ``staged``
+from shm's staging ranges) and writes ``ROLLBACK step restored exact``: the step just
+acknowledged, bit for bit, or the run fails, killed or not. Modes:
 
 - ``dense``: every step changes every tensor (AdamW), a full save every step: the shm
   tier's default budget (two versions) makes room every other save;
@@ -51,9 +54,10 @@ blob of every version each tier holds decodes and hashes to its id (:func:`check
 
 The summary is one JSON line on stdout: kills (by point), acks, checks, exact restores
 (the last acknowledged step, bit for bit), newer restores (a step saved but not yet
-acknowledged), lost acks (a restore older than the last ack) and the failures (the run
-stops at the first); the exit status is 1 if any check failed. ``trainer`` and ``verify``
-run one life and one check directly (without fork), for the test that kills from pytest.
+acknowledged), rollbacks (restores in the saving process), lost acks (a restore older
+than the last ack) and the failures (the run stops at the first); the exit status is 1 if
+any check failed. ``trainer`` and ``verify`` run one life and one check directly (without
+fork), for the test that kills from pytest.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ from tiercheck.upkeep.maintenance import Maintenance
 MODES = ("dense", "guarded", "dist", "staged")
 LIFE_TIMEOUT = float(os.environ.get("TIERCHECK_CRASH_LIFE_TIMEOUT", "60"))
 WIDTH = 384  # two Linear(384, 384*2) layers: ~590k parameters, ~7 MiB with AdamW's state
+ROLLBACK_EVERY = 4  # a life restores in its own process after every 4th step's ack
 
 
 # --- the trainer: training is a pure function of the step ---------------------------------
@@ -420,9 +425,13 @@ def life(
     ckpt.prepare(run.state())  # as a trainer that prepares: a kill may land in its preallocation
     for s in range(start, start + steps):
         run.step(s)
-        out(f"SAVE {s} {run.digest()}\n")
+        digest = run.digest()
+        out(f"SAVE {s} {digest}\n")
         ckpt.save(s, run.state()).wait()
         out(f"ACK {s}\n")
+        if s % ROLLBACK_EVERY == ROLLBACK_EVERY - 1:
+            info = ckpt.restore(run.state())  # in this process: where it saved, read back
+            out(f"ROLLBACK {s} {info.step} {int(run.digest() == digest)}\n")
     ckpt.close()
     out("DONE\n")
 
@@ -446,6 +455,8 @@ class _Output:
     last: str = ""
     check: dict[str, Any] | None = None
     saves: list[tuple[int, str]] = field(default_factory=list)
+    rollbacks: int = 0
+    bad_rollbacks: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
     partial: str = ""
@@ -466,6 +477,14 @@ class _Output:
                 self.saves.append((int(step), digest))
             elif line.startswith("CHECK "):
                 self.check = json.loads(line[6:])
+            elif line.startswith("ROLLBACK "):
+                _, step, restored, exact = line.split()
+                self.rollbacks += 1
+                if restored != step or exact != "1":
+                    self.bad_rollbacks.append(
+                        f"a restore in the saving process after the ack of step {step} "
+                        f"restored step {restored}, {'exact' if exact == '1' else 'not exact'}"
+                    )
             elif line == "DONE":
                 self.done = True
             elif line.startswith("ERROR"):
@@ -656,7 +675,7 @@ def run(
     ledger = Ledger.empty(ranks)
     kills: Counter[str] = Counter()
     summary: dict[str, Any] = {"mode": mode, "seed": seed, "steps_per_life": steps}
-    reached = checked = acks = exact = newer = lost_acks = 0
+    reached = checked = acks = exact = newer = lost_acks = rollbacks = 0
     failures: list[dict[str, Any]] = []
     mean_life = 1.0
     previous = "none"
@@ -695,6 +714,8 @@ def run(
                     # before it is killed too: expected, as under torchrun
                     if not sigkilled:
                         errors += out.errors
+                    errors += out.bad_rollbacks  # a kill does not excuse a wrong restore
+                    rollbacks += out.rollbacks
                     for step, digest in out.saves:
                         known = ledger.digests[rank].setdefault(step, digest)
                         if known != digest:
@@ -773,6 +794,7 @@ def run(
         acks=acks,
         exact_restores=exact,
         newer_restores=newer,
+        rollbacks=rollbacks,
         lost_acks=lost_acks,
         last_ack=ledger.last_ack,
         seconds=round(time.monotonic() - t0, 1),

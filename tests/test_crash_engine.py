@@ -78,6 +78,7 @@ def test_sigkill_at_random_points_loses_nothing(tmp_path: Path) -> None:
         assert s["acks"] > ITERATIONS[mode]  # the trainer made progress across the kills
         assert s["checked"] > ITERATIONS[mode] // 2  # lives not killed during their restore
         assert s["exact_restores"] > 0
+        assert s["rollbacks"] > 0  # restores in the saving process, each exact
     assert sum(s["kills"] for s in summaries) >= MIN_KILLS
     points = set().union(*(s["kills_by_point"] for s in summaries))
     zygote = {"random", "random_save", "ack"}
