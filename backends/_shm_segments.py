@@ -466,11 +466,10 @@ class KeptMaps:
         save arms a range meanwhile) and pins the store."""
         with self._lock:
             found = self._slots.get(ino)
-        if found is None or found[1] != size - HEADER:
-            return None
-        addr, length = found
-        with self._lock:
+            if found is None or found[1] != size - HEADER:
+                return None
             self.staged_reads += 1
+        addr, length = found
         return memoryview((ctypes.c_char * length).from_address(addr)).cast("B").toreadonly()
 
     def keep(self, fd: int, size: int) -> None:

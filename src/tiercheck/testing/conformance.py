@@ -531,10 +531,10 @@ class TierConformance:
     def test_pinned_blobs_do_not_change_until_released(self, tier: Tier) -> None:
         """``pin()`` (a restore's reads in place): None, or pins whose views are the stored
         bytes, read-only (``get``, and ``parts`` in two), ``NotFound`` for a missing blob,
-        and unchanged until ``close()``
-        while their blobs are deleted and blobs of the same sizes are put (the writes that
-        reuse a deleted blob's memory, where a tier reuses it); the puts still store what
-        they are given, and the tier pins again once released."""
+        and unchanged until ``close()`` while their blobs are deleted and blobs of the same
+        sizes are put (the writes that reuse a deleted blob's memory, where a tier reuses
+        it); the puts still store what they are given, and the tier pins again once
+        released."""
         items = [blob(n, seed=330 + n) for n in (70_000, 4096)]
         for bid, data in items:
             tier.put(bid, data)
