@@ -59,6 +59,7 @@ from tiercheck.restore.loading import (
 )
 from tiercheck.restore.reshard import Gathered, gather
 from tiercheck.restore.undo import Undo
+from tiercheck.runtime.gcpause import gc_paused
 from tiercheck.store.catalog import Catalog
 from tiercheck.store.fetch import ChunkFetcher
 from tiercheck.store.policy import Policy
@@ -125,7 +126,32 @@ class RestoreService:
     ) -> RestoreInfo | None:
         """Restore the newest restorable version (or ``version``/``step``) into ``state``;
         see :meth:`tiercheck.Checkpointer.restore` (None: an empty store and
-        ``missing_ok``, :func:`~tiercheck.restore.choose.nothing_restorable`)."""
+        ``missing_ok``, :func:`~tiercheck.restore.choose.nothing_restorable`). Python's
+        automatic garbage collection is paused meanwhile (:func:`gc_paused`): the objects a
+        restore makes die with it, and the passes they would set off walk the whole
+        process's objects."""
+        with gc_paused():
+            return self._restore(
+                state,
+                version=version,
+                step=step,
+                strict=strict,
+                repair=repair,
+                tiers=tiers,
+                missing_ok=missing_ok,
+            )
+
+    def _restore(
+        self,
+        state: dict[str, Any] | None,
+        *,
+        version: int | None,
+        step: int | None,
+        strict: bool,
+        repair: bool,
+        tiers: Sequence[str] | None,
+        missing_ok: bool,
+    ) -> RestoreInfo | None:
         t0 = time.perf_counter()
         self._flush()
         catalog = self._refresh()
