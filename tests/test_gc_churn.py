@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+import tiercheck.store.fetch as fetch_mod
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.errors import StateError
 from tiercheck.runtime.gcpause import gc_paused
@@ -87,3 +88,33 @@ def test_pauses_nest_across_threads() -> None:
     inner_out.set()
     t.join(10)
     assert gc.isenabled()
+
+
+def test_sweeps_decode_each_held_manifest_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every save sweeps the tier, and each sweep marks what every held version names; a
+    manifest is decoded for that once (its chunks kept), not at every sweep, and what no
+    held version names any more is let go."""
+    decoded: list[int] = []
+    unpack = fetch_mod.unpack_manifest
+
+    def counted(raw: Any) -> Any:
+        if threading.current_thread().name.startswith("tiercheck-maint"):
+            decoded.append(id(raw))
+        return unpack(raw)
+
+    monkeypatch.setattr(fetch_mod, "unpack_manifest", counted)
+    state = {f"t{i}": torch.full((64,), float(i)) for i in range(200)}
+    with _store(tmp_path) as ckpt:
+        for step in range(8):
+            for t in state.values():
+                t.add_(1)
+            ckpt.save(step, state).wait()
+            ckpt.flush()
+            ckpt.gc()
+        # 8 versions, 2 held at a time: one decoding each, not one per held one per sweep
+        assert len(decoded) <= 8, len(decoded)
+        kept = ckpt._engine.maintenance._chunk_lists
+        held = ckpt.refresh().logs["mem"].held()
+        assert 1 <= len(kept) <= len(held) + 1, (len(kept), held)

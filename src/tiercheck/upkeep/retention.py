@@ -41,11 +41,12 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tiercheck.backends.base import Capabilities, Tier
 from tiercheck.errors import BlobCorrupt, FormatVersionError, NotFound, TierError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE, BLOB_MAGIC, read_header
-from tiercheck.formats.manifest import DropRecord, ShardManifest, VersionInfo
+from tiercheck.formats.manifest import ChunkRef, DropRecord, VersionInfo
 from tiercheck.store.budgets import at_least_as_durable
 from tiercheck.store.catalog import Catalog, TierLog, append_record
 from tiercheck.store.leases import GCFence, TierLeases, is_lease_id
@@ -53,8 +54,10 @@ from tiercheck.store.policy import TierPolicy
 from tiercheck.store.tierset import TierSlot
 
 __all__ = [
+    "ChunkList",
     "GCReport",
     "GCState",
+    "HasChunks",
     "Protection",
     "at_least_as_durable",
     "collect_garbage",
@@ -283,9 +286,29 @@ class GCReport:
     fenced: str | None = None  # why the sweep did not run (another process writes or sweeps)
 
 
+class HasChunks(Protocol):
+    """What :func:`mark` reads of a shard manifest: its chunks (a
+    :class:`~tiercheck.formats.manifest.ShardManifest`, or just its chunks kept from an
+    earlier sweep: :class:`ChunkList`)."""
+
+    @property
+    def chunks(self) -> Sequence[ChunkRef]: ...
+
+
+@dataclass(frozen=True)
+class ChunkList:
+    """A shard manifest's chunks alone (manifests never change: what their id names is
+    fixed), kept between sweeps so that a sweep does not decode every held manifest again:
+    a manifest of thousands of entries decodes into tens of thousands of objects, whose
+    allocations set off the garbage collector's passes (module docstring of
+    :mod:`tiercheck.runtime.gcpause`) on the maintenance threads, under the GIL."""
+
+    chunks: tuple[ChunkRef, ...]
+
+
 def mark(
     tl: TierLog,
-    manifest: Callable[[str], ShardManifest],
+    manifest: Callable[[str], HasChunks],
     extra: Iterable[str] = (),
     *,
     rank: int | None = None,
@@ -328,7 +351,7 @@ def _may_hold_deltas(slot: TierSlot, tl: TierLog) -> bool:
 def collect_garbage(
     slot: TierSlot,
     tl: TierLog | Callable[[], TierLog],
-    manifest: Callable[[str], ShardManifest],
+    manifest: Callable[[str], HasChunks],
     *,
     in_flight: Iterable[str] = (),
     state: GCState,
@@ -398,7 +421,7 @@ def collect_garbage(
 def _sweep(
     slot: TierSlot,
     tl: TierLog,
-    manifest: Callable[[str], ShardManifest],
+    manifest: Callable[[str], HasChunks],
     listed: list[str],
     report: GCReport,
     in_flight: Iterable[str],
