@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from tiercheck.formats.manifest import VersionInfo
+from tiercheck.formats.manifest import ChunkRef, VersionInfo
 from tiercheck.runtime.handles import SaveHandle
 from tiercheck.store.budgets import Shortfall
 from tiercheck.store.leases import Reservation
@@ -68,4 +68,9 @@ class Upkeep(Protocol):
 
     def discard(self, tiers: Iterable[str], ids: Iterable[str]) -> None:
         """Delete what a given-up write left in ``tiers``."""
+        ...
+
+    def note_chunks(self, manifest_id: str, chunks: Sequence[ChunkRef]) -> None:
+        """The chunks of the shard manifest ``manifest_id`` a save just committed (its
+        sweeps need not read and decode it)."""
         ...

@@ -829,6 +829,7 @@ class SaveService(SaveQueue):
             self.acknowledged(info, [s.name for s in committed])
         handle._finish(error, [s.name for s in targets])
         self.migrations.submit(info, handle, targets, owned=owned, reservation=reservation)
+        self.maintenance.note_chunks(shard.manifest_id, shard.manifest.chunks)
         self.maintenance.request(s.name for s in committed)
         if info.role == "base":  # a disk tier drops its oldest base before it takes the next
             disk = [s.name for s in committed if keeps_bases_on_disk(s)]
