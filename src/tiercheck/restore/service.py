@@ -113,6 +113,7 @@ class RestoreService:
         self.allow_pickle = allow_pickle
         self.root = root  # where the ack ledger is (tiercheck.restore.losses)
 
+    @gc_paused()
     def restore(
         self,
         state: dict[str, Any] | None = None,
@@ -130,28 +131,6 @@ class RestoreService:
         automatic garbage collection is paused meanwhile (:func:`gc_paused`): the objects a
         restore makes die with it, and the passes they would set off walk the whole
         process's objects."""
-        with gc_paused():
-            return self._restore(
-                state,
-                version=version,
-                step=step,
-                strict=strict,
-                repair=repair,
-                tiers=tiers,
-                missing_ok=missing_ok,
-            )
-
-    def _restore(
-        self,
-        state: dict[str, Any] | None,
-        *,
-        version: int | None,
-        step: int | None,
-        strict: bool,
-        repair: bool,
-        tiers: Sequence[str] | None,
-        missing_ok: bool,
-    ) -> RestoreInfo | None:
         t0 = time.perf_counter()
         self._flush()
         catalog = self._refresh()
