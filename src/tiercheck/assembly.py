@@ -281,7 +281,7 @@ class Engine:
             if self.shm_staging is not None and not devices:
                 area = self.shm_staging.area_for(layout)
             if self.saves is not None:
-                self.saves.note_state(tree, leaves, staged=area)
+                self.saves.note_state(tree, layout, staged=area)
             if area is None:
                 self.staging.ensure(
                     layout.stream_bytes + (1 << 20),

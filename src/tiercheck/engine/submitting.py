@@ -327,12 +327,12 @@ class SaveQueue:
             if job.layout is not None and job.failure is None:
                 logs.full(job.version, job.layout.stream_bytes)
 
-    def note_state(self, tree: Any, leaves: list[Leaf], staged: StagingArea | None = None) -> None:
-        """The state to be saved is known (``Checkpointer.prepare``): set the default memory
-        budgets for its size now rather than at the first save, and ready the tiers' pages
-        for the first two versions (:meth:`TierSet.preallocate`), but the pages of the tier
-        the saves stage into (``staged``: its area holds them already)."""
-        layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
+    def note_state(self, tree: Any, layout: Layout, staged: StagingArea | None = None) -> None:
+        """The state to be saved is known (``Checkpointer.prepare``: its tree and the
+        layout its saves will have): set the default memory budgets for its size now rather
+        than at the first save, and ready the tiers' pages for the first two versions
+        (:meth:`TierSet.preallocate`), but the pages of the tier the saves stage into
+        (``staged``: its area holds them already)."""
         placeholder = tuple(ChunkRef("0" * 64, o, n) for o, n in layout.windows)
         _, mbytes, _ = build_manifest(
             version=self._next_id,
