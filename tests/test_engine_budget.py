@@ -262,3 +262,45 @@ def test_log_versions_stay_in_shm_under_the_default_budget(tmp_path: Path) -> No
         assert tier.budget >= 2 * full, (tier.budget, full)
     finally:
         ckpt.destroy()
+
+
+@pytest.mark.parametrize("url", ["shm", "memory"])
+def test_a_state_that_shrinks_keeps_saving_on_its_only_memory_tier(
+    tmp_path: Path, url: str
+) -> None:
+    """The default budget follows a state that shrinks without dropping below what the
+    tier must keep meanwhile (its newest restorable version, of the old size): every save
+    of a store whose only tier is shm (or memory://) commits, and once the large version
+    is gone the budget is the default of the new size. Before, the budget fell to twice
+    the small version at once, the large one could not go, and every later save was
+    aborted."""
+    address = f"shm://tc-shrink-{uuid.uuid4().hex[:12]}" if url == "shm" else "memory://"
+    ckpt = Checkpointer(tmp_path / "store", tiers=[TierSpec("only", address)])
+    gen = torch.Generator().manual_seed(0)
+
+    def ints(n: int) -> torch.Tensor:
+        return torch.randint(0, 2**31, (n,), generator=gen, dtype=torch.int32)
+
+    try:
+        tier = ckpt.tierset.get("only").tier
+        assert tier is not None
+        states = [
+            {"big": ints(5 << 18), "small": ints(1 << 18)},  # 6 MiB
+            {"small": ints(1 << 18)},  # 1 MiB
+            {"small": ints(1 << 18), "new": ints(2 << 18)},  # 3 MiB
+            {"small": ints(1 << 18)},
+            {"small": ints(1 << 18)},
+            {"small": ints(1 << 18)},
+        ]
+        for step, state in enumerate(states, start=1):
+            res = ckpt.save(step, state).wait()
+            assert res.tiers["only"] == "committed", (step, res.errors)
+            ckpt.flush()
+            out = {k: torch.empty_like(v) for k, v in state.items()}
+            assert ckpt.restore(out).step == step
+            assert all(torch.equal(out[k], v) for k, v in state.items())
+        one = version_bytes(1 << 20, 1, 4096)
+        assert tier.budget is not None and tier.budget <= 2 * one + SLACK + 4096
+        assert tier.usage() <= tier.budget
+    finally:
+        ckpt.destroy()

@@ -20,7 +20,10 @@ daemon's unused ``--memory-limit`` for a peer, the node's available memory for
 Two copies are what a save needs at its peak: the version being written next to the newest
 one kept; the mebibyte (:data:`SLACK`) is room for what is not a version's (log records,
 where a tier counts them, and a manifest grown by a few bytes). The default follows the
-state: it is set again when a version grows, or shrinks by more than an eighth.
+state: it is set again when a version grows, or shrinks by more than an eighth. A tier
+whose budget would fall below what it holds plus one version of the new size keeps that
+much, and comes down to the default as the larger versions go (it must keep its newest
+restorable version, of the old size, until one of the new size is committed beside it).
 
 **Making room.** Before a version is placed on a tier with a budget, the engine estimates
 what the tier must take (:func:`bytes_needed`: the chunks it lacks, each with its blob
@@ -217,6 +220,7 @@ class Budgets:
             and getattr(slot.tier, "budget", None) is None
         }
         self._sized_for: int | None = None
+        self._held_up: set[str] = set()  # tiers whose budget is above the default
 
     @property
     def version_size(self) -> int | None:
@@ -232,26 +236,56 @@ class Budgets:
         """A version takes ``version`` bytes (:func:`version_bytes`): set the defaults."""
         sized = self._sized_for
         if sized is not None and sized - sized // 8 <= version <= sized:
-            return  # a few bytes less (a shorter scalar): the default still holds two
+            # a few bytes less (a shorter scalar): the default still holds two; a tier
+            # held above it comes down as what it keeps of a larger state goes
+            for name in tuple(self._held_up):
+                self._set_default(name, sized)
+            return
         self._sized_for = version
-        for slot in self.tierset.open():
-            if slot.name not in self._defaulted or slot.tier is None:
-                continue
-            budget = default_budget(version, free_memory(slot.tier))
+        for name in tuple(self._defaulted):
+            self._set_default(name, version)
+
+    def _set_default(self, name: str, version: int) -> None:
+        """Give tier ``name`` the default budget for versions of ``version`` bytes, but
+        not less than it holds now plus one such version while it holds more than the
+        default allows (a state that shrank: the tier must keep its newest restorable
+        version, of the old size, until a version of the new size is committed beside
+        it, and a budget of two small versions would refuse that one for ever)."""
+        slot = self.tierset.get(name)
+        if slot.tier is None:
+            return
+        budget = default = default_budget(version, free_memory(slot.tier))
+        now = budget_of(slot.tier)
+        if now is not None and default < now:
             try:
-                slot.tier.set_budget(budget)
-            except NotSupported:
-                self._defaulted.discard(slot.name)
-                continue
-            except TierError as exc:  # a budget helps; it must not stop a save
-                log.warning("could not set the default budget of tier %s: %s", slot.name, exc)
-                continue
-            log.info(
-                "tier %s: default budget %s (a version takes %s)",
-                slot.name,
-                format_size(budget),
-                format_size(version),
-            )
+                used = slot.tier.usage()
+            except TierError as exc:
+                log.debug("usage of tier %s unknown: %s", name, exc)
+                used = None
+            if used is not None:
+                budget = max(default, min(now, used + version + SLACK))
+        if budget > default:
+            self._held_up.add(name)
+        else:
+            self._held_up.discard(name)
+        if budget == now:
+            return
+        try:
+            slot.tier.set_budget(budget)
+        except NotSupported:
+            self._defaulted.discard(name)
+            self._held_up.discard(name)
+            return
+        except TierError as exc:  # a budget helps; it must not stop a save
+            log.warning("could not set the default budget of tier %s: %s", name, exc)
+            return
+        log.info(
+            "tier %s: default budget %s (a version takes %s%s)",
+            name,
+            format_size(budget),
+            format_size(version),
+            "" if budget == default else ", until what it keeps of a larger one goes",
+        )
 
 
 def at_least_as_durable(a: Capabilities, b: Capabilities) -> bool:
