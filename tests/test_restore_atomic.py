@@ -286,6 +286,77 @@ def test_a_plain_state_is_restored_exactly_in_place(
     assert {k: v.data_ptr() for k, v in target.items() if isinstance(v, torch.Tensor)} == where
 
 
+# --- what the saved version holds against what the state holds -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("saved", "held", "says"),
+    [
+        (torch.ones(2), nn.Linear(2, 2), "saved a tensor float32 (2,), the state has Linear"),
+        (torch.ones(2), {"a": 1}, "saved a tensor float32 (2,), the state has dict"),
+        (torch.ones(2), [1, 2], "saved a tensor float32 (2,), the state has list"),
+        (torch.ones(2), 7, "saved a tensor float32 (2,), the state has int"),
+        (np.ones(2), "text", "saved a ndarray <f8 (2,), the state has str"),
+        (7, torch.zeros(1), "saved a Python value (msgpack), the state has Tensor"),
+        (7, nn.Linear(2, 2), "saved a Python value (msgpack), the state has Linear"),
+        (7, {"a": 1}, "saved a value of type int, the state has dict"),
+        ({"a": 1}, [1], "saved a value of type dict, the state has list"),
+    ],
+    ids=["tensor/module", "tensor/dict", "tensor/list", "tensor/int", "array/str",
+         "int/tensor", "int/module", "int/dict", "dict/list"],
+)  # fmt: skip
+def test_a_saved_value_of_another_kind_than_the_states_is_refused(
+    ckpt: tiercheck.Checkpointer, saved: Any, held: Any, says: str
+) -> None:
+    """Where the state holds something of another kind than the version saved there (a
+    module, a container or a Python value where a tensor was saved, or the reverse), the
+    restore raises ``StateError`` naming the key and leaves the state as it was. Before,
+    only a tensor against a tensor (or array) of another shape or dtype was refused; the
+    rest had its place in the caller's dict silently given the saved value."""
+    torch.manual_seed(0)
+    ckpt.save(1, {"w": torch.randn(64), "x": saved}).wait()
+    error = failed_restore(ckpt, {"w": torch.zeros(64), "x": held})
+    assert isinstance(error, StateError) and error.key == "x", error
+    assert says in str(error)
+
+
+def test_python_values_are_restored_into_the_states_own_dicts_and_lists(
+    ckpt: tiercheck.Checkpointer,
+) -> None:
+    """A dict or list of Python values (no tensor: stored as one value) is restored into
+    the dict or list the state holds there, nested ones too, as a dict of tensors is: the
+    caller's objects keep their identity and get the saved members; with ``strict`` (the
+    default) keys that differ raise ``StateError`` naming one and leave the state as it
+    was, ``strict=False`` adds the saved keys and leaves the others. A state of no tensor
+    at all is restored into the caller's dict. Before, the caller's dicts were replaced in
+    their parent (or, at the top, left untouched: the values only in ``info.state``) and
+    their keys never checked."""
+    loader = {"epoch": 3, "pos": 17, "sampler": {"seed": 5, "order": [3, 1, 2]}}
+    ckpt.save(1, {"w": torch.ones(8), "loader": loader}).wait()
+    order: list[int] = []
+    sampler = {"seed": 0, "order": order}
+    mine = {"epoch": 0, "pos": 0, "sampler": sampler}
+    state = {"w": torch.zeros(8), "loader": mine}
+    ckpt.restore(state)
+    assert state["loader"] is mine and mine["sampler"] is sampler and sampler["order"] is order
+    assert mine == loader and torch.equal(state["w"], torch.ones(8))
+
+    short = {"epoch": 0}
+    error = failed_restore(ckpt, {"w": torch.zeros(8), "loader": short})
+    assert isinstance(error, StateError) and error.key == "loader/pos", error
+    error = failed_restore(ckpt, {"w": torch.zeros(8), "loader": {**loader, "extra": 1}})
+    assert isinstance(error, StateError) and error.key == "loader/extra", error
+    ckpt.restore(state := {"w": torch.zeros(8), "loader": {"epoch": 0, "mine": 1}}, strict=False)
+    assert state["loader"] == {**loader, "mine": 1}
+
+    ckpt.save(2, {"epoch": 4, "hist": [1, 2]}).wait()
+    hist: list[int] = []
+    top = {"epoch": 0, "hist": hist}
+    info = ckpt.restore(top)
+    assert info.step == 2 and top == {"epoch": 4, "hist": [1, 2]} and top["hist"] is hist
+    assert info.state is top
+
+
 # --- a log version whose replay fails ------------------------------------------------------
 
 

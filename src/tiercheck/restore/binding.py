@@ -53,6 +53,10 @@ class Binding:
     by_reference: dict[int, set[int]] = field(default_factory=dict)
     # the verified stream's bytes for ``device``, copied to the GPU while it was read
     on_device: DeviceStream | None = None
+    # entry index -> whether keys must match: a saved Python value (a dict or list of no
+    # tensors, one leaf) whose place in the caller's state holds a dict or a list, which
+    # the decoded value updates in place (loading.materialize)
+    merges: dict[int, bool] = field(default_factory=dict)
 
 
 def _byte_view_of_tensor(t: torch.Tensor) -> memoryview:
@@ -92,7 +96,9 @@ def _mismatch(entry: Entry, target: Any) -> str:
     elif isinstance(target, np.ndarray):
         have = f"ndarray {target.dtype.str} {target.shape}"
     else:
-        have = type(target).__qualname__
+        return f"saved a {entry.kind} {entry.dtype} {entry.shape}, the state has " + (
+            type(target).__qualname__
+        )
     return f"saved {entry.kind} {entry.dtype} {entry.shape} does not match the state's {have}"
 
 
@@ -241,13 +247,18 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
                     plain.add(sub)
                     if owners:
                         b.by_reference[owners[-1]].add(sub)
-            elif (
-                checked
-                and target is not MISSING
-                and entry.kind in ("tensor", "ndarray")
-                and isinstance(target, (torch.Tensor, np.ndarray))
-            ):
-                raise StateError(_mismatch(entry, target), key=key)
+            elif checked and target is not MISSING:
+                arrays = (torch.Tensor, np.ndarray)
+                if entry.kind in ("tensor", "ndarray"):
+                    raise StateError(_mismatch(entry, target), key=key)
+                if isinstance(target, arrays) or is_stateful(target):
+                    raise StateError(
+                        f"saved a Python value ({entry.kind}), the state has "
+                        f"{type(target).__qualname__}",
+                        key=key,
+                    )
+                if isinstance(target, (dict, list)):
+                    b.merges[sub] = strict
             return
         if tag == "o":
             if target is not MISSING and is_stateful(target):

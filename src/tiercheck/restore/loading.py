@@ -378,6 +378,8 @@ def materialize(
 
     def build(node: Any, target: Any, key: str) -> Any:
         ((tag, sub),) = node.items()
+        if tag == "e" and sub in binding.merges:
+            return merge(target, value_of(sub, target), key, binding.merges[sub], undo)
         if tag in ("e", "s"):
             return value_of(sub, target)
         if tag == "r":
@@ -421,6 +423,50 @@ def materialize(
         raise StateError(f"unknown tree node {tag!r}", key=key)
 
     return build(manifest.tree, state if state is not None else MISSING, "")
+
+
+def merge(target: Any, value: Any, key: str, strict: bool, undo: Undo | None) -> Any:
+    """Put a saved Python value into the caller's dict or list ``target`` in place, as a
+    dict of tensors is: a dict's keys checked as ``strict`` says (each nested dict in turn),
+    its members replaced (``undo`` told first), each nested dict or list in place too; a
+    list's items replaced. A value of another
+    type where the state holds a container raises :class:`StateError`."""
+    if isinstance(target, list) and isinstance(value, list):
+        if undo is not None:
+            undo.container(target)
+        target[:] = value
+        return target
+    if not isinstance(target, dict) or not isinstance(value, dict):
+        raise StateError(
+            f"saved a value of type {type(value).__qualname__}, the state has "
+            f"{type(target).__qualname__}",
+            key=key,
+        )
+    if strict:
+        extra = [k for k in target if k not in value]
+        if extra:
+            raise StateError(
+                f"the state has key {extra[0]!r} that the checkpoint does not "
+                "(pass strict=False to leave such keys alone)",
+                key=_child(key, extra[0]),
+            )
+        missing = [k for k in value if k not in target]
+        if missing:
+            raise StateError(
+                "the checkpoint has this key but the state does not (pass strict=False to add it)",
+                key=_child(key, missing[0]),
+            )
+    if undo is not None:
+        undo.container(target)
+    for k, v in value.items():
+        held = target.get(k)
+        if (isinstance(held, dict) and isinstance(v, dict)) or (
+            isinstance(held, list) and isinstance(v, list)
+        ):
+            merge(held, v, _child(key, k), strict, undo)
+        else:
+            target[k] = v
+    return target
 
 
 def reload(obj: Any, restored: Any, key: str) -> None:
