@@ -229,3 +229,37 @@ def test_shm_root_left_as_found(tmp_path: Path) -> None:
         root.mkdir()
         (root / "segment-of-another-store").write_bytes(b"x")
     assert (root / "segment-of-another-store").exists()
+
+
+def test_a_checkpointer_dropped_unclosed_is_closed_before_its_lock_is_released(
+    tmp_path: Path,
+) -> None:
+    """A writable Checkpointer that goes out of scope without ``close()`` warns
+    (``ResourceWarning``) and is closed: its save in flight committed, its threads ended,
+    its tiers closed, and only then the writer lock released, so the store opens again
+    and holds the version. Before, dropping it released the lock at once and left its
+    threads and open tiers running for the rest of the process, a second writer beside
+    them."""
+    import gc
+    import threading
+    import warnings
+
+    def engine_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("tiercheck")]
+
+    before = set(engine_threads())
+    root = tmp_path / "store"
+    ckpt = Checkpointer(root)
+    ckpt.save(1, {"w": torch.arange(1000.0)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del ckpt
+        gc.collect()
+    assert any(issubclass(w.category, ResourceWarning) for w in caught)
+    assert set(engine_threads()) <= before, engine_threads()
+    again = Checkpointer(root)
+    try:
+        out = {"w": torch.zeros(1000)}
+        assert again.restore(out).step == 1 and torch.equal(out["w"], torch.arange(1000.0))
+    finally:
+        again.destroy()
