@@ -28,6 +28,7 @@ from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.staging import StagingBuffer
 from tiercheck.errors import (
     BlobCorrupt,
+    CheckpointError,
     ConfigError,
     NoRestorableVersion,
     NotFound,
@@ -209,8 +210,8 @@ class RestoreService:
                     staged = self._read_version(
                         catalog, catalog.versions[vid], state, strict, repair, undo, pinned
                     )
-                except (NotFound, TierUnavailable, BlobCorrupt) as exc:
-                    last_error = exc
+                except (NotFound, TierUnavailable, BlobCorrupt, NoRestorableVersion) as exc:
+                    last_error = exc  # this version cannot be read here: an older one may
                 except TiercheckError as exc:
                     last_error = fatal = exc
                 finally:
@@ -228,14 +229,17 @@ class RestoreService:
                     info = dataclasses.replace(info, fallback=fallback)
                     return self._report_losses(info, full, explicit)
                 undo.discard()
-                if fatal is not None:
-                    raise fatal
+                # every rank stops, or none does: one left behind would wait in the next round
+                if not self.coordinator.all_true(fatal is None):
+                    raise fatal or CheckpointError(
+                        f"version {vid} could not be restored on another rank (its error "
+                        f"says why); nothing of the state was written on rank {self.rank}"
+                    )
+                why = last_error if staged is None else "another rank could not read it"
                 if explicit:
-                    raise NoRestorableVersion(f"version {vid} could not be restored: {last_error}")
-                log.warning(
-                    "version %d could not be restored (%s); trying an older one", vid, last_error
-                )
-                fallback = f"version {vid} could not be restored: {last_error}"
+                    raise NoRestorableVersion(f"version {vid} could not be restored: {why}")
+                log.warning("version %d could not be restored (%s); trying an older one", vid, why)
+                fallback = f"version {vid} could not be restored: {why}"
                 candidates = [c for c in candidates if c < vid]
         finally:
             # the verified views of pinned blobs go first, so that the pins' unmapping
