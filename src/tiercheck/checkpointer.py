@@ -113,7 +113,7 @@ class Checkpointer:
         if not read_only:  # saves in flight at exit are finished, not failed halfway
             # the engine's, not this object's: one dropped unclosed is closed by __del__,
             # which may hand that to a thread of its own
-            at_interpreter_exit(self._engine, lambda engine: engine.close(abandon=True))
+            at_interpreter_exit(self._engine, lambda e: e.close(timeout=None, abandon=True))
         self._restores = RestoreService(
             tierset=self.tierset,
             policy=self.policy,
