@@ -101,3 +101,33 @@ def test_restore_newest_by_default_and_rng(tmp_path: Path) -> None:
     assert_bit_identical({"r": torch.rand(3)}, {"r": expected_next})
     assert tiercheck.rng_state()["torch"].dtype == torch.uint8
     ckpt.close()
+
+
+def test_the_documented_plain_loop_saves_each_steps_own_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/integrations.md's plain training loop, run as written: every version it saved
+    restores an optimizer that took exactly that many steps (AdamW's step count; a log
+    version replays its steps into a guarded optimizer). Before, the loop saved without
+    ``guard`` (nor ``wait_staged``), so the next step's update reached the staging copy:
+    the versions of steps 2-4 held the optimizer and model of steps 3-5."""
+    import torch
+    from _snippets import REPO, blocks_of
+
+    page = REPO / "docs" / "integrations.md"
+    code = next(b.code for b in blocks_of(page) if "# line 1" in b.code)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code.split("# after a restart")[0], str(page), "exec"), {})
+    steps = []
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        for v in ckpt.history():
+            if not v.restorable:  # a log version retention dropped
+                continue
+            model = torch.nn.Linear(32, 32)
+            opt = torch.optim.AdamW(model.parameters())
+            ckpt.guard(opt)
+            ckpt.restore({"model": model, "opt": opt, "rng": None}, version=v.id)
+            steps.append((v.step, int(opt.state[model.weight]["step"])))
+    assert len(steps) >= 2 and max(steps)[0] == 5, steps
+    assert all(saved == took for saved, took in steps), steps
+    tiercheck.store.lifecycle.destroy_store(tmp_path / "ckpt")
