@@ -21,6 +21,7 @@ from tiercheck.cli.common import (
     make_console,
     open_store,
     pick_version,
+    plain,
     relative_time,
     tiers_json,
 )
@@ -72,7 +73,7 @@ def _ls_table(ckpt: Any, versions: list[history.Version], dropped: str | None = 
     from rich.table import Table
 
     names = [s.name for s in ckpt.tierset.slots]
-    table = Table(title=label(ckpt), title_justify="left")
+    table = Table(title=plain(label(ckpt)), title_justify="left")
     for col, justify in (
         ("version", "right"),
         ("step", "right"),
@@ -83,7 +84,7 @@ def _ls_table(ckpt: Any, versions: list[history.Version], dropped: str | None = 
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for n in names:
-        table.add_column(n)
+        table.add_column(plain(n))
     now = time.time()
     for v in versions:
         role = _role(v)
@@ -107,11 +108,14 @@ def _ls_table(ckpt: Any, versions: list[history.Version], dropped: str | None = 
 
     for s in ckpt.tierset.slots:  # what each column's copies survive
         if s.tier is None:
-            console.print(f"[red]tier {s.name} ({s.spec.url}) is unavailable: {s.error}[/red]")
+            console.print(
+                f"[red]tier {plain(s.name)} ({plain(s.spec.url)}) is unavailable: "
+                f"{plain(s.error)}[/red]"
+            )
         else:
-            console.print(f"{s.name}: survives {describe_survival(s.tier.capabilities)}")
+            console.print(f"{plain(s.name)}: survives {describe_survival(s.tier.capabilities)}")
     if dropped is not None:
-        console.print(dropped)
+        console.print(plain(dropped))
     lost = [v for v in versions if v.gone is not None]
     if lost:
         console.print(
@@ -225,7 +229,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if rp is not None:
             console.print(
                 f"replay    version {rp['base']}, then {rp['steps']} optimizer step(s) "
-                f"({rp['skipped']} skipped by the GradScaler) of {rp['optimizer']} "
+                f"({rp['skipped']} skipped by the GradScaler) of {plain(rp['optimizer'])} "
                 f"(torch {rp['torch']}, {rp['device']}); {len(rp['replayed_leaves'])} "
                 f"leaves replayed, {rp['fingerprints']} fingerprints verified"
             )
@@ -252,15 +256,15 @@ def cmd_show(args: argparse.Namespace) -> int:
                 f"(delta ratio {format_ratio(bd['changed_fraction'])})"
             )
         elif bd is not None:
-            console.print(f"vs base   base {bd['id']} unreadable: {bd['error']}")
+            console.print(f"vs base   base {bd['id']} unreadable: {plain(bd['error'])}")
         if v.metadata:
-            console.print("metadata  " + json.dumps(dict(v.metadata), default=json_default))
+            console.print("metadata  " + plain(json.dumps(dict(v.metadata), default=json_default)))
         tt = Table(title="tiers", title_justify="left")
         for col in ("tier", "state", "chunks written", "bytes written", "stored/logical", "delta"):
             tt.add_column(col)
         for name, row in data["tier_detail"].items():
             tt.add_row(
-                name,
+                plain(name),
                 f"[{STATE_STYLE.get(row['state'], '')}]{row['state']}[/]",
                 str(row.get("chunks_written", "-")),
                 human_size(row["bytes_written"]) if "bytes_written" in row else "-",
@@ -279,9 +283,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             et.add_column(col, justify="right" if col in ("size", "chunks") else "left")
         for e in data["entries"]:
             et.add_row(
-                e["key"],
+                plain(e["key"]),
                 e["kind"],
-                e["dtype"] or "-",
+                plain(e["dtype"] or "-"),
                 "x".join(map(str, e["shape"])) if e["kind"] in ("tensor", "ndarray") else "-",
                 human_size(e["size"]),
                 "replayed" if e["replayed"] else str(e["chunks"]),
@@ -319,7 +323,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
                     if c.reason == "data"
                     else f"{c.reason}: {_describe(c.a)} -> {_describe(c.b)}"
                 )
-                t.add_row(c.key, what, format_ratio(c.max_abs_diff), format_ratio(c.rel_l2))
+                t.add_row(
+                    plain(c.key), plain(what), format_ratio(c.max_abs_diff), format_ratio(c.rel_l2)
+                )
             console.print(t)
         for title, items in (("added", d.added), ("removed", d.removed)):
             if items:
@@ -327,10 +333,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 for col in ("key", "kind", "dtype", "shape", "size"):
                     t.add_column(col)
                 for e in items:
-                    t.add_row(e.key, e.kind, e.dtype or "-", str(list(e.shape)), human_size(e.size))
+                    t.add_row(
+                        plain(e.key),
+                        e.kind,
+                        plain(e.dtype or "-"),
+                        str(list(e.shape)),
+                        human_size(e.size),
+                    )
                 console.print(t)
         if args.unchanged and d.unchanged:
-            console.print("unchanged: " + ", ".join(d.unchanged))
+            console.print("unchanged: " + plain(", ".join(d.unchanged)))
     return 0
 
 

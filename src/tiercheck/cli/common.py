@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -100,7 +101,15 @@ def emit_json(obj: Any) -> None:
 def make_console() -> Any:
     from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False, emoji=False)
+
+
+def plain(text: object) -> str:
+    """``text`` escaped for rich markup: a user's string (a root, a key, metadata, a URL)
+    is printed as it is, ``[bold]`` and ``[/x]`` in it included."""
+    from rich.markup import escape
+
+    return escape(str(text))
 
 
 @contextlib.contextmanager
@@ -143,6 +152,19 @@ def count_text(done: int, total: int, unit: str) -> str:
     if unit == "bytes":
         return f"{human_size(done)} / {human_size(total)}"
     return f"{done}/{total} {unit}"
+
+
+def output_path(out: str) -> Path:
+    """``out`` as a file a command may write (created or replaced); UsageError, before
+    anything is written, if it is a directory or its directory is missing or read-only."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise UsageError(f"{out}: is a directory")
+    if not path.parent.is_dir():
+        raise UsageError(f"{out}: directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"{out}: directory {path.parent} is not writable")
+    return path
 
 
 def dcp_ranks(root: str) -> list[Path]:
@@ -189,6 +211,11 @@ def open_store(root: str, *, write: bool = False) -> Any:
         if down:
             ckpt.close()
             raise UsageError(f"{root}: cannot open the tier: {down[0].error}")
+        if not _holds_anything(ckpt.tierset.slots[0].tier):
+            ckpt.close()
+            raise UsageError(
+                f"{root}: holds no tiercheck tier (no owner, log or blob): check the URL"
+            )
         ckpt.cli_label = root
         return ckpt
     path = Path(root).expanduser()
@@ -214,6 +241,17 @@ def open_store(root: str, *, write: bool = False) -> Any:
         raise UsageError(f"{root}: {exc}") from None
 
 
+def _holds_anything(tier: Any) -> bool:
+    """Whether ``tier`` holds what a store or ``migrate --to`` writes: an owner record, a
+    log record or a blob. A read-only open creates nothing, so a URL with a typo in it
+    opens as an empty tier."""
+    return (
+        tier.read_owner() is not None
+        or bool(tier.read_log())
+        or next(iter(tier.list()), None) is not None
+    )
+
+
 def pick_version(ckpt: Any, spec: str, rank: int | None = None) -> history.Version:
     """The version ``spec`` names (id, ``latest``, ``step:N``); UsageError if none."""
     from tiercheck.history import versions as history
@@ -224,7 +262,7 @@ def pick_version(ckpt: Any, spec: str, rank: int | None = None) -> history.Versi
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except NoRestorableVersion as exc:
-        raise UsageError(f"{ckpt.root}: {exc}") from None
+        raise UsageError(f"{label(ckpt)}: {exc}") from None
 
 
 def tier_names(ckpt: Any, wanted: Sequence[str] | None) -> list[str] | None:

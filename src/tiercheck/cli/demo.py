@@ -5,8 +5,9 @@ learning rate, dropout, a seeded data order) and checkpoints every step to the e
 default tiers of a fresh store (host shared memory, LMDB, a ``file://`` "remote" tier), with
 a base version at least every :data:`BASE_EVERY` versions; with the optimizer guarded, the
 log planner writes a full version (a base, under dense training) whenever a log version
-would cost more, so bases come more often: the demo prints the cadence it measured, from
-the store's history. The data-loader position and the RNG state are part of the checkpoint.
+would cost more, so bases come more often: the demo prints the cadence it measured, over
+every version it saved (retention drops log versions from the store's history). The
+data-loader position and the RNG state are part of the checkpoint.
 
 It runs three processes:
 
@@ -46,6 +47,7 @@ from typing import IO, Any
 import blake3
 import torch
 import torch.nn.functional as F
+from rich.markup import escape
 from torch import nn
 
 import tiercheck
@@ -447,6 +449,16 @@ def _median(xs: Sequence[float]) -> float:
     return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
 
 
+def saved_roles(committed: Sequence[Mapping[str, Any]], history: Sequence[Any]) -> list[str]:
+    """The roles of every version a run saved, in order: those its save handles reported
+    (``committed`` events), and those the history holds that were not reported (committed
+    by the killed process after it was last heard). Retention drops log versions from the
+    history, so the history alone would count too few of them."""
+    roles = {v.id: v.role for v in history}
+    roles.update((e["version"], e["role"]) for e in committed)
+    return [roles[i] for i in sorted(roles)]
+
+
 def cadence(roles: Sequence[str]) -> str:
     """The base cadence a run had, from the roles of its versions in order."""
     bases = sum(1 for r in roles if r == "base")
@@ -466,8 +478,8 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
     t_demo = time.perf_counter()
     console.print(
         f"[bold]tiercheck demo[/bold]: a small GPT on the CPU, {steps} steps, a checkpoint "
-        f"every step to the default tiers of [cyan]{root}[/cyan] (a base at least every "
-        f"{BASE_EVERY} versions, sooner where the log planner finds a full version cheaper); "
+        f"every step to the default tiers of [cyan]{escape(str(root))}[/cyan] (a base at least "
+        f"every {BASE_EVERY} versions, sooner where the log planner finds a full version cheaper); "
         f"SIGKILL once step {crash_at} is committed."
     )
     reference = _spawn(["--worker", "reference", "--steps", str(steps)])
@@ -478,12 +490,12 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
     t_kill: float | None = None
     for ev in _events(first.stdout):
         if ev["event"] == "fresh":
-            console.print(f"[train] fresh start, {ev['params'] / 1e6:.2f} M parameters")
+            console.print(f"\\[train] fresh start, {ev['params'] / 1e6:.2f} M parameters")
         elif ev["event"] == "committed":
             committed.append(ev)
             if ev["step"] % 10 == 0 or ev["step"] == crash_at:
                 console.print(
-                    f"[train] step {ev['step']:>4}  loss {ev['loss']:.3f}  committed "
+                    f"\\[train] step {ev['step']:>4}  loss {ev['loss']:.3f}  committed "
                     f"v{ev['version']} ({ev['role']}) at "
                     f"{'+'.join(t for t, s in ev['tiers'].items() if s == 'committed')}"
                 )
@@ -492,7 +504,7 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
                 t_kill = time.time()
                 break
         elif ev["event"] == "failed":
-            console.print(f"[red]save of step {ev['step']} failed: {ev['error']}")
+            console.print(f"[red]save of step {ev['step']} failed: {escape(ev['error'])}")
     first.stdout.close()
     rc = first.wait()
     if t_kill is None:
@@ -512,7 +524,7 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
         if ev["event"] == "restored":
             restored = ev
             console.print(
-                f"[restart] restored step {ev['step']} (version {ev['version']}, "
+                f"\\[restart] restored step {ev['step']} (version {ev['version']}, "
                 f"{ev['role']}) from tier [bold green]{ev['source']}[/bold green] in "
                 f"{_ms(ev['restore_s'])}; chunks from {ev['chunks_from']}"
             )
@@ -520,11 +532,11 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
             committed.append(ev)
             if ev["step"] % 10 == 0:
                 console.print(
-                    f"[restart] step {ev['step']:>4}  loss {ev['loss']:.3f}  committed "
+                    f"\\[restart] step {ev['step']:>4}  loss {ev['loss']:.3f}  committed "
                     f"v{ev['version']} ({ev['role']})"
                 )
         elif ev["event"] == "failed":
-            console.print(f"[red]save of step {ev['step']} failed: {ev['error']}")
+            console.print(f"[red]save of step {ev['step']} failed: {escape(ev['error'])}")
         elif ev["event"] == "final":
             final = ev
     second.wait()
@@ -574,7 +586,7 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
             *(mark.get(v.tiers[n], f"[red]{v.tiers[n]}") for n in tier_names),
         )
     console.print(table)
-    console.print(cadence([v.role for v in history]))
+    console.print(cadence(saved_roles(committed, history)))
 
     saves = Table(title="Per save (both training processes)")
     for col in ("", "median", "max", "n"):
@@ -698,7 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if made_root:
                     shutil.rmtree(root, ignore_errors=True)
             else:
-                console.print(f"store kept at {root}")
+                console.print(f"store kept at {escape(str(root))}")
     return 0 if ok else 1
 
 

@@ -18,7 +18,9 @@ from tiercheck.cli.common import (
     json_default,
     make_console,
     open_store,
+    output_path,
     pick_version,
+    plain,
     progress_bar,
 )
 from tiercheck.errors import NoRestorableVersion
@@ -28,15 +30,9 @@ if TYPE_CHECKING:
 
 
 def _check_output(out: str, force: bool) -> Path:
-    path = Path(out).expanduser()
-    if path.suffix.lower() not in EXPORT_SUFFIXES:
+    if Path(out).suffix.lower() not in EXPORT_SUFFIXES:
         raise UsageError(f"{out}: the output must end in .safetensors, .pt or .pth")
-    if path.is_dir():
-        raise UsageError(f"{out}: is a directory")
-    if not path.parent.is_dir():
-        raise UsageError(f"{out}: directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise UsageError(f"{out}: directory {path.parent} is not writable")
+    path = output_path(out)
     if path.exists() and not force:
         raise UsageError(f"{out}: exists (pass --force to overwrite)")
     return path
@@ -194,18 +190,19 @@ def _write_export(
         return
     console = make_console()
     console.print(
-        f"exported {len(obj)} entries of version {version} (step {step}) to {out} "
+        f"exported {len(obj)} entries of version {version} (step {step}) to {plain(out)} "
         f"({human_size(result['bytes'])})"
     )
     if skipped:
         why = "not tensors" if fmt == "safetensors" else "stored with pickle"
-        console.print(f"skipped {len(skipped)} entries ({why}): " + ", ".join(skipped))
+        console.print(f"skipped {len(skipped)} entries ({why}): " + plain(", ".join(skipped)))
 
 
 def _export_dcp(args: argparse.Namespace, out: Path, fmt: str) -> int:
     """Export a DCP root's checkpoint, assembled from every rank, with the plain keys given
     to ``dcp.save`` (nested dicts joined by ``/``: ``model/layer.weight``)."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from tiercheck.history import versions as history
     from tiercheck.integrations import dcp
@@ -217,9 +214,19 @@ def _export_dcp(args: argparse.Namespace, out: Path, fmt: str) -> int:
     cid = {"latest": None, "id": f"version:{n}", "step": f"step:{n}"}[kind]
     reader = dcp.TierReader(args.root, checkpoint_id=cid)
     try:
+        # the version is looked up first: inside a load, DCP turns the reader's error into
+        # text (torch 2.13: an AssertionError naming it)
+        reader.read_metadata()
         sd = dcp.load_full_state_dict(reader)
     except NoRestorableVersion as exc:
         raise UsageError(f"{args.root}: {exc}") from None
+    except CheckpointException as exc:  # a BaseException, holding each rank's error
+        cause = next((e for e, _ in exc.failures.values()), None)
+        if isinstance(cause, NoRestorableVersion):
+            raise UsageError(f"{args.root}: {cause}") from None
+        if cause is None:
+            raise
+        raise cause from None
     info = reader.version
     assert info is not None
     flat: dict[str, Any] = {}

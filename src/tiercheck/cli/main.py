@@ -23,6 +23,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 from tiercheck.cli.browse import cmd_diff, cmd_ls, cmd_show
 from tiercheck.cli.common import (
@@ -44,9 +45,22 @@ __all__ = ["build_parser", "main"]
 PROG = "tiercheck"
 
 
+class _BadArguments(Exception):
+    """A usage error argparse found; its message, for :func:`main` to report."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser (its subcommands' too) whose usage errors :func:`main` reports
+    as any other, so that ``--json`` prints the error document for them as well."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        raise _BadArguments(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``tiercheck`` argument parser (docs/gen_cli.py renders it to docs/cli.md)."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document")
     common.add_argument(
         "-v", "--verbose", action="store_true", help="show tiercheck's log and tracebacks"
@@ -58,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     url_help = "store root, or a tier URL (read-only)"
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Browse and manage tiercheck checkpoint stores.",
         epilog="Exit status: 0 ok, 1 problems found, 2 usage error.",
@@ -281,7 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", type=positive_int, default=16384, metavar="N", help="GPUs (16384)")
     p.add_argument(
-        "--gpus-per-node", type=positive_int, default=8, metavar="N", help="GPUs per node (8)"
+        "--gpus-per-node",
+        type=positive_int,
+        metavar="N",
+        help="GPUs per node (8, or --gpus if fewer)",
     )
     p.add_argument(
         "--state-per-rank",
@@ -387,7 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+    except _BadArguments as exc:
+        given = sys.argv[1:] if argv is None else argv
+        return _fail(2, str(exc), as_json="--json" in given)
+    except SystemExit as exc:  # argparse: --help
         return int(exc.code) if isinstance(exc.code, int) else 2
     func: Callable[[argparse.Namespace], int] = args.func
     verbose = bool(getattr(args, "verbose", False))

@@ -14,6 +14,7 @@ from tiercheck.cli.common import (
     make_console,
     open_store,
     pick_version,
+    plain,
     progress_bar,
 )
 from tiercheck.errors import (
@@ -169,13 +170,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for r in rows:
             gone = r["would_delete"] if args.dry_run else r["deleted"]
             t.add_row(
-                r["tier"], str(r["kept"]), str(r["unreferenced"]), str(gone), str(r["waiting"])
+                plain(r["tier"]),
+                str(r["kept"]),
+                str(r["unreferenced"]),
+                str(gone),
+                str(r["waiting"]),
             )
         console = make_console()
         console.print(t)
         for r in rows:
             if r["fenced"]:
-                console.print(f"tier {r['tier']} was not swept: {r['fenced']}")
+                console.print(f"tier {plain(r['tier'])} was not swept: {plain(r['fenced'])}")
         if any(r["waiting"] for r in rows):
             console.print(
                 "blobs younger than the grace period are kept (their age counts from when "
@@ -203,18 +208,20 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             console = make_console()
             if report.versions:
                 console.print(
-                    f"copied versions {', '.join(map(str, report.versions))} to {report.url}: "
+                    f"copied versions {', '.join(map(str, report.versions))} to "
+                    f"{plain(report.url)}: "
                     f"{report.chunks_written} chunks, {human_size(report.bytes_written)} "
                     f"in {report.seconds:.2f}s"
                 )
             if report.already:
                 console.print(
-                    f"{report.url} already held versions {', '.join(map(str, report.already))}"
+                    f"{plain(report.url)} already held versions "
+                    f"{', '.join(map(str, report.already))}"
                 )
             if not report.configured:
                 console.print(
-                    f"{report.url} is not a tier of this store: it now holds a self-contained "
-                    f"copy; browse it with `tiercheck ls {report.url}`, restore from it with "
-                    "Checkpointer(root, tiers=[url], read_only=True)"
+                    f"{plain(report.url)} is not a tier of this store: it now holds a "
+                    f"self-contained copy; browse it with `tiercheck ls {plain(report.url)}`, "
+                    "restore from it with Checkpointer(root, tiers=\\[url], read_only=True)"
                 )
     return 0

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from tiercheck.cli.common import UsageError, emit_json, human_size, make_console
+from tiercheck.cli.common import UsageError, emit_json, human_size, make_console, plain
 from tiercheck.errors import (
     ConfigError,
     InvalidURL,
@@ -53,12 +53,12 @@ def cmd_peer_status(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    t = Table(title=f"peer {args.address}", title_justify="left")
+    t = Table(title=f"peer {plain(args.address)}", title_justify="left")
     t.add_column("field")
     t.add_column("value")
     for k, value in sorted(stats.items()):
         shown = human_size(value) if "bytes" in k and isinstance(value, int) else str(value)
-        t.add_row(k, shown)
+        t.add_row(plain(k), plain(shown))
     make_console().print(t)
     return 0
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tiercheck.cli.common import UsageError, emit_json, make_console
+from tiercheck.cli.common import UsageError, emit_json, make_console, output_path, plain
 from tiercheck.errors import ConfigError
 
 
@@ -18,10 +18,13 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, list[Any
     from tiercheck.planning import failure_model, tier_costs
     from tiercheck.planning import intervals as plan
 
+    # the default node size is a node's: a smaller job is one node of its GPUs
+    default = min(plan.Job.gpus_per_node, args.gpus)
+    per_node = default if args.gpus_per_node is None else args.gpus_per_node
     try:
         job = plan.Job(
             gpus=args.gpus,
-            gpus_per_node=args.gpus_per_node,
+            gpus_per_node=per_node,
             state_bytes_per_rank=float(args.state_per_rank),
             mean_state_bytes_per_rank=float(
                 min(396e6, args.state_per_rank)
@@ -91,6 +94,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tiercheck.planning import failure_model, tier_costs
     from tiercheck.planning import intervals as plan
 
+    for out in (args.write_failures, args.write_hardware, args.config_out):
+        if out:
+            output_path(out)  # before the simulation, and before the other file is written
     if args.write_failures or args.write_hardware:
         wrote = []
         if args.write_failures:
@@ -105,7 +111,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             emit_json({"wrote": {what: path for what, path in wrote}})
         else:
             for what, path in wrote:
-                make_console().print(f"wrote the default {what} model to {path}")
+                make_console().print(f"wrote the default {what} model to {plain(path)}")
         return 0
     job, failures, hardware, measured, designs = _plan_inputs(args)
     try:
@@ -208,8 +214,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     for c in best.classes:
         ct.add_row(
-            c.name,
-            c.domain,
+            plain(c.name),
+            plain(c.domain),
             f"{c.per_day:.2f}",
             c.restored_from,
             _seconds(c.lost_work_s),
@@ -225,5 +231,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     if args.config_out:
         console.print(f"wrote the recommended tiercheck.toml for {best.design.name} to "
-                      f"{args.config_out}")  # fmt: skip
+                      f"{plain(args.config_out)}")  # fmt: skip
     return 0

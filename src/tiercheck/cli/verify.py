@@ -14,6 +14,7 @@ from tiercheck.cli.common import (
     label,
     make_console,
     open_store,
+    plain,
     progress_bar,
     tier_names,
 )
@@ -56,13 +57,13 @@ def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyRep
             from rich.table import Table
 
             console = make_console()
-            t = Table(title=f"verify {label(ckpt)}", title_justify="left")
+            t = Table(title=f"verify {plain(label(ckpt))}", title_justify="left")
             for col in ("tier", "versions", "blobs", "bytes", "problems"):
                 t.add_column(col)
             for tv in report.tiers:
                 n = sum(1 for p in report.problems if p.tier == tv.tier and not p.repaired)
                 t.add_row(
-                    tv.tier,
+                    plain(tv.tier),
                     str(tv.versions),
                     str(tv.blobs),
                     human_size(tv.bytes),
@@ -79,7 +80,7 @@ def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyRep
                 else:
                     status = f"[red]{p.kind}[/red]"
                 where = f" (versions {', '.join(map(str, p.versions))})" if p.versions else ""
-                console.print(f"{p.tier} {p.id or '-'}: {status}{where}: {p.detail}")
+                console.print(f"{plain(p.tier)} {p.id or '-'}: {status}{where}: {plain(p.detail)}")
             left = [p for p in report.problems if not p.repaired]
             newer = sum(p.kind == "newer-format" for p in left)
             if report.ok:
@@ -94,14 +95,21 @@ def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyRep
                     "verify again"
                 )
             fixable = [p for p in left if p.kind in REPAIRABLE]
-            if not args.repair and fixable:
+            # --repair copies from another tier: a tier URL is opened alone (and read-only)
+            sources = sum(s.tier is not None for s in ckpt.tierset.slots)
+            if not args.repair and fixable and sources > 1:
                 console.print(
                     f"{len(fixable)} damaged or missing copies; run again with --repair to "
                     "rewrite them from another tier"
                 )
+            elif not args.repair and fixable:
+                console.print(
+                    f"{len(fixable)} damaged or missing copies, and no other tier to repair "
+                    "them from"
+                )
             others = [p for p in left if p.kind not in REPAIRABLE and p.kind != "newer-format"]
             if others:
-                where = ", ".join(sorted({p.tier for p in others}))
+                where = plain(", ".join(sorted({p.tier for p in others})))
                 console.print(
                     f"{len(others)} problem(s) --repair cannot fix (tier {where}: unreadable "
                     "or a damaged log); move the damaged tier aside and let the store rebuild "
