@@ -21,7 +21,7 @@ from typing import Any
 import lmdb
 
 from tiercheck.backends.base import invalid_url
-from tiercheck.errors import TierError, TierFull, TierLost
+from tiercheck.errors import TierError, TierFull, TierLost, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,27 @@ class _Env:
 _envs: dict[str, _Env] = {}
 _envs_lock = threading.Lock()
 
+# What opening an environment can meet at a path that is fine as a URL: a file system this
+# process may not write there (a read-only mount, permissions, an immutable directory)...
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+# ... or a disk that fails under it.
+_FAILING = (errno.EIO,)
+
+
+def _errno(exc: BaseException) -> int | None:
+    """The errno behind an error opening an environment: an ``OSError``'s own, or the one an
+    ``lmdb.Error`` stands for (py-lmdb keeps only LMDB's text, ``"PATH: strerror(errno)"``);
+    None if it is none of those this module tells apart."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    if isinstance(exc, lmdb.ReadonlyError):
+        return errno.EACCES
+    text = str(exc)
+    for code in (*_UNWRITABLE, *_FAILING):
+        if text.endswith(f": {os.strerror(code)}"):
+            return code
+    return None
+
 
 def _open_read_only(path: str) -> lmdb.Environment:
     """Open ``path`` read-only with LMDB's reader locking (safe next to a live writer);
@@ -114,11 +135,7 @@ def _open_read_only(path: str) -> lmdb.Environment:
     try:
         return lmdb.open(path, readonly=True, lock=True, max_dbs=3, subdir=True)
     except lmdb.Error as exc:
-        if not isinstance(exc, (lmdb.ReadonlyError, lmdb.PanicError)) and not (
-            getattr(exc, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
-            or "Permission denied" in str(exc)
-            or "Read-only file system" in str(exc)
-        ):
+        if not isinstance(exc, lmdb.PanicError) and _errno(exc) not in _UNWRITABLE:
             raise
     log.warning(
         "opening LMDB at %s read-only without reader locking (%s cannot be written): "
@@ -256,6 +273,22 @@ def _acquire_env(
         ) as exc:
             raise TierLost(f"the LMDB environment at {key} is damaged: {exc}", url=url) from exc
         except (lmdb.Error, OSError) as exc:
+            # the URL is fine: the tier is unavailable, the store opens without it
+            code = _errno(exc)
+            if code in _UNWRITABLE:
+                raise TierUnavailable(
+                    f"cannot open the LMDB environment at {key} "
+                    f"{'' if read_only else 'for writing '}({exc}): the store goes on "
+                    "without this tier until the file system lets it (a read-only mount, "
+                    "permissions)",
+                    url=url,
+                ) from exc
+            if code in _FAILING:
+                raise TierLost(
+                    f"the disk under the LMDB environment at {key} fails ({exc}): the store "
+                    "goes on without this tier",
+                    url=url,
+                ) from exc
             raise invalid_url(url, f"cannot open LMDB environment at {key}: {exc}") from exc
         entry = _Env(path=key, env=env, blobs=blobs, log=log, times=times, readonly=read_only)
         if not read_only:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import torchrun
+from _dist import free_port, torchrun
 
 import tiercheck
 from tiercheck import TierSpec
@@ -62,11 +62,16 @@ def test_a_store_whose_versions_cannot_be_read_is_not_empty(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_every_rank_agrees_the_store_is_empty(tmp_path: Path) -> None:
+@pytest.mark.parametrize("remote", ["none", "down"])
+def test_every_rank_agrees_the_store_is_empty(tmp_path: Path, remote: str) -> None:
     """Two gloo ranks under torchrun: missing_ok gives None on every rank, EmptyStore
-    without it on every rank; after a save both restore it."""
+    without it on every rank; after a save both restore it. ``down``: the store's remote
+    tier cannot be reached at this first launch, which changes nothing (the store's id was
+    drawn by this open, so no tier holds a version of it). Before, every rank raised
+    ``NoRestorableVersion`` telling the user to move the unreachable tier aside."""
     script = Path(__file__).parent / "dist_scripts" / "empty_worker.py"
-    proc = torchrun(script, str(tmp_path / "store"), nproc=2)
+    args = [str(tmp_path / "store")] + ([str(free_port())] if remote == "down" else [])
+    proc = torchrun(script, *args, nproc=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
     assert sorted(r["rank"] for r in rows) == [0, 1]

@@ -118,7 +118,12 @@ class Engine:
         """Open the tiers, read their logs, start the services (the lock is taken)."""
         read_only = self.read_only
         specs = [_for_rank(spec, self.coordinator) for spec in config.tiers]
-        self.tierset = TierSet(specs, self.policy, read_only=read_only, owner=self.root)
+        self.tierset = TierSet(
+            specs, self.policy, read_only=read_only, owner=self.root, created=self._made is not None
+        )
+        # rank 0 made the store file: every rank's tiers are as new (none can hold a version
+        # of an id drawn now), whichever of them could not be read
+        self.tierset.created = not self.coordinator.all_true(not self.tierset.created)
         self.executors = Executors.start(threads, priority)
         self.pool = self.executors.io
         self.staging = StagingBuffer()

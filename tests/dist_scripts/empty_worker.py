@@ -1,7 +1,8 @@
 """Run under torchrun by tests/test_restore_empty.py: every rank restores from an empty
 store with missing_ok (None everywhere), without it (EmptyStore everywhere), then saves and
 restores the version every rank committed. Writes what it saw to ``result-RANK.json``
-beside the store root."""
+beside the store root. With a port as the second argument the store also has a remote
+tier whose endpoint there does not answer (a first launch with the remote down)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def main() -> None:
         TierSpec("mem", "memory://empty-{rank}"),
         TierSpec("lmdb", f"lmdb://{root}/lmdb-{{rank}}"),
     ]
+    if len(sys.argv) > 2:  # a remote tier whose endpoint (a closed loopback port) is down
+        endpoint = {"endpoint_url": f"http://127.0.0.1:{sys.argv[2]}", "key": "k", "secret": "s"}
+        tiers.append(
+            TierSpec("remote", "s3://bucket/run", {"storage_options": endpoint, "retry": False})
+        )
     torch.manual_seed(rank)
     model = torch.nn.Linear(8, 8)
     out: dict[str, object] = {"rank": rank}

@@ -303,21 +303,29 @@ def gone_reason(
 def unreadable_tiers(
     tierset: TierSet, catalog: Catalog, names: Sequence[str] | None = None
 ) -> dict[str, str]:
-    """The tiers (of ``names``, else all) whose versions cannot be known here: unavailable
-    when opened, unreachable when their logs were read, or with damaged log records; by
-    name, with why."""
+    """The tiers (of ``names``, else all) whose versions cannot be known here: unreachable
+    (when opened, or when their logs were read), unavailable when opened for another
+    reason, or with damaged log records; by name, with why."""
     out: dict[str, str] = {}
     for slot in tierset.slots:
         if names is not None and slot.name not in names:
             continue
         if slot.tier is None:
-            out[slot.name] = f"unavailable: {slot.error}"
+            out[slot.name] = f"{'unreachable' if slot.unreachable else 'unavailable'}: {slot.error}"
         elif slot.name in catalog.unreachable:
             out[slot.name] = f"unreachable: {catalog.unreachable[slot.name]}"
         elif slot.name in catalog.logs and catalog.logs[slot.name].damaged:
             tl = catalog.logs[slot.name]
             out[slot.name] = f"damaged: {len(tl.damaged)} log record(s) unreadable"
     return out
+
+
+def unreached_tiers(tierset: TierSet, catalog: Catalog) -> set[str]:
+    """The tiers that could not be reached, when opened or when their logs were read: down
+    for now, not known to be damaged."""
+    return {s.name for s in tierset.slots if s.tier is None and s.unreachable} | set(
+        catalog.unreachable
+    )
 
 
 def nothing_reachable(
@@ -329,17 +337,32 @@ def nothing_reachable(
 ) -> NoRestorableVersion | None:
     """The error for a restore that found no version, when that is not an empty store:
     acknowledged versions were lost (the ack ledger), or a tier that may hold versions is
-    damaged or unreachable. None when the store is truly empty (then ``EmptyStore``)."""
+    damaged or unreachable. None when the store is truly empty (then ``EmptyStore``): a
+    tier that could not be reached holds no version of a store this very open created
+    (``TierSet.created``)."""
     loss = find_losses(root, rank, tierset.store_id, catalog)
     bad = unreadable_tiers(tierset, catalog, names)
+    down = unreached_tiers(tierset, catalog)
+    if tierset.created:
+        bad = {n: w for n, w in bad.items() if n not in down}
+    down &= set(bad)
     if loss is None and (catalog.versions or not bad):
         return None
     parts = [str(loss)] if loss is not None else []
     parts += [f"tier {n} is {w}" for n, w in bad.items()]
-    todo = (
-        "repair or move aside the damaged tier (see docs/troubleshooting.md) and restore again"
-        if bad
-        else f"to start over, delete the store (tiercheck rm {root}) or open another root"
-    )
+    todo = []
+    if down:
+        todo.append(
+            f"restore again once tier {', '.join(sorted(down))} can be reached (or name the "
+            "other tiers in restore(..., tiers=[...]) to restore from them alone)"
+        )
+    if set(bad) - down:
+        todo.append(
+            "repair or move aside the damaged tier (see docs/troubleshooting.md) and restore again"
+        )
+    if not bad:
+        todo.append(f"to start over, delete the store (tiercheck rm {root}) or open another root")
     what = "" if loss is not None else ", but the store is not known to be empty"
-    return NoRestorableVersion(f"no version can be restored{what}: {'; '.join(parts)}. {todo}")
+    return NoRestorableVersion(
+        f"no version can be restored{what}: {'; '.join(parts)}. {'; '.join(todo)}"
+    )

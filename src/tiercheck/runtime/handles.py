@@ -205,11 +205,13 @@ class SaveHandle:
     result = wait
 
     def wait_migrated(self, timeout: float | None = None) -> SaveResult:
-        """Block until every migration of the version settled; raise as ``wait()`` does,
-        or if a required asynchronous tier did not receive it."""
+        """Block until every migration of the version settled; then raise as ``wait()``
+        does, or if a required asynchronous tier did not receive it."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.wait(timeout)
+        if not self._done.wait(timeout):
+            raise WaitTimeout(f"save of step {self.step} did not finish in {timeout}s")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # a save that missed its guarantees may still be migrating: wait for that first
         if not self._migrated.wait(left):
             with self._lock:
                 pending = sorted(self._migrating)
@@ -217,6 +219,8 @@ class SaveHandle:
                 f"migration of step {self.step} (version {self.version}) to {pending} did not "
                 f"finish in {timeout}s; it is still being retried"
             )
+        if self._error is not None:
+            raise self._take_error()
         with self._lock:
             err = self._migrated_error
             self._migrated_error_seen = True

@@ -17,7 +17,7 @@ from tiercheck.backends.base import StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.backends.resilience import open_wrapped, split_options, wrapping
 from tiercheck.core.sizes import format_size
-from tiercheck.errors import ConfigError, ForeignTier, InvalidURL, TierError
+from tiercheck.errors import ConfigError, ForeignTier, InvalidURL, TierError, TierUnavailable
 from tiercheck.store import identity
 from tiercheck.store.config import StoreConfig, TierSpec, resolve_references
 from tiercheck.store.policy import Policy, TierPolicy
@@ -29,12 +29,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TierSlot:
-    """One configured tier. ``tier`` is None when it could not be opened (``error`` says why)."""
+    """One configured tier. ``tier`` is None when it could not be opened (``error`` says
+    why; ``unreachable``: because it could not be reached, ``TierUnavailable``)."""
 
     spec: TierSpec
     tier: Tier | None
     policy: TierPolicy | None
     error: str | None = None
+    unreachable: bool = False
 
     @property
     def name(self) -> str:
@@ -56,19 +58,24 @@ class TierSet:
         *,
         read_only: bool = False,
         owner: str | os.PathLike[str] | None = None,
+        created: bool = False,
     ):
         """``owner``: the root of the store these tiers belong to. ``{root}`` in a spec
         stands for it; each tier's owner record is checked against the store
         (:mod:`tiercheck.store.identity`: a tier of another store raises ``ForeignTier``
         when writing, and is unavailable when reading) and, when writing, records it, so
         that its node memory can be reclaimed once the store is deleted; orphans of
-        deleted stores on this node are warned about."""
+        deleted stores on this node are warned about. ``created``: this open made the
+        store's file, and with it the store's id."""
         self.slots: list[TierSlot] = []
         root = Path(owner) if owner is not None else None
         #: the store's id (None: no owner, or an older store opened read-only)
         self.store_id = (
             identity.open_identity(root, read_only=read_only) if root is not None else None
         )
+        #: the store's id was drawn by this open: no tier this open could not read holds
+        #: a version of it (False once a tier gave the store back an id it had before)
+        self.created = created and self.store_id is not None
         try:
             resolved = [identity.resolve_spec(s, root, self.store_id) for s in specs]
             self._open_all(resolved, policy, read_only)
@@ -78,6 +85,7 @@ class TierSet:
                 old = identity.recreated_id(owners.values(), self.store_id, root)
                 if old is not None:
                     self.store_id = identity.take_back_id(root, old, self.store_id)
+                    self.created = False
                     # a tier shared by stores is opened in a namespace named by the id
                     again = [identity.resolve_spec(s, root, self.store_id) for s in specs]
                     if again != resolved:
@@ -114,7 +122,8 @@ class TierSet:
                 raise
             except (TierError, OSError) as exc:
                 log.warning("tier %s (%s) is unavailable: %s", spec.name, spec.url, exc)
-                self.slots.append(TierSlot(spec, None, None, str(exc)))
+                down = isinstance(exc, TierUnavailable)
+                self.slots.append(TierSlot(spec, None, None, str(exc), unreachable=down))
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
 
@@ -158,6 +167,7 @@ class TierSet:
                 log.warning("tier %s is unavailable: its owner record: %s", slot.name, exc)
                 slot.tier.close()
                 slot.tier, slot.policy, slot.error = None, None, f"owner record: {exc}"
+                slot.unreachable = isinstance(exc, TierUnavailable)
 
     def _bind(self, owner: str, specs: Sequence[TierSpec]) -> None:
         from tiercheck.store import lifecycle
