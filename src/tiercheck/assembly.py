@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiercheck.backends.base import FailureDomain
 from tiercheck.core.chunking import choose_chunk_size, plan_layout
-from tiercheck.core.entries import flatten
+from tiercheck.core.entries import as_dict, flatten
 from tiercheck.engine.coordinator import Coordinator, DistCoordinator, LocalCoordinator
 from tiercheck.engine.saving import SaveService
 from tiercheck.engine.shm_staging import ShmStaging
@@ -277,7 +277,9 @@ class Engine:
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Allocate the staging buffer for ``state`` (or the shm staging area its saves
         will use); note its size for the budgets."""
-        tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+        if self.closed:
+            raise CheckpointError("this Checkpointer is closed")
+        tree, leaves = flatten(as_dict(state), allow_pickle=self.allow_pickle)
         layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         devices = cuda_devices(leaves)  # pinned under the state's own device
         self.staging.acquire()  # not while a save is using it

@@ -187,6 +187,8 @@ class Checkpointer:
         Returns a function that removes the hook and the log. The hook only waits: a
         save's failure is raised by its own handle, never by the optimizer.
         """
+        if self.closed:
+            raise CheckpointError("this Checkpointer is closed")
         return self._engine.guard(optimizer, scaler, log=log, mirrors=mirrors)
 
     def wait_staged(self) -> None:

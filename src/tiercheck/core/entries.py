@@ -25,6 +25,7 @@ Rules (SPEC.md section "State trees"):
 from __future__ import annotations
 
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Leaf",
+    "as_dict",
     "decode_scalar",
     "encode_scalar",
     "flatten",
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 _EXT_TUPLE = 1
+_MAX_DEPTH = 64  # how deep a state may nest
 _EXT_NPSCALAR = 2
 _EXT_BIGINT = 3
 
@@ -183,16 +186,28 @@ def _check_tensor(t: torch.Tensor, key: str) -> None:
         )
 
 
-def _holds_arrays(obj: Any) -> bool:
+def _holds_arrays(obj: Any, key: str, depth: int = 0) -> bool:
     import torch
 
+    if depth > _MAX_DEPTH:  # as deep as flatten goes; a container that holds itself, too
+        raise StateError(
+            f"state is nested more than {_MAX_DEPTH} levels deep (or a container holds itself)",
+            key=key,
+        )
     if isinstance(obj, (torch.Tensor, np.ndarray)) or is_stateful(obj):
         return True
     if isinstance(obj, dict):
-        return any(_holds_arrays(v) for v in obj.values())
+        return any(_holds_arrays(v, key, depth + 1) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_holds_arrays(v) for v in obj)
+        return any(_holds_arrays(v, key, depth + 1) for v in obj)
     return False
+
+
+def as_dict(state: Any) -> dict[Any, Any]:
+    """``state`` (a mapping) as a dict; ``StateError`` for anything else."""
+    if not isinstance(state, Mapping):
+        raise StateError(f"a state must be a dict, got {type(state).__qualname__}")
+    return dict(state)
 
 
 def _join(prefix: str, part: str) -> str:
@@ -220,8 +235,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf]]
         return {"e": len(leaves) - 1}
 
     def walk(obj: Any, key: str, depth: int) -> Any:
-        if depth > 64:
-            raise StateError("state is nested more than 64 levels deep", key=key)
+        if depth > _MAX_DEPTH:
+            raise StateError(f"state is nested more than {_MAX_DEPTH} levels deep", key=key)
         if isinstance(obj, torch.Tensor) and is_dtensor(obj):
             local, placement = local_piece(obj, key)
             _check_tensor(local, key)
@@ -237,6 +252,12 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf]]
             dtype = str(obj.dtype).removeprefix("torch.")
             return add(key, Leaf(key, "tensor", obj, dtype, shape, nbytes))
         if isinstance(obj, np.ndarray):
+            if type(obj) not in (np.ndarray, np.memmap):  # a mask, matrix semantics...
+                raise UnsupportedValue(
+                    f"NumPy array subclass {type(obj).__qualname__} is not supported (what "
+                    "makes it one would be lost); pass np.asarray(...) and what it adds apart",
+                    key=key,
+                )
             if obj.dtype.hasobject or obj.dtype.kind not in "biufcV" or obj.dtype.fields:
                 raise UnsupportedValue(f"NumPy dtype {obj.dtype} is not supported", key=key)
             return add(key, Leaf(key, "ndarray", obj, obj.dtype.str, obj.shape, obj.nbytes))
@@ -248,7 +269,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf]]
             if not isinstance(sub, dict):
                 raise StateError("state_dict() did not return a dict", key=key)
             return {"o": walk(sub, key, depth + 1)}
-        if isinstance(obj, dict) and _holds_arrays(obj):
+        if isinstance(obj, dict) and _holds_arrays(obj, key, depth):
             items = []
             for k, v in obj.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
@@ -264,7 +285,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, list[Leaf]]
                     )
                 items.append([k, walk(v, _join(key, str(k)), depth + 1)])
             return {"d": items}
-        if isinstance(obj, (list, tuple)) and _holds_arrays(obj):
+        if isinstance(obj, (list, tuple)) and _holds_arrays(obj, key, depth):
             tag = "t" if isinstance(obj, tuple) else "l"
             return {tag: [walk(v, _join(key, str(i)), depth + 1) for i, v in enumerate(obj)]}
         if isinstance(obj, dict):

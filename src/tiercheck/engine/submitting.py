@@ -24,7 +24,7 @@ import msgpack
 from tiercheck.backends.base import STAGED_HEADER as HEADER
 from tiercheck.backends.base import StagingArea
 from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
-from tiercheck.core.entries import Leaf, encode_scalar, flatten
+from tiercheck.core.entries import Leaf, as_dict, encode_scalar, flatten
 from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.placing import build_manifest
 from tiercheck.engine.staging import Hold, StagingBuffer, ready_events
@@ -168,7 +168,7 @@ class SaveQueue:
                     "metadata must be plain msgpack: str keys, and values that are None, "
                     f"bool, float, str, bytes, lists, maps and ints of 64 bits at most ({exc})"
                 ) from None
-            tree, leaves = flatten(dict(state), allow_pickle=self.allow_pickle)
+            tree, leaves = flatten(as_dict(state), allow_pickle=self.allow_pickle)
             layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         except (TiercheckError, ValueError, TypeError) as exc:
             if self.world_size > 1:

@@ -668,9 +668,11 @@ def _ranges(ids: Sequence[int]) -> str:
 def parse_version_spec(spec: int | str) -> tuple[str, int | None]:
     """``17`` / ``"17"`` -> ``("id", 17)``; ``"step:N"`` -> ``("step", N)``;
     ``"latest"`` -> ``("latest", None)``. Raises ``ValueError`` otherwise."""
-    if isinstance(spec, bool):
-        raise ValueError(f"not a version: {spec!r}")
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        raise ValueError(f"not a version: {spec!r} (expected an id, 'latest' or 'step:N')")
     if isinstance(spec, int):
+        if spec < 0:
+            raise ValueError(f"not a version: {spec!r} (ids count from 0)")
         return "id", spec
     text = spec.strip().lower()
     if text == "latest":

@@ -79,6 +79,8 @@ def _fits(entry: Entry, target: Any) -> bool:
     import torch
 
     if entry.kind == "tensor" and isinstance(target, torch.Tensor):
+        if target.is_conj() or target.is_neg():
+            return False  # its bytes are not its values: _mismatch says so
         return bool(
             str(target.dtype).removeprefix("torch.") == entry.dtype
             and tuple(target.shape) == entry.shape
@@ -91,6 +93,13 @@ def _fits(entry: Entry, target: Any) -> bool:
 def _mismatch(entry: Entry, target: Any) -> str:
     import torch
 
+    if isinstance(target, torch.Tensor) and (target.is_conj() or target.is_neg()):
+        view = "conjugate" if target.is_conj() else "negative"
+        return (
+            f"the state's tensor is a {view} view (its memory holds other values than it "
+            "shows), which cannot be restored into; pass a tensor of its own "
+            "(resolve_conj()/resolve_neg())"
+        )
     if isinstance(target, torch.Tensor):
         have = f"tensor {str(target.dtype).removeprefix('torch.')} {tuple(target.shape)}"
     elif isinstance(target, np.ndarray):

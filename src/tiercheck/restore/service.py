@@ -133,6 +133,19 @@ class RestoreService:
         restore makes die with it, and the passes they would set off walk the whole
         process's objects."""
         t0 = time.perf_counter()
+        for name, value in (("version", version), ("step", step)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise ValueError(
+                    f"{name} must be an int from 0 or None, got {value!r} (None: the newest "
+                    "restorable version; ckpt.version('step:N').id names others)"
+                )
+        if tiers is not None and (isinstance(tiers, str) or not tiers):
+            raise ConfigError(
+                f"tiers must be a non-empty list of tier names, got {tiers!r} "
+                "(e.g. tiers=['shm']; None reads every tier)"
+            )
         self._flush()
         catalog = self._refresh()
         full = catalog
