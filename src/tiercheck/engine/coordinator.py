@@ -148,6 +148,11 @@ class Coordinator(Protocol):
         returns the first rank's shortfall, "" if no rank has one."""
         ...
 
+    def first_text(self, what: str, text: str) -> tuple[int, str] | None:
+        """The lowest rank whose ``text`` is not empty, and that text (None if every
+        rank's is), outside the save protocol: ``what`` names it in errors."""
+        ...
+
 
 class LocalCoordinator:
     """One process, one rank: every outcome is this rank's own."""
@@ -186,6 +191,9 @@ class LocalCoordinator:
 
     def settle(self, version: int, problem: str) -> str:
         return problem
+
+    def first_text(self, what: str, text: str) -> tuple[int, str] | None:
+        return (0, text) if text else None
 
 
 # --- several ranks ------------------------------------------------------------------
@@ -403,3 +411,15 @@ class DistCoordinator:
 
     def all_true(self, flag: bool) -> bool:
         return self._agree("an outcome", [0 if flag else 1])[0] == 0
+
+    def first_text(self, what: str, text: str) -> tuple[int, str] | None:
+        """The lowest rank with a ``text``: a maximum of minus the ranks that have one,
+        then that rank's text broadcast."""
+        (top,) = self._agree(what, [-self.rank if text else -self.world_size])
+        if top == -self.world_size:
+            return None
+        try:
+            return -top, self.net.broadcast_text(text, -top)
+        except Exception as exc:
+            self.broken = f"sharing {what} failed: {exc}"
+            raise CheckpointError(f"the ranks could not share {what}: {exc}") from exc

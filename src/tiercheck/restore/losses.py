@@ -51,6 +51,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LEDGER_NAME = "tiercheck.acked"
+#: the newest lost versions a rank tells the others of (one message holds them)
+SHARED_STEPS = 100
 #: Lines kept when the ledger is rewritten (it is rewritten once it holds twice as many).
 KEEP = 2048
 
@@ -88,13 +90,30 @@ class Loss:
     steps: tuple[int, ...]
     tiers: tuple[str, ...]
     restored: int | None = None
+    #: the rank whose acknowledged versions these are, where another rank's restore
+    #: reports them (it lost nothing it could read, but resumed from the same older step)
+    rank: int | None = None
 
     @property
     def newest_step(self) -> int:
         return self.steps[-1]
 
+    def shared(self) -> str:
+        """This loss as text for the other ranks (:meth:`from_shared`): the newest
+        :data:`SHARED_STEPS` versions of it, so that it fits one message."""
+        return json.dumps(
+            [self.versions[-SHARED_STEPS:], self.steps[-SHARED_STEPS:], self.tiers, self.restored]
+        )
+
+    @classmethod
+    def from_shared(cls, text: str, rank: int) -> Loss:
+        versions, steps, tiers, restored = json.loads(text)
+        return cls(tuple(versions), tuple(steps), tuple(tiers), restored, rank)
+
     def __str__(self) -> str:
         tiers = ", ".join(self.tiers) or "a memory tier"
+        if self.rank is not None:
+            tiers = f"{tiers} of rank {self.rank}"
         n = len(self.steps)
         what = f"step {self.steps[0]}" if n == 1 else f"{n} versions, steps {_span(self.steps)}"
         resumed = (

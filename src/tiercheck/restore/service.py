@@ -263,12 +263,19 @@ class RestoreService:
 
     def _report_losses(self, info: RestoreInfo, catalog: Catalog, explicit: bool) -> RestoreInfo:
         """``info`` with the acknowledged versions newer than it that were lost (one
-        warning says which steps and with which tier)."""
+        warning says which steps and with which tier); with several ranks, a rank that lost
+        none reports the lowest rank's (they all resumed from the same step)."""
         if explicit:
             return info
         loss = losses.find_losses(
             self.root, self.rank, self.tierset.store_id, catalog, restored=info.step
         )
+        if self.world_size > 1:  # every rank resumed from this step: each says what went
+            first = self.coordinator.first_text(
+                "the versions lost", "" if loss is None else loss.shared()
+            )
+            if loss is None and first is not None:
+                loss = losses.Loss.from_shared(first[1], rank=first[0])
         if loss is None:
             return info
         log.warning("%s", loss)
