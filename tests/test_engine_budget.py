@@ -304,3 +304,23 @@ def test_a_state_that_shrinks_keeps_saving_on_its_only_memory_tier(
         assert tier.usage() <= tier.budget
     finally:
         ckpt.destroy()
+
+
+def test_an_abort_names_the_skip_beside_the_failure(tmp_path: Path) -> None:
+    """A version no tier takes: shm skips it (its budget cannot hold it) and LMDB fails
+    (full). ``CommitAborted`` names both, the skip with its fix. Before, a failure hid
+    the skips: the reason named LMDB's ``TierFull`` alone."""
+    from tiercheck.errors import CommitAborted
+
+    tiers = [
+        TierSpec("shm", f"shm://tc-budget-{uuid.uuid4().hex[:12]}", {"budget": "256KiB"}),
+        TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}", {"max_size": 1 << 20}),
+    ]
+    ckpt = Checkpointer(tmp_path / "store", tiers=tiers)
+    try:
+        with pytest.raises(CommitAborted) as caught:
+            ckpt.save(1, {"w": torch.randn(1 << 20)}).wait()  # 4 MiB
+        text = str(caught.value)
+        assert "lmdb" in text and "tier shm skipped" in text and "budget" in text, text
+    finally:
+        ckpt.destroy()

@@ -682,8 +682,10 @@ class SaveService(SaveQueue):
             ok=bool(ok),
             manifest=shard.manifest_id,
             tiers=tuple(r.tier for r in ok),
-            reason="; ".join(f"{r.tier}: {r.error}" for r in results if not r.ok)
-            or "; ".join(job.skipped.values())
+            # every tier that failed and every tier that skipped it (with its fix)
+            reason="; ".join(
+                [*(f"{r.tier}: {r.error}" for r in results if not r.ok), *job.skipped.values()]
+            )
             or ("no synchronous tier wants this version" if not futures else ""),
         )
         t_vote = time.perf_counter()
