@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -482,6 +483,30 @@ class Engine:
                 self.shm_staging.close()
             self.tierset.close()
             self.release_lock()
+
+    def dropped(self) -> None:
+        """Its Checkpointer was dropped without ``close()``: close as ``close(abandon=True)``
+        would (saves in flight finished, then the threads, tiers and lock released), with
+        a ``ResourceWarning``; on one of the store's own threads (which the close waits
+        for) by a thread of its own."""
+        if self.closed:
+            return
+        warnings.warn(
+            f"tiercheck.Checkpointer({str(self.root)!r}) was not closed; closing it now "
+            "(use `with Checkpointer(...)` or call close())",
+            ResourceWarning,
+            stacklevel=3,
+        )
+        if threading.current_thread().name.startswith("tiercheck"):
+            threading.Thread(target=self._close_dropped, name="tiercheck-close").start()
+        else:
+            self._close_dropped()
+
+    def _close_dropped(self) -> None:
+        try:
+            self.close(timeout=None, abandon=True)
+        except Exception as exc:  # nobody to raise to: the store was dropped
+            log.warning("closing a dropped store %s: %s", self.root, exc)
 
     def wait_closed(self, timeout: float | None) -> bool:
         """Block until the tiers are closed and the lock released, or ``timeout`` passed."""

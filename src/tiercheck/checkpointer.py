@@ -16,10 +16,7 @@ A ``Checkpointer`` is the front of the library, and it only delegates:
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -53,8 +50,6 @@ __all__ = [
     "Version",
     "VersionSummary",
 ]
-
-log = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -111,8 +106,7 @@ class Checkpointer:
         )
         self.tierset: TierSet = self._engine.tierset
         if not read_only:  # saves in flight at exit are finished, not failed halfway
-            # the engine's, not this object's: one dropped unclosed is closed by __del__,
-            # which may hand that to a thread of its own
+            # the engine's: one dropped unclosed is closed by __del__ (Engine.dropped)
             at_interpreter_exit(self._engine, lambda e: e.close(timeout=None, abandon=True))
         self._restores = RestoreService(
             tierset=self.tierset,
@@ -401,27 +395,6 @@ class Checkpointer:
         self.close(abandon=exc_type is not None)
 
     def __del__(self) -> None:
-        """A store dropped without :meth:`close` is closed as ``close(abandon=True)``
-        would (its saves in flight finished, then its threads, tiers and lock released),
-        with a ``ResourceWarning``; on one of the store's own threads (which the close
-        waits for) by a thread of its own."""
         engine: Engine | None = getattr(self, "_engine", None)
-        if engine is None or engine.closed:
-            return
-        warnings.warn(
-            f"tiercheck.Checkpointer({str(self.root)!r}) was not closed; closing it now "
-            "(use `with Checkpointer(...)` or call close())",
-            ResourceWarning,
-            stacklevel=2,
-        )
-        if threading.current_thread().name.startswith("tiercheck"):
-            threading.Thread(target=_close_dropped, args=(engine,), name="tiercheck-close").start()
-        else:
-            _close_dropped(engine)
-
-
-def _close_dropped(engine: Engine) -> None:
-    try:
-        engine.close(timeout=None, abandon=True)
-    except Exception as exc:  # nobody to raise to: the store was dropped
-        log.warning("closing a dropped store %s: %s", engine.root, exc)
+        if engine is not None:  # dropped without close(): see Engine.dropped
+            engine.dropped()
