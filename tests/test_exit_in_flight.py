@@ -47,3 +47,30 @@ def test_exit_with_saves_in_flight_finishes_them(tmp_path: Path) -> None:
         assert info.step == 20 and torch.equal(out["w"], torch.full((1 << 20,), 20.0))
     finally:
         ckpt.destroy()
+
+
+_READER = r"""
+import sys
+import torch
+import tiercheck
+
+with tiercheck.Checkpointer(sys.argv[1]) as ckpt:
+    ckpt.save(1, {"w": torch.ones(8)}).wait()
+reader = tiercheck.Checkpointer(sys.argv[1], read_only=True)  # never closed
+print("read step", reader.history()[0].step, flush=True)
+"""
+
+
+def test_exit_with_a_reader_left_open_ends(tmp_path: Path) -> None:
+    """A read-only store left open at exit is collected while the interpreter finalizes,
+    after its threads have ended: dropping it there must not wait for them. (With the
+    close of dropped stores, before it skipped finalization, such a script never exited.)"""
+    root = tmp_path / "store"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _READER, str(root)], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "read step 1" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
+    finally:
+        Checkpointer(root).destroy()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -488,8 +489,11 @@ class Engine:
         """Its Checkpointer was dropped without ``close()``: close as ``close(abandon=True)``
         would (saves in flight finished, then the threads, tiers and lock released), with
         a ``ResourceWarning``; on one of the store's own threads (which the close waits
-        for) by a thread of its own."""
-        if self.closed:
+        for) by a thread of its own. Not while the interpreter finalizes: the exit hook
+        closed a writable store before its threads ended (``at_interpreter_exit``), and
+        a read-only one holds nothing past the process (waiting for threads that are
+        gone would hang the exit)."""
+        if self.closed or sys.is_finalizing():
             return
         warnings.warn(
             f"tiercheck.Checkpointer({str(self.root)!r}) was not closed; closing it now "
