@@ -232,3 +232,21 @@ def test_verify_of_a_tier_url_does_not_suggest_repair(
     out, _ = _cli(capsys, "verify", copy_url, ok=1)
     assert f"{victim}: corrupt" in out and "--repair" not in out
     assert "no other tier" in out
+
+
+def test_ls_says_why_versions_are_missing_without_claiming_retention(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ls`` names the ids it does not list. On a copy made with ``migrate --to`` those
+    were never placed there; the line said "dropped by retention" of them all the same."""
+    root = tmp_path / "store"
+    with Checkpointer(root, tiers=[("lmdb", f"lmdb://{tmp_path}/lmdb")]) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(step, {"w": torch.full((8,), float(step))}).wait()
+    url = f"file://{tmp_path}/copy"
+    _cli(capsys, "migrate", root, "latest", "--to", url)
+    listed, _ = _cli(capsys, "ls", url)
+    text = " ".join(listed.split())
+    assert "3 older version(s) not listed (ids 0-2)" in text, text
+    assert "never placed there" in text and "dropped by retention (ids" not in text
+    destroy_store(root)

@@ -637,8 +637,9 @@ def _lost_rows(
 
 
 def dropped_summary(versions: Sequence[Version], catalog: Catalog) -> str | None:
-    """One line for the versions ``versions`` does not list because retention dropped them
-    (ids below the newest listed that no log names, aborted ones aside); None if none."""
+    """One line for the versions ``versions`` does not list (ids below the newest listed
+    that no log read here names, aborted ones aside: retention dropped them, or, in a tier
+    opened by URL, they were never placed there); None if none."""
     if not versions:
         return None
     listed = {v.id for v in versions}
@@ -648,7 +649,8 @@ def dropped_summary(versions: Sequence[Version], catalog: Catalog) -> str | None
     if not missing:
         return None
     return (
-        f"{len(missing)} older version(s) not listed: dropped by retention (ids {_ranges(missing)})"
+        f"{len(missing)} older version(s) not listed (ids {_ranges(missing)}): no tier read "
+        "here holds them (retention dropped them, or they were never placed there)"
     )
 
 
