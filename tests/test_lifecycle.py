@@ -263,3 +263,18 @@ def test_a_checkpointer_dropped_unclosed_is_closed_before_its_lock_is_released(
         assert again.restore(out).step == 1 and torch.equal(out["w"], torch.arange(1000.0))
     finally:
         again.destroy()
+
+
+def test_adopt_and_rm_of_a_store_open_for_writing_say_what_to_do_after(tmp_path: Path) -> None:
+    """Each refusal ends with the command's own next step: adopt said "then delete the
+    store", rm's advice, of a store its user meant to keep."""
+    from tiercheck.store.lifecycle import adopt_store
+
+    root = tmp_path / "store"
+    with Checkpointer(root, tiers=[("lmdb", f"lmdb://{tmp_path}/lmdb")]) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)}).wait()
+        with pytest.raises(StoreLocked, match=r"then adopt the copy$"):
+            adopt_store(root)
+        with pytest.raises(StoreLocked, match=r"then delete the store$"):
+            destroy_store(root)
+    destroy_store(root)

@@ -303,9 +303,9 @@ def warn_orphans(shm_roots: Iterable[str | os.PathLike[str]] = (DEFAULT_SHM_ROOT
 
 
 @contextlib.contextmanager
-def _writer_locks(root: Path) -> Iterator[None]:
+def _writer_locks(root: Path, then: str = "delete the store") -> Iterator[None]:
     """Hold every writer lock of the store at ``root`` (``.lock``, ``.lock.rankN``);
-    ``StoreLocked`` if a process holds one."""
+    ``StoreLocked`` if a process holds one (its message ends with what to ``then`` do)."""
     fds: list[int] = []
     try:
         for path in sorted(glob.glob(str(root / ".lock")) + glob.glob(str(root / ".lock.rank*"))):
@@ -317,7 +317,7 @@ def _writer_locks(root: Path) -> Iterator[None]:
                 pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 raise StoreLocked(
                     f"{root} is open for writing (pid {pid}, lock {os.path.basename(path)}); "
-                    "close that Checkpointer or stop the process, then delete the store"
+                    f"close that Checkpointer or stop the process, then {then}"
                 ) from None
         yield
     finally:
@@ -525,7 +525,7 @@ def adopt_store(root: str | os.PathLike[str]) -> AdoptReport:
     config_path = path / CONFIG_NAME
     if not config_path.is_file():
         raise ConfigError(f"{path} is not a tiercheck store (no {CONFIG_NAME})")
-    with _writer_locks(path):
+    with _writer_locks(path, then="adopt the copy"):
         config = load_config(config_path)
         new_id = new_store_id()
         renamed = {
