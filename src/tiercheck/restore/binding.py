@@ -100,15 +100,14 @@ def _mismatch(entry: Entry, target: Any) -> str:
             "shows), which cannot be restored into; pass a tensor of its own "
             "(resolve_conj()/resolve_neg())"
         )
+    saved = f"{entry.kind} {entry.dtype} {entry.shape}"
     if isinstance(target, torch.Tensor):
         have = f"tensor {str(target.dtype).removeprefix('torch.')} {tuple(target.shape)}"
     elif isinstance(target, np.ndarray):
         have = f"ndarray {target.dtype.str} {target.shape}"
-    else:
-        return f"saved a {entry.kind} {entry.dtype} {entry.shape}, the state has " + (
-            type(target).__qualname__
-        )
-    return f"saved {entry.kind} {entry.dtype} {entry.shape} does not match the state's {have}"
+    else:  # something of another kind: a module, a container, a Python value
+        return f"saved a {saved}, the state has {type(target).__qualname__}"
+    return f"saved {saved} does not match the state's {have}"
 
 
 MISSING = object()

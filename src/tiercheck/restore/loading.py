@@ -427,10 +427,10 @@ def materialize(
 
 def merge(target: Any, value: Any, key: str, strict: bool, undo: Undo | None) -> Any:
     """Put a saved Python value into the caller's dict or list ``target`` in place, as a
-    dict of tensors is: a dict's keys checked as ``strict`` says (each nested dict in turn),
-    its members replaced (``undo`` told first), each nested dict or list in place too; a
-    list's items replaced. A value of another
-    type where the state holds a container raises :class:`StateError`."""
+    dict of tensors is: a dict's keys checked as ``strict`` says (each nested dict in turn)
+    and its members replaced, each nested dict or list in place too; a list's items
+    replaced (``undo`` told of each container first). A value of another type where the
+    state holds a container raises :class:`StateError`."""
     if isinstance(target, list) and isinstance(value, list):
         if undo is not None:
             undo.container(target)
