@@ -34,8 +34,9 @@ HEADER = """# CLI reference
   it is a terminal, and stay quiet when piped.
 - Exit status: **0** ok, **1** problems found (`verify`) or an operation failed, **2**
   usage error: bad arguments, a ROOT that is not a store, an unknown version or tier, a bad
-  tier URL or output path. Errors are one line on stderr, a backend library's own
-  (botocore, fsspec, lmdb) included; with `--json` the document on stdout is then
+  tier URL or output path. Errors are one line on stderr (bad arguments: after the
+  command's usage line), a backend library's own (botocore, fsspec, lmdb) included; with
+  `--json` the document on stdout is then
   `{"error": "...", "exit_status": N}`.
 - Commands that only read open the store read-only, without the writer lock, so they run
   next to a training job. `verify --repair`, `gc` (without `--dry-run`) and `migrate` to one
