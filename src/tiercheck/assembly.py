@@ -245,10 +245,14 @@ class Engine:
             out |= self.migrations.pinned()
         return out
 
-    def writer(self) -> SaveService:
-        """The save service; raises CheckpointError if closed or opened read-only."""
+    def check_open(self) -> None:
+        """Raise CheckpointError once :meth:`close` has run."""
         if self.closed:
             raise CheckpointError("this Checkpointer is closed")
+
+    def writer(self) -> SaveService:
+        """The save service; raises CheckpointError if closed or opened read-only."""
+        self.check_open()
         if self.saves is None:
             raise CheckpointError(f"{self.root} was opened read-only")
         return self.saves
@@ -279,8 +283,7 @@ class Engine:
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Allocate the staging buffer for ``state`` (or the shm staging area its saves
         will use); note its size for the budgets."""
-        if self.closed:
-            raise CheckpointError("this Checkpointer is closed")
+        self.check_open()
         tree, leaves = flatten(as_dict(state), allow_pickle=self.allow_pickle)
         layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         devices = cuda_devices(leaves)  # pinned under the state's own device
@@ -310,6 +313,7 @@ class Engine:
     ) -> Callable[[], None]:
         """Hook ``optimizer.step()`` to wait for staging and attach the update log; see
         :meth:`tiercheck.Checkpointer.guard`. Returns what removes both."""
+        self.check_open()
         saves = self.saves
 
         def hook(*_: Any) -> None:
@@ -369,8 +373,8 @@ class Engine:
         """Sweep unreferenced blobs from every tier; see :meth:`tiercheck.Checkpointer.gc`."""
         if not dry_run:
             self.writer()
-        elif self.closed:
-            raise CheckpointError("this Checkpointer is closed")
+        else:
+            self.check_open()
         if grace is not None and grace < 0:
             raise ConfigError(f"grace must be >= 0 seconds, got {grace}")
         if not dry_run:  # retention first: what it drops is swept with the rest

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tiercheck.assembly import Engine, default_coordinator, open_engine, resolve_config
 from tiercheck.engine.coordinator import Coordinator
-from tiercheck.errors import CheckpointError
 from tiercheck.formats.manifest import Role
 from tiercheck.history.diff import Diff
 from tiercheck.history.diff import diff as diff_versions
@@ -181,8 +180,6 @@ class Checkpointer:
         Returns a function that removes the hook and the log. The hook only waits: a
         save's failure is raised by its own handle, never by the optimizer.
         """
-        if self.closed:
-            raise CheckpointError("this Checkpointer is closed")
         return self._engine.guard(optimizer, scaler, log=log, mirrors=mirrors)
 
     def wait_staged(self) -> None:
@@ -301,8 +298,7 @@ class Checkpointer:
         :class:`StateError`; on a store that holds no version, :class:`EmptyStore`, or
         with ``missing_ok`` returns None, ``state`` untouched (a first launch).
         """
-        if self.closed:
-            raise CheckpointError("this Checkpointer is closed")
+        self._engine.check_open()
         return self._restores.restore(
             state,
             version=version,
