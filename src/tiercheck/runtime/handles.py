@@ -219,14 +219,13 @@ class SaveHandle:
                 f"migration of step {self.step} (version {self.version}) to {pending} did not "
                 f"finish in {timeout}s; it is still being retried"
             )
-        if self._error is not None:
-            raise self._take_error()
+        result = self.wait()  # done: the save's own error first, as wait() raises it
         with self._lock:
             err = self._migrated_error
             self._migrated_error_seen = True
         if err is not None:
             raise err
-        return self.result_now()
+        return result
 
     def done(self) -> bool:
         """Whether the synchronous part ended (``wait()`` would not block)."""
