@@ -47,10 +47,10 @@ from typing import IO, Any
 import blake3
 import torch
 import torch.nn.functional as F
-from rich.markup import escape
 from torch import nn
 
 import tiercheck
+from tiercheck.cli.common import plain
 from tiercheck.store.lifecycle import destroy_store, shm_root_left_as_found
 
 __all__ = [
@@ -478,7 +478,7 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
     t_demo = time.perf_counter()
     console.print(
         f"[bold]tiercheck demo[/bold]: a small GPT on the CPU, {steps} steps, a checkpoint "
-        f"every step to the default tiers of [cyan]{escape(str(root))}[/cyan] (a base at least "
+        f"every step to the default tiers of [cyan]{plain(root)}[/cyan] (a base at least "
         f"every {BASE_EVERY} versions, sooner where the log planner finds a full version cheaper); "
         f"SIGKILL once step {crash_at} is committed."
     )
@@ -504,7 +504,7 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
                 t_kill = time.time()
                 break
         elif ev["event"] == "failed":
-            console.print(f"[red]save of step {ev['step']} failed: {escape(ev['error'])}")
+            console.print(f"[red]save of step {ev['step']} failed: {plain(ev['error'])}")
     first.stdout.close()
     rc = first.wait()
     if t_kill is None:
@@ -536,7 +536,7 @@ def _orchestrate(root: Path, steps: int, crash_at: int, console: Any) -> bool:
                     f"v{ev['version']} ({ev['role']})"
                 )
         elif ev["event"] == "failed":
-            console.print(f"[red]save of step {ev['step']} failed: {escape(ev['error'])}")
+            console.print(f"[red]save of step {ev['step']} failed: {plain(ev['error'])}")
         elif ev["event"] == "final":
             final = ev
     second.wait()
@@ -710,7 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if made_root:
                     shutil.rmtree(root, ignore_errors=True)
             else:
-                console.print(f"store kept at {escape(str(root))}")
+                console.print(f"store kept at {plain(root)}")
     return 0 if ok else 1
 
 
