@@ -49,9 +49,10 @@ __all__ = [
 ]
 
 _EXT_TUPLE = 1
-_MAX_DEPTH = 64  # how deep a state may nest
 _EXT_NPSCALAR = 2
 _EXT_BIGINT = 3
+
+_MAX_DEPTH = 64  # how deep a state may nest
 
 
 @dataclass(frozen=True)
