@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
+from typing import Any
 
 import _fresh
 import pytest
@@ -171,5 +173,70 @@ def test_every_rank_reports_the_versions_another_rank_lost(tmp_path: Path) -> No
         assert all(row["step"] == 1 and row["lost_steps"] == [2] for row in rows.values()), rows
         assert rows[1]["lost_rank"] is None and rows[0]["lost_rank"] == 1, rows
         assert "of rank 1" in rows[0]["text"], rows
+    finally:
+        destroy_store(root)
+
+
+def test_a_run_after_a_reboot_never_reuses_the_id_of_a_lost_version(tmp_path: Path) -> None:
+    """The versions lost with shm keep their ids: the next run's saves take new ones, so
+    the ledger, the warning and ``history()`` keep naming the versions that were lost,
+    not the new run's (it took ids 1 and 2 again, and the loss vanished from view)."""
+    root = tmp_path / "ckpt"
+    try:
+        segment = _save_steps(root, range(1, 4))  # version 0 a base (LMDB), 1 and 2 in shm
+        _reboot(segment)
+        model = torch.nn.Linear(64, 64)
+        with Checkpointer(root) as ckpt:
+            info = ckpt.restore({"model": model})
+            assert info is not None and info.step == 1
+            assert info.lost is not None and info.lost.versions == (1, 2)
+            r = ckpt.save(10, {"model": model}).wait()
+            assert r.version > 2
+            rows = {v.id: v for v in ckpt.history()}
+            assert rows[r.version].step == 10
+            assert 1 not in rows or rows[1].gone is not None
+        with Checkpointer(root) as ckpt:
+            info = ckpt.restore({"model": torch.nn.Linear(64, 64)})
+            assert info is not None and info.step == 10 and info.version == r.version
+    finally:
+        destroy_store(root)
+
+
+def test_a_loss_names_the_tier_it_could_not_reach_as_one_that_may_hold_a_copy(
+    tmp_path: Path, s3_server: Any, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """Versions acknowledged in shm, migrated later to a remote that is down at the next
+    open after a reboot: the restore says the remote may hold them (it did not say so, and
+    called them lost), and a later restore with the remote back resumes from the newest."""
+    from tiercheck import Policy, TierPolicy
+
+    url, options = s3_bucket
+    root = tmp_path / "ckpt"
+    name = f"loss{uuid.uuid4().hex[:8]}"
+    tiers = [
+        TierSpec("shm", f"shm://{name}", {"root": str(tmp_path / "shm")}),
+        TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
+        TierSpec("remote", url, {"storage_options": options, "retry": False}),
+    ]
+    policy = Policy(tiers={"remote": TierPolicy(mode="async", versions="all")})
+    model = torch.nn.Linear(64, 64)
+    try:
+        with Checkpointer(root, tiers=tiers, policy=policy) as ckpt:
+            for step in (1, 2, 3):
+                with torch.no_grad():
+                    model.weight.fill_(float(step))
+                r = ckpt.save(step, {"model": model}).wait_migrated()
+                assert r.tiers["remote"] == "committed"
+        shutil.rmtree(tmp_path / "shm")  # the reboot
+        with s3_server.down(), Checkpointer(root, tiers=tiers, policy=policy) as ckpt:
+            info = ckpt.restore({"model": torch.nn.Linear(64, 64)})
+            assert info.step == 1 and info.lost is not None
+            assert info.lost.unreached == ("remote",)
+            assert "tier remote could not be reached and may hold" in str(info.lost)
+        with Checkpointer(root, tiers=tiers, policy=policy) as ckpt:
+            fresh = torch.nn.Linear(64, 64)
+            info = ckpt.restore({"model": fresh})
+            assert info.step == 3 and info.lost is None
+            assert bool((fresh.weight == 3.0).all())
     finally:
         destroy_store(root)

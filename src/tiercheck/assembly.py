@@ -41,7 +41,7 @@ from tiercheck.engine.shm_staging import ShmStaging
 from tiercheck.engine.staging import StagingBuffer, cuda_devices
 from tiercheck.errors import CheckpointError, ConfigError, UnfinishedWork
 from tiercheck.logversions.planner import LogSource
-from tiercheck.restore.losses import AckLedger
+from tiercheck.restore.losses import AckLedger, newest_acked
 from tiercheck.runtime.background import Halt
 from tiercheck.runtime.executors import Executors, Priority
 from tiercheck.runtime.handles import Failures
@@ -134,7 +134,11 @@ class Engine:
         self.catalog = LiveCatalog(read_catalog(self.tierset.tiers(), pool=self.executors.logs))
         fence = GCFence()
         leases = TierLeases()
-        next_id = self.coordinator.agree_max(self.catalog.snapshot().max_version_id()) + 1
+        newest = max(
+            self.catalog.snapshot().max_version_id(),
+            newest_acked(self.root, self.rank, self.tierset.store_id),
+        )
+        next_id = self.coordinator.agree_max(newest) + 1
         takes_diffs = self.coordinator.all_true(
             any(
                 s.policy is not None and s.policy.mode == "sync" and s.policy.versions == "all"

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +44,7 @@ __all__ = [
     "Loss",
     "find_losses",
     "ledger_path",
+    "newest_acked",
     "read_ledger",
     "survives_reboot",
 ]
@@ -93,6 +94,8 @@ class Loss:
     #: the rank whose acknowledged versions these are, where another rank's restore
     #: reports them (it lost nothing it could read, but resumed from the same older step)
     rank: int | None = None
+    #: tiers that could not be reached: a migration may have copied the versions there
+    unreached: tuple[str, ...] = ()
 
     @property
     def newest_step(self) -> int:
@@ -102,13 +105,19 @@ class Loss:
         """This loss as text for the other ranks (:meth:`from_shared`): the newest
         :data:`SHARED_STEPS` versions of it, so that it fits one message."""
         return json.dumps(
-            [self.versions[-SHARED_STEPS:], self.steps[-SHARED_STEPS:], self.tiers, self.restored]
+            [
+                self.versions[-SHARED_STEPS:],
+                self.steps[-SHARED_STEPS:],
+                self.tiers,
+                self.restored,
+                self.unreached,
+            ]
         )
 
     @classmethod
     def from_shared(cls, text: str, rank: int) -> Loss:
-        versions, steps, tiers, restored = json.loads(text)
-        return cls(tuple(versions), tuple(steps), tuple(tiers), restored, rank)
+        versions, steps, tiers, restored, unreached = json.loads(text)
+        return cls(tuple(versions), tuple(steps), tuple(tiers), restored, rank, tuple(unreached))
 
     def __str__(self) -> str:
         tiers = ", ".join(self.tiers) or "a memory tier"
@@ -121,9 +130,17 @@ class Loss:
             if self.restored is not None
             else "nothing older can be restored"
         )
+        maybe = ""
+        if self.unreached:
+            down = ", ".join(self.unreached)
+            maybe = (
+                f"; tier {down} could not be reached and may hold a copy that a migration "
+                "made later: restore again once it can be"
+            )
         return (
             f"lost with tier {tiers}: {what} (version(s) {_span(self.versions)}) were "
-            f"acknowledged in tier {tiers} only, which does not survive a reboot; {resumed}"
+            f"acknowledged in tier {tiers} only, which does not survive a reboot{maybe}; "
+            f"{resumed}"
         )
 
 
@@ -166,6 +183,15 @@ def read_ledger(path: Path, store_id: str | None) -> list[Acked]:
             continue
         out[acked.id] = acked
     return [out[k] for k in sorted(out)]
+
+
+def newest_acked(root: Path | None, rank: int, store_id: str | None) -> int:
+    """The newest version id the ack ledger of ``rank`` names (-1 if none). A version it
+    names was acknowledged, though no tier read now may hold it (lost with a reboot, or in
+    a tier that cannot be reached now): its id is never drawn again."""
+    if root is None:
+        return -1
+    return max((a.id for a in read_ledger(ledger_path(root, rank), store_id)), default=-1)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -277,9 +303,11 @@ def find_losses(
     catalog: Catalog,
     *,
     restored: int | None = None,
+    unreached: Collection[str] = (),
 ) -> Loss | None:
     """What the ledger says was acknowledged and ``catalog`` can no longer restore; None
-    when nothing was lost (or the store keeps no ledger)."""
+    when nothing was lost (or the store keeps no ledger). ``unreached``: the tiers that
+    could not be reached, which the loss names as ones that may hold a copy."""
     if root is None:
         return None
     lost = lost_versions(read_ledger(ledger_path(root, rank), store_id), catalog)
@@ -291,6 +319,7 @@ def find_losses(
         steps=tuple(a.step for a in lost),
         tiers=tiers,
         restored=restored,
+        unreached=tuple(sorted(set(unreached) - set(tiers))),
     )
 
 

@@ -268,7 +268,12 @@ class RestoreService:
         if explicit:
             return info
         loss = losses.find_losses(
-            self.root, self.rank, self.tierset.store_id, catalog, restored=info.step
+            self.root,
+            self.rank,
+            self.tierset.store_id,
+            catalog,
+            restored=info.step,
+            unreached=losses.unreached_tiers(self.tierset, catalog),
         )
         if self.world_size > 1:  # every rank resumed from this step: each says what went
             first = self.coordinator.first_text(
