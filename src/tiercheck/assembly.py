@@ -327,6 +327,8 @@ class Engine:
         # registered before the log's own hook: the log captures a step only once the
         # save before it has been staged (and the version planned)
         handle = optimizer.register_step_pre_hook(hook)
+        if saves is not None:
+            saves.guarded += 1
         source: LogSource | None = None
         if log and saves is not None:
             previous = saves.logs
@@ -343,8 +345,16 @@ class Engine:
                 self._replay_into.detach()
             source = self._replay_into = LogSource(optimizer, scaler, mirrors, prepare=False)
 
+        removed = False
+
         def remove() -> None:
+            nonlocal removed
+            if removed:
+                return
+            removed = True
             handle.remove()
+            if saves is not None:
+                saves.guarded -= 1
             if source is not None and saves is not None and saves.logs is source:
                 if not self.closed:
                     saves.flush()

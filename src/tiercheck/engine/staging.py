@@ -20,6 +20,7 @@ of the tensors they serve, so a rank that uses ``cuda:3`` never creates a contex
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "Hold",
     "ShardBytes",
     "StagingBuffer",
+    "copy_buffers",
     "cuda_devices",
     "ready_events",
 ]
@@ -58,6 +60,58 @@ def cuda_devices(leaves: Sequence[Leaf]) -> list[int]:
         if leaf.kind == "tensor" and leaf.value.is_cuda:
             seen.setdefault(int(leaf.value.device.index), None)
     return list(seen)
+
+
+_MODULE_DEPTH = 32  # how deep copy_buffers looks for modules in a state's containers
+
+
+def copy_buffers(state: Any, leaves: list[Leaf]) -> list[Leaf]:
+    """``leaves``, with each tensor that is a buffer of a module in ``state`` replaced by a
+    copy taken now (on a GPU, queued on the caller's current stream, before the staging
+    copies' :func:`ready_events`).
+
+    A guarded loop (``Checkpointer.guard``) waits for staging in ``optimizer.step()``, but
+    its ``forward()`` runs first and changes the buffers of the modules it runs (a batch
+    norm's running statistics): without this copy the version would hold the next step's
+    buffers. Parameters and the optimizer's state change only in the step, and are not
+    copied here."""
+    import torch
+
+    found: dict[tuple[Any, ...], None] = {}
+
+    def where(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+    def walk(node: Any, depth: int) -> None:
+        if depth > _MODULE_DEPTH:
+            return
+        if isinstance(node, torch.nn.Module):
+            for b in node.buffers():
+                if b.numel():
+                    found[where(b)] = None
+        elif isinstance(node, Mapping):
+            for v in node.values():
+                walk(v, depth + 1)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v, depth + 1)
+
+    walk(state, 0)
+    if not found:
+        return leaves
+    out = []
+    for leaf in leaves:
+        value = leaf.value
+        if (
+            leaf.kind == "tensor"
+            and leaf.placement is None
+            and type(value) is torch.Tensor
+            and value.numel()
+            and where(value) in found
+        ):
+            leaf = dataclasses.replace(leaf, value=value.detach().clone())
+        out.append(leaf)
+    return out
 
 
 def ready_events(leaves: Sequence[Leaf]) -> dict[int, torch.cuda.Event]:

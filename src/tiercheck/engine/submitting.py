@@ -27,7 +27,7 @@ from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
 from tiercheck.core.entries import Leaf, as_dict, encode_scalar, flatten
 from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.placing import build_manifest
-from tiercheck.engine.staging import Hold, StagingBuffer, ready_events
+from tiercheck.engine.staging import Hold, StagingBuffer, copy_buffers, ready_events
 from tiercheck.errors import TiercheckError
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.formats.manifest import MAX_INT, ChunkRef, Role
@@ -97,6 +97,8 @@ class SaveQueue:
     allow_pickle: bool
     budgets: Budgets
     logs: LogSource | None
+    #: optimizers guarded (``guard``): while any is, module buffers are copied at ``save``
+    guarded: int = 0
     _lock: threading.Lock
     _queued: threading.Condition  # on _lock: a save was queued (or a wait may end)
     _inflight: list[Job]
@@ -169,6 +171,8 @@ class SaveQueue:
                     f"bool, float, str, bytes, lists, maps and ints of 64 bits at most ({exc})"
                 ) from None
             tree, leaves = flatten(as_dict(state), allow_pickle=self.allow_pickle)
+            if self.guarded:  # the step waits for staging; forward changes buffers before it
+                leaves = copy_buffers(state, leaves)
             layout = plan_layout(leaves, choose_chunk_size(leaves, self.policy.chunk_size))
         except (TiercheckError, ValueError, TypeError) as exc:
             if self.world_size > 1:
