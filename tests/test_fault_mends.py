@@ -218,3 +218,24 @@ def test_wait_migrated_waits_for_migrations_when_the_save_failed(tmp_path: Path)
     finally:
         release.set()
         ckpt.close(wait_migrations=False)
+
+
+def test_a_required_remote_down_at_the_open_fails_every_wait_migrated(
+    tmp_path: Path, s3_server: Any, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """An asynchronous remote written out as required that could not be opened: no
+    migration ever settles the handle, and ``wait_migrated()`` returned as if the remote
+    had received the version (a new user's S3 outage at the job's start, unnoticed)."""
+    root = tmp_path / "run"
+    tiers = _tiers(tmp_path, s3_bucket, f"mend{uuid.uuid4().hex[:8]}")
+    policy = Policy(tiers={"remote": TierPolicy(mode="async", guarantee="required")})
+    try:
+        Checkpointer(root, tiers=tiers, policy=policy).close()
+        with s3_server.down(), Checkpointer(root, tiers=tiers, policy=policy) as ckpt:
+            h = ckpt.save(1, _state(1))
+            r = h.wait()  # the synchronous tiers took it: wait() is content
+            assert r.tiers["remote"] == "unreachable"
+            with pytest.raises(DurabilityError, match="required tier remote failed"):
+                h.wait_migrated()
+    finally:
+        destroy_store(root)

@@ -130,9 +130,15 @@ class SaveHandle:
     def _mark_staged(self) -> None:
         self._staged.set()
 
-    def _finish(self, error: BaseException | None, migrating: Iterable[str] = ()) -> None:
+    def _finish(
+        self,
+        error: BaseException | None,
+        migrating: Iterable[str] = (),
+        migrated_error: BaseException | None = None,
+    ) -> None:
         """The synchronous part ended: committed (``error`` None or a shortfall the version
-        survives) or failed. ``migrating``: the tiers it is now being migrated to."""
+        survives) or failed. ``migrating``: the tiers it is now being migrated to; with
+        none, ``migrated_error`` is what ``wait_migrated()`` adds."""
         targets = set(migrating)
         with self._lock:
             self._error = error
@@ -147,7 +153,7 @@ class SaveHandle:
         self._staged.set()
         self._done.set()
         if not targets:
-            self._migrated.set()
+            self._settle_migrated(migrated_error)
 
     def _supersede(self, why: str) -> None:
         """Given up for a newer save before any tier committed it: skipped, not failed;
