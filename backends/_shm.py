@@ -73,6 +73,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -241,11 +242,14 @@ class ShmTier(Tier):
         self.segments_reused = 0
         self.segments_created = 0
         self._kept = KeptMaps()
+        self.made = False
         if read_only:
             if not os.path.isdir(self._blobs):
                 # lost with the node's memory (a reboot) or never made on this node
                 raise TierLost(f"no shm store at {self.path} to open read-only", url=url)
             return
+        #: this open created the segment (:meth:`unmake` removes it)
+        self.made = not os.path.isdir(self.path)
         try:
             _private_root(self.root)
             _os.makedirs(self.path, mode=0o700, exist_ok=True)
@@ -382,6 +386,10 @@ class ShmTier(Tier):
             if self._log_fd >= 0:
                 _os.close(self._log_fd)
                 self._log_fd = -1
+
+    def unmake(self) -> None:
+        if self.made and not self.read_only:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     # --- helpers -------------------------------------------------------------------
 

@@ -574,6 +574,10 @@ class Tier(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
         """Release resources. Further calls are undefined."""
 
+    def unmake(self) -> None:  # noqa: B027 - optional hook, most tiers make nothing
+        """After :meth:`close`, remove the storage this instance's open created, if it did
+        (the open of a new store failed after it: nothing else would ever free it)."""
+
     def __enter__(self) -> Tier:
         return self
 

@@ -239,3 +239,30 @@ def test_a_required_remote_down_at_the_open_fails_every_wait_migrated(
                 h.wait_migrated()
     finally:
         destroy_store(root)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        TierSpec("lmdb", "lmdb://relative/lmdb"),  # InvalidURL while the tiers are opened
+        TierSpec("lmdb", "lmdb://{root}/lmdb", {"survives": "galaxy"}),  # a bad option
+    ],
+    ids=["url", "option"],
+)
+def test_a_failed_first_open_leaves_no_shm_segment(tmp_path: Path, bad: TierSpec) -> None:
+    """The open of a new store that fails on a later tier removes the shm segment it made:
+    it had no owner, so neither ``tiercheck rm`` (no store file) nor ``gc --orphans`` would
+    ever free it, and each retry of a misconfigured job leaked one."""
+    shm_root = tmp_path / "shm"
+    name = f"mend{uuid.uuid4().hex[:8]}"
+    tiers = [TierSpec("shm", f"shm://{name}", {"root": str(shm_root)}), bad]
+    with pytest.raises((InvalidURL, TierError, ValueError, TypeError)):
+        Checkpointer(tmp_path / "run", tiers=tiers)
+    assert not (shm_root / name).exists()
+    assert not (tmp_path / "run" / "tiercheck.toml").exists()
+    # an existing segment (another store's, or this store's from before) is left alone
+    (shm_root / name).mkdir(parents=True)
+    (shm_root / name / "keep").write_text("x")
+    with pytest.raises((InvalidURL, TierError, ValueError, TypeError)):
+        Checkpointer(tmp_path / "run", tiers=tiers)
+    assert (shm_root / name / "keep").exists()

@@ -222,7 +222,7 @@ class Engine:
             steps.append(functools.partial(executors.shutdown, wait=True, cancel_futures=True))
         tierset: TierSet | None = getattr(self, "tierset", None)
         if tierset is not None:
-            steps.append(tierset.close)
+            steps.append(functools.partial(tierset.close, unmake=self._made is not None))
         for step in steps:
             try:
                 step()

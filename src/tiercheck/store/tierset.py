@@ -95,7 +95,7 @@ class TierSet:
             if root is not None and self.store_id is not None:
                 self._claim(root, self.store_id, read_only, owners)
         except BaseException:
-            self.close()  # the tiers opened before the one that failed
+            self.close(unmake=created)  # the tiers opened before the one that failed
             raise
         specs = resolved
         self._ensure_a_sync_tier(policy, writing=not read_only)
@@ -242,10 +242,15 @@ class TierSet:
                     "tier %s: %s of pages ready for the first saves", slot.name, format_size(ready)
                 )
 
-    def close(self) -> None:
+    def close(self, *, unmake: bool = False) -> None:
+        """Close every tier; ``unmake``: the open of a new store failed, so each tier also
+        removes the storage its open created (:meth:`~tiercheck.backends.base.Tier.unmake`:
+        an shm segment nothing would ever free)."""
         for s in self.slots:
             if s.tier is not None:
                 try:
                     s.tier.close()
+                    if unmake:
+                        s.tier.unmake()
                 except Exception as exc:  # closing must not mask the caller's outcome
                     log.warning("closing tier %s failed: %s", s.name, exc)
