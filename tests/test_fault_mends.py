@@ -266,3 +266,43 @@ def test_a_failed_first_open_leaves_no_shm_segment(tmp_path: Path, bad: TierSpec
     with pytest.raises((InvalidURL, TierError, ValueError, TypeError)):
         Checkpointer(tmp_path / "run", tiers=tiers)
     assert (shm_root / name / "keep").exists()
+
+
+def test_a_remote_down_at_the_open_is_opened_once_it_can_be_reached(
+    tmp_path: Path, s3_server: Any, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """A remote that could not be reached when the store was opened took no version for the
+    rest of the run, however soon it came back (a short S3 outage at a job's start meant no
+    remote copy for days). Now it is tried again, by itself with backoff, and at once by
+    ``retry_migrations()``; its log is read first, and it takes the next versions."""
+    root = tmp_path / "run"
+    tiers = _tiers(tmp_path, s3_bucket, f"mend{uuid.uuid4().hex[:8]}")
+    policy = Policy(tiers={"remote": TierPolicy(mode="async", versions="all")})
+    try:
+        with Checkpointer(root, tiers=tiers, policy=policy) as ckpt:
+            ckpt.save(1, _state(1)).wait_migrated()  # the remote holds version 0
+        with s3_server.down():
+            ckpt = Checkpointer(root, tiers=tiers, policy=policy)
+        try:
+            assert ckpt.tierset.get("remote").tier is None
+            r = ckpt.save(2, _state(2)).wait_migrated()
+            assert r.tiers["remote"] == "unreachable"
+            ckpt.retry_migrations()  # the server is up again: opened now, on this thread
+            assert ckpt.tierset.get("remote").tier is not None
+            # a diff of a base the remote missed would not restore from it: passed over
+            r = ckpt.save(3, _state(3)).wait_migrated()
+            assert r.role == "diff" and r.tiers["remote"] == "missing", r
+            assert "its base" in r.errors["remote"]
+            r = ckpt.save(4, _state(4), role="base").wait_migrated()
+            assert r.tiers["remote"] == "committed"
+            r = ckpt.save(5, _state(5)).wait_migrated()
+            assert r.role == "diff" and r.tiers["remote"] == "committed"
+        finally:
+            ckpt.close()
+        # the remote alone restores the newest version it took
+        with Checkpointer(root, tiers=tiers, policy=policy) as ckpt:
+            state = _state(0)
+            info = ckpt.restore(state, tiers=["remote"])
+            assert info.step == 5 and bool((state["w"] == 5.0).all())
+    finally:
+        destroy_store(root)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -69,6 +70,11 @@ class TierSet:
         store's file, and with it the store's id."""
         self.slots: list[TierSlot] = []
         root = Path(owner) if owner is not None else None
+        self._root = root
+        self._policy = policy
+        self._read_only = read_only
+        self._lock = threading.Lock()  # a tier opened again (reopen) against close()
+        self._closed = False
         #: the store's id (None: no owner, or an older store opened read-only)
         self.store_id = (
             identity.open_identity(root, read_only=read_only) if root is not None else None
@@ -89,7 +95,7 @@ class TierSet:
                     # a tier shared by stores is opened in a namespace named by the id
                     again = [identity.resolve_spec(s, root, self.store_id) for s in specs]
                     if again != resolved:
-                        self.close()
+                        self._close_tiers()
                         self.slots, resolved, owners = [], again, {}
                         self._open_all(resolved, policy, read_only)
             if root is not None and self.store_id is not None:
@@ -126,6 +132,43 @@ class TierSet:
                 self.slots.append(TierSlot(spec, None, None, str(exc), unreachable=down))
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
+
+    def reopen(self, slot: TierSlot) -> bool:
+        """Open ``slot``'s tier, which could not be reached when the store was opened, as
+        the open would have: its owner record checked and, writing, this store recorded in
+        it. True if the slot holds it now; False if it still cannot be opened (``error``
+        says why). A tier of another store stays out (``ForeignTier`` is logged)."""
+        spec = slot.spec
+        try:
+            options, wrappers = split_options(resolve_references(spec.options, tier=spec.name))
+            if self._read_only:
+                options["read_only"] = True
+            opening = functools.partial(open_tier, spec.url, **options)
+            tier = open_wrapped(spec.url, wrappers, opening)
+        except (TierError, OSError, ConfigError) as exc:
+            slot.error = str(exc)
+            return False
+        try:
+            if self._root is not None and self.store_id is not None:
+                identity.claim(
+                    tier, spec, self.store_id, self._root, read_only=self._read_only, owner="unread"
+                )
+                if not self._read_only:
+                    tier.bind_store(os.fspath(self._root))
+        except (TierError, ConfigError) as exc:
+            tier.close()
+            slot.error = f"owner record: {exc}"
+            if isinstance(exc, ForeignTier):
+                log.error("tier %s is not opened again: %s", slot.name, exc)
+                slot.unreachable = False  # not down: another store's, for good
+            return False
+        with self._lock:
+            if self._closed:
+                tier.close()
+                return False
+            slot.policy = self._policy.for_tier(spec.name, tier.capabilities)
+            slot.tier, slot.error, slot.unreachable = tier, None, False
+        return True
 
     def _owners(self) -> dict[str, StoreOwner | None]:
         """The owner record of every open tier that can be read now, by tier name
@@ -246,6 +289,11 @@ class TierSet:
         """Close every tier; ``unmake``: the open of a new store failed, so each tier also
         removes the storage its open created (:meth:`~tiercheck.backends.base.Tier.unmake`:
         an shm segment nothing would ever free)."""
+        with self._lock:
+            self._closed = True
+        self._close_tiers(unmake=unmake)
+
+    def _close_tiers(self, *, unmake: bool = False) -> None:
         for s in self.slots:
             if s.tier is not None:
                 try:

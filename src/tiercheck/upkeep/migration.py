@@ -133,6 +133,12 @@ class MigrationService:
         # tier -> (step, time) of the newest version it holds or was sent (cadence)
         self._sent: dict[str, tuple[int, float]] = {}
         self._rng = random.Random()
+        # tiers that could not be opened with the store: when to try them again, how often
+        # it failed, and whether a try is running (_reopen_in_background)
+        self._reopen_at = time.monotonic() + RETRY_FIRST
+        self._reopen_tries = 0
+        self._reopening = False
+        self._reopen_lock = threading.Lock()  # one reopen_unopened at a time
         self._thread = threading.Thread(
             target=reporting(failures, "the migration thread stopped", self._loop),
             name="tiercheck-migrate",
@@ -149,10 +155,17 @@ class MigrationService:
         A tier is due when it has no version yet, or ``info`` is ``every`` after the newest
         version it holds or was sent (by step or by the versions' time, so that every rank
         decides alike); called once per version, in commit order."""
+        self._reopen_in_background()
         due: list[TierSlot] = []
         later: dict[str, str] = {}
         for s in self.tierset.open():
             if s.policy is None or s.policy.mode != "async" or not s.policy.wants(info.role):
+                continue
+            if info.base is not None and not self._takes_base(s.name, info.base):
+                later[s.name] = (
+                    f"its base, version {info.base}, is not in this tier (it could not be "
+                    "reached then): the tier takes the next base"
+                )
                 continue
             cadence = s.policy.cadence
             if cadence is not None:
@@ -167,6 +180,80 @@ class MigrationService:
                     self._sent[s.name] = (info.step, info.time)
             due.append(s)
         return due, later
+
+    def _takes_base(self, tier: str, base: int) -> bool:
+        """Whether ``tier`` holds version ``base`` or is being sent it: a version that
+        follows a base is restored from a tier only with its base there."""
+        tl = self.catalog.snapshot().logs.get(tier)
+        if tl is not None and base in tl.committed and base not in tl.dropped:
+            return True
+        with self._cond:
+            return any(j.info.id == base and j.slot.name == tier for j in self._jobs())
+
+    def _unopened(self) -> list[TierSlot]:
+        """The tiers that could not be reached when the store was opened (one process:
+        the ranks of a job would not agree on a tier one of them opened alone)."""
+        if self.world_size > 1:
+            return []
+        return [s for s in self.tierset.slots if s.tier is None and s.unreachable]
+
+    def reopen_unopened(self) -> list[str]:
+        """Open the tiers that could not be reached when the store was opened
+        (:meth:`TierSet.reopen`), each with its log read into the catalog first; they take
+        the versions committed from now on (an asynchronous one, the next version due).
+        Returns the names of those opened now."""
+        with self._reopen_lock:
+            opened = [name for slot in self._unopened() if (name := self._reopen(slot))]
+        if opened:
+            self.maintenance.request(opened)
+        return opened
+
+    def _reopen(self, slot: TierSlot) -> str | None:
+        """:meth:`reopen_unopened` of one tier: its name if it is open now."""
+        if self.halt.is_set():
+            return None
+        mark = self.catalog.begin_read()
+        if not self.tierset.reopen(slot):
+            self.catalog.end_read(mark)
+            return None
+        assert slot.tier is not None
+        try:
+            found = Catalog({slot.name: read_tier_log(slot.name, slot.tier)}, {})
+        except TiercheckError as exc:  # open, but what it holds is not known: as at an open
+            log.warning("tier %s was opened again; its log could not be read: %s", slot.name, exc)
+            found = Catalog({}, {slot.name: str(exc)})
+        self.catalog.install(found, mark, partial=True)
+        log.warning(
+            "tier %s, which could not be reached when the store was opened, is open now: "
+            "it takes the versions committed from now on",
+            slot.name,
+        )
+        return slot.name
+
+    def _reopen_in_background(self) -> None:
+        """Try the tiers that could not be opened again, on a thread of its own, once
+        their backoff is due (it grows as migrations' does, 1 s doubling to 60 s)."""
+        with self._cond:
+            if self._reopening or self._halted or time.monotonic() < self._reopen_at:
+                return
+            if not self._unopened():
+                return
+            self._reopening = True
+
+        def attempt() -> None:
+            try:
+                self.reopen_unopened()
+            finally:
+                with self._cond:
+                    self._reopening = False
+                    self._reopen_tries += 1
+                    self._reopen_at = time.monotonic() + self._backoff(self._reopen_tries)
+
+        threading.Thread(
+            target=reporting(self.failures, "opening a tier again", attempt),
+            name="tiercheck-reopen",
+            daemon=True,
+        ).start()
 
     def _newest_held(self, tier: str) -> tuple[int, float] | None:
         """``(step, time)`` of the newest version ``tier`` holds, as the catalog knows it."""
@@ -264,7 +351,13 @@ class MigrationService:
             return True
 
     def retry_now(self) -> int:
-        """Make every migration waiting out a backoff due now; returns how many were."""
+        """Make every migration waiting out a backoff due now, and (unless the store is
+        closing) try now, on this thread, the tiers that could not be opened with the
+        store; returns how many migrations were waiting."""
+        with self._cond:
+            closing = self._closing or self._halted
+        if not closing:
+            self.reopen_unopened()
         now = time.monotonic()
         with self._cond:
             waiting = sum(1 for _, _, j in self._queue if j.attempts)
