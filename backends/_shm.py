@@ -248,11 +248,13 @@ class ShmTier(Tier):
                 # lost with the node's memory (a reboot) or never made on this node
                 raise TierLost(f"no shm store at {self.path} to open read-only", url=url)
             return
-        #: this open created the segment (:meth:`unmake` removes it)
-        self.made = not os.path.isdir(self.path)
         try:
             _private_root(self.root)
-            _os.makedirs(self.path, mode=0o700, exist_ok=True)
+            try:  # atomic: of two opens racing to make it, one made it
+                _os.mkdir(self.path, mode=0o700)
+                self.made = True  # this open created the segment (:meth:`unmake`)
+            except FileExistsError:
+                pass
             for d in (self._blobs, self._pool_dir, self._tmp):
                 _os.makedirs(d, mode=0o700, exist_ok=True)
             with self._owner_lock():  # a claim racing this open keeps its record
@@ -387,9 +389,19 @@ class ShmTier(Tier):
                 _os.close(self._log_fd)
                 self._log_fd = -1
 
-    def unmake(self) -> None:
-        if self.made and not self.read_only:
-            shutil.rmtree(self.path, ignore_errors=True)
+    def unmake(self, store_id: str | None = None) -> None:
+        """Remove the segment if this open made it and no store but ``store_id`` has
+        claimed it since (another store's open racing this one may have: it keeps it)."""
+        if not self.made or self.read_only:
+            return
+        try:
+            with self._owner_lock():
+                owner = read_owner(self.path) or {}
+                claimed = owner.get("store_id"), owner.get("store")
+                if claimed == (None, None) or (store_id is not None and claimed[0] == store_id):
+                    shutil.rmtree(self.path, ignore_errors=True)
+        except OSError:  # gone already, or not ours to remove
+            return
 
     # --- helpers -------------------------------------------------------------------
 

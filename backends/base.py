@@ -574,9 +574,10 @@ class Tier(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
         """Release resources. Further calls are undefined."""
 
-    def unmake(self) -> None:  # noqa: B027 - optional hook, most tiers make nothing
+    def unmake(self, store_id: str | None = None) -> None:  # noqa: B027 - most make nothing
         """After :meth:`close`, remove the storage this instance's open created, if it did
-        (the open of a new store failed after it: nothing else would ever free it)."""
+        and no store but ``store_id`` claimed it since (the open of a new store failed
+        after it: nothing else would ever free it)."""
 
     def __enter__(self) -> Tier:
         return self

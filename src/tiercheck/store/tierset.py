@@ -299,6 +299,6 @@ class TierSet:
                 try:
                     s.tier.close()
                     if unmake:
-                        s.tier.unmake()
+                        s.tier.unmake(self.store_id)
                 except Exception as exc:  # closing must not mask the caller's outcome
                     log.warning("closing tier %s failed: %s", s.name, exc)
