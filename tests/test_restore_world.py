@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from _dist import torchrun
 
+from tiercheck.store.lifecycle import destroy_store
+
 WORKER = Path(__file__).parent / "dist_scripts" / "world_worker.py"
 
 
@@ -47,3 +49,28 @@ def test_ranks_agree_when_the_newest_version_has_fewer_shards(tmp_path: Path) ->
     by_rank = {row["rank"]: row["error"] for row in rows}
     assert by_rank[1].startswith("StateError"), by_rank
     assert by_rank[0].startswith("CheckpointError") and "rank" in by_rank[0], by_rank
+
+
+FEWER = Path(__file__).parent / "dist_scripts" / "fewer_worker.py"
+
+
+@pytest.mark.slow
+def test_one_rank_restoring_two_ranks_log_versions_falls_back_to_their_base(
+    tmp_path: Path,
+) -> None:
+    """Log versions saved by two ranks on the default store, each rank's log in its own
+    shm: one process cannot read rank 1's log to replay it resharded. It restores the base
+    (saying why), as a version another rank cannot read is dropped; before, the restore
+    raised ``StateError`` (the replay 'broke' on a chunk in no reachable tier)."""
+    root = tmp_path / "store"
+    try:
+        proc = torchrun(FEWER, str(root), "save", nproc=2, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        proc = torchrun(FEWER, str(root), "restore", nproc=1, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        row = json.loads(Path(f"{root}.result.json").read_text())
+        assert "error" not in row, row
+        assert row["step"] == 1 and row["role"] == "base" and row["exact"], row
+        assert "could not be replayed" in row["fallback"], row
+    finally:
+        destroy_store(root)

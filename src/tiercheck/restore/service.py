@@ -35,6 +35,7 @@ from tiercheck.errors import (
     ReplayError,
     StateError,
     TiercheckError,
+    TierError,
     TierUnavailable,
 )
 from tiercheck.formats.manifest import ShardManifest, VersionInfo
@@ -524,7 +525,9 @@ class RestoreService:
                     report, replayed = replay_version_resharded(source, logs)
                 else:
                     report, replayed = replay_version(source, staged.manifest, staged.stream)
-            except ReplayError as exc:
+            except (ReplayError, TierError) as exc:
+                # a refusal, or another rank's log that cannot be read here (in its own
+                # node's memory): the log version is not restorable here, its base is
                 error = exc
             except Exception as exc:  # not a refusal: the replay itself broke
                 error = crash = exc
