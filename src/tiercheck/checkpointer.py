@@ -299,6 +299,8 @@ class Checkpointer:
         with ``missing_ok`` returns None, ``state`` untouched (a first launch).
         """
         self._engine.check_open()
+        if version is not None and step is not None:
+            raise ValueError(f"pass version or step, not both (got {version!r} and step={step!r})")
         return self._restores.restore(
             state,
             version=version,
@@ -331,6 +333,8 @@ class Checkpointer:
 
         Raises :class:`NoRestorableVersion` if the store has no such committed version.
         """
+        if version is not None and step is not None:
+            raise ValueError(f"pass version or step, not both (got {version!r} and step={step!r})")
         return open_version(self, version, step=step, rank=rank)
 
     def diff(self, a: int | str | Version, b: int | str | Version) -> Diff:

@@ -45,6 +45,7 @@ __all__ = [
     "encode_scalar",
     "flatten",
     "is_stateful",
+    "pack_exact",
     "torch_dtype",
 ]
 
@@ -94,9 +95,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def _default(obj: Any) -> Any:
     if isinstance(obj, tuple):
-        return msgpack.ExtType(_EXT_TUPLE, _packb(list(obj)))
+        return msgpack.ExtType(_EXT_TUPLE, pack_exact(list(obj)))
     if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
-        return msgpack.ExtType(_EXT_NPSCALAR, _packb([obj.dtype.str, obj.tobytes()]))
+        return msgpack.ExtType(_EXT_NPSCALAR, pack_exact([obj.dtype.str, obj.tobytes()]))
     if isinstance(obj, int):  # only reached for ints msgpack cannot hold natively
         return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
     if isinstance(obj, dict):  # dict subclasses (OrderedDict) travel as plain dicts
@@ -106,7 +107,10 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot store a value of type {type(obj).__qualname__}")
 
 
-def _packb(obj: Any) -> bytes:
+def pack_exact(obj: Any) -> bytes:
+    """``obj`` as msgpack that :func:`decode_scalar` reads back as it was (tuples, NumPy
+    scalars and ints beyond 64 bits as extension types; no subclass of a type msgpack
+    holds); raises ``TypeError`` naming the type of a value it cannot hold."""
     out: bytes = msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_default)
     return out
 
@@ -131,7 +135,7 @@ def _unpackb(data: bytes | memoryview) -> Any:
 def encode_scalar(value: Any, key: str, allow_pickle: bool) -> tuple[EntryKind, bytes]:
     """Encode a non-tensor leaf as msgpack (or pickle when allowed)."""
     try:
-        return "msgpack", _packb(value)
+        return "msgpack", pack_exact(value)
     except (TypeError, ValueError, OverflowError) as exc:
         if allow_pickle:
             try:

@@ -24,11 +24,11 @@ import msgpack
 from tiercheck.backends.base import STAGED_HEADER as HEADER
 from tiercheck.backends.base import StagingArea
 from tiercheck.core.chunking import Layout, choose_chunk_size, plan_layout
-from tiercheck.core.entries import Leaf, as_dict, encode_scalar, flatten
+from tiercheck.core.entries import Leaf, as_dict, flatten, pack_exact
 from tiercheck.engine.coordinator import Coordinator
 from tiercheck.engine.placing import build_manifest
 from tiercheck.engine.staging import Hold, StagingBuffer, copy_buffers, ready_events
-from tiercheck.errors import TiercheckError
+from tiercheck.errors import TiercheckError, UnsupportedValue
 from tiercheck.formats.codecs import BLOB_HEADER_SIZE
 from tiercheck.formats.manifest import MAX_INT, ChunkRef, Role
 from tiercheck.logversions.planner import LogProposal, LogSource, build
@@ -46,6 +46,37 @@ log = logging.getLogger("tiercheck.engine.saving")
 
 class Superseded(Exception):
     """A save given up, before any tier committed it, for a newer one (latest wins)."""
+
+
+def _metadata(metadata: Any) -> dict[str, Any]:
+    """``metadata`` as the dict a version's commit record holds, as plain msgpack: what
+    that cannot hold is refused here, saying what it can."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            "metadata must be a mapping of str keys to plain values (e.g. "
+            f"{{'epoch': 3, 'loss': loss.item()}}), got {type(metadata).__qualname__}"
+        )
+    meta = dict(metadata)
+    try:  # each value as it is (no subclass read back as its base), in plain msgpack
+        pack_exact(meta)
+        msgpack.packb(meta, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        import torch
+
+        tensors = [k for k, v in meta.items() if isinstance(v, torch.Tensor)]
+        hint = (
+            f"; metadata[{tensors[0]!r}] is a tensor: store its value (t.item() of a 0-d "
+            "tensor such as a loss, t.tolist() of others)"
+            if tensors
+            else ""
+        )
+        raise UnsupportedValue(
+            "metadata must be plain msgpack: str keys, and values that are None, "
+            f"bool, float, str, bytes, lists, maps and ints of 64 bits at most ({exc}){hint}"
+        ) from None
+    return meta
 
 
 @dataclass(eq=False)
@@ -161,15 +192,7 @@ class SaveQueue:
                 )
             if role not in (None, "base", "diff"):
                 raise ValueError(f"role must be 'base', 'diff' or None, got {role!r}")
-            meta = dict(metadata or {})
-            encode_scalar(meta, "<metadata>", allow_pickle=False)
-            try:  # the commit record holds it as plain msgpack: refuse here what it cannot
-                msgpack.packb(meta, use_bin_type=True)
-            except (OverflowError, TypeError, ValueError) as exc:
-                raise ValueError(
-                    "metadata must be plain msgpack: str keys, and values that are None, "
-                    f"bool, float, str, bytes, lists, maps and ints of 64 bits at most ({exc})"
-                ) from None
+            meta = _metadata(metadata)
             tree, leaves = flatten(as_dict(state), allow_pickle=self.allow_pickle)
             if self.guarded:  # the step waits for staging; forward changes buffers before it
                 leaves = copy_buffers(state, leaves)

@@ -3,9 +3,10 @@
 :func:`bind` walks the caller's state beside the saved tree and finds, for each saved
 tensor, the caller's tensor to write into (same dtype and shape). Structure mismatches
 outside stateful objects raise :class:`~tiercheck.errors.StateError` naming the key;
-stateful objects (modules, optimizers) are checked by their own ``load_state_dict``.
-Nothing is written yet. :func:`check_stream` checks that a manifest's chunks tile its
-stream before any staging is sized from it.
+stateful objects (modules, optimizers) are checked by their own ``load_state_dict``, but
+for a module's tensor of another dtype, which it would cast (so a restore would not be bit
+for bit). Nothing is written yet. :func:`check_stream` checks that a manifest's chunks
+tile its stream before any staging is sized from it.
 """
 
 from __future__ import annotations
@@ -235,6 +236,10 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
     plain: set[int] = set()
     inside = [0]  # how many stateful objects the walk is in that do not load by reference
     owners: list[int] = []  # the objects that do, innermost last (id of their tree node)
+    # whether the innermost stateful object the walk is in is an nn.Module, whose
+    # load_state_dict copy_()s each tensor into the module's: it would cast another dtype
+    # (another shape it refuses itself)
+    modules = [False]
 
     def walk(node: Any, target: Any, key: str, checked: bool) -> None:
         if not isinstance(node, dict) or len(node) != 1:
@@ -267,6 +272,14 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
                     )
                 if isinstance(target, (dict, list)):
                     b.merges[sub] = strict
+            elif (
+                modules[-1]
+                and isinstance(target, torch.Tensor)
+                and entry.kind == "tensor"
+                and not key.endswith("_extra_state")  # set_extra_state takes it as saved
+                and str(target.dtype).removeprefix("torch.") != entry.dtype
+            ):
+                raise StateError(_mismatch(entry, target), key=key)
             return
         if tag == "o":
             if target is not MISSING and is_stateful(target):
@@ -284,7 +297,9 @@ def bind(manifest: ShardManifest, state: Any, *, strict: bool = True, first: int
                     owners.append(id(node))
                 else:
                     inside[0] += 1
+                modules.append(isinstance(target, torch.nn.Module))
                 walk(sub, sd, key, False)
+                modules.pop()
                 if by_reference:
                     owners.pop()
                 else:
