@@ -318,6 +318,13 @@ class Engine:
         """Hook ``optimizer.step()`` to wait for staging and attach the update log; see
         :meth:`tiercheck.Checkpointer.guard`. Returns what removes both."""
         self.check_open()
+        import torch
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "guard takes the torch.optim.Optimizer whose step() waits for the saves, got "
+                f"{type(optimizer).__qualname__} (a model is saved and restored in the state)"
+            )
         saves = self.saves
 
         def hook(*_: Any) -> None:
