@@ -73,7 +73,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import socket
 import threading
 import time
@@ -93,7 +92,10 @@ from tiercheck.backends._shm_segments import (
     ShmPins,
     StageArea,
     hold_pool,
+    made_dir,
+    owner_lock,
     read_owner,
+    remove_unclaimed,
     room_for,
     shm_free_bytes,
     stageable,
@@ -250,11 +252,7 @@ class ShmTier(Tier):
             return
         try:
             _private_root(self.root)
-            try:  # atomic: of two opens racing to make it, one made it
-                _os.mkdir(self.path, mode=0o700)
-                self.made = True  # this open created the segment (:meth:`unmake`)
-            except FileExistsError:
-                pass
+            self.made = made_dir(self.path)  # this open created the segment (:meth:`unmake`)
             for d in (self._blobs, self._pool_dir, self._tmp):
                 _os.makedirs(d, mode=0o700, exist_ok=True)
             with self._owner_lock():  # a claim racing this open keeps its record
@@ -268,17 +266,8 @@ class ShmTier(Tier):
 
     # --- opening -------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _owner_lock(self) -> Iterator[None]:
-        """Hold the segment's owner lock (an exclusive ``flock`` on the segment directory,
-        released when its descriptor closes, a dead holder's too): every read-compare-write
-        of ``owner.json`` runs under it, so two claims never both find the segment free."""
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _owner_lock(self) -> contextlib.AbstractContextManager[None]:
+        return owner_lock(self.path)
 
     def _write_owner(
         self, store: str | None, store_host: str | None = None, *, store_id: str | None = None
@@ -390,18 +379,8 @@ class ShmTier(Tier):
                 self._log_fd = -1
 
     def unmake(self, store_id: str | None = None) -> None:
-        """Remove the segment if this open made it and no store but ``store_id`` has
-        claimed it since (another store's open racing this one may have: it keeps it)."""
-        if not self.made or self.read_only:
-            return
-        try:
-            with self._owner_lock():
-                owner = read_owner(self.path) or {}
-                claimed = owner.get("store_id"), owner.get("store")
-                if claimed == (None, None) or (store_id is not None and claimed[0] == store_id):
-                    shutil.rmtree(self.path, ignore_errors=True)
-        except OSError:  # gone already, or not ours to remove
-            return
+        if self.made and not self.read_only:
+            remove_unclaimed(self.path, store_id)
 
     # --- helpers -------------------------------------------------------------------
 

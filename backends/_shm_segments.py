@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import builtins
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -52,7 +53,7 @@ import os
 import resource
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -139,6 +140,43 @@ def read_owner(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
     return obj if isinstance(obj, dict) and obj.get("kind") == _OWNER_KIND else None
+
+
+@contextlib.contextmanager
+def owner_lock(path: str) -> Iterator[None]:
+    """Hold the owner lock of the segment at ``path`` (an exclusive ``flock`` on its
+    directory, released when its descriptor closes, a dead holder's too): every
+    read-compare-write of ``owner.json`` runs under it, so two claims never both find the
+    segment free."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def made_dir(path: str) -> bool:
+    """Make the directory ``path`` (mode 0700); False if it was there already. Atomic: of
+    opens racing to make it, one made it."""
+    try:
+        os.mkdir(path, mode=0o700)
+    except FileExistsError:
+        return False
+    return True
+
+
+def remove_unclaimed(path: str, store_id: str | None) -> None:
+    """Remove the segment at ``path``, which an open that failed made, unless a store
+    other than ``store_id`` claimed it since (another store's open racing that one)."""
+    try:
+        with owner_lock(path):
+            owner = read_owner(path) or {}
+            claimed = owner.get("store_id"), owner.get("store")
+            if claimed == (None, None) or (store_id is not None and claimed[0] == store_id):
+                shutil.rmtree(path, ignore_errors=True)
+    except OSError:  # gone already
+        return
 
 
 def is_segment(path: str) -> bool:

@@ -829,22 +829,7 @@ class SaveService(SaveQueue):
         )
         if self.acknowledged is not None:  # the ack ledger (tiercheck.restore.losses)
             self.acknowledged(info, [s.name for s in committed])
-        unmigrated = None
-        if not targets and any(s.tier is None for s in self.tierset.slots):
-            # no migration settles this handle: a required asynchronous tier that could not
-            # be opened fails wait_migrated() here, or it would say nothing of that tier
-            states = handle.result_now()
-            unmigrated = guarantees.check(
-                "migrated",
-                version=info.id,
-                step=info.step,
-                role=info.role,
-                slots=self.tierset.slots,
-                policy=self.policy,
-                states=states.tiers,
-                errors=states.errors,
-                rank=self.rank if self.world_size > 1 else None,
-            )
+        unmigrated = self.migrations.unopened_shortfall(info, handle, targets)
         handle._finish(error, [s.name for s in targets], unmigrated)
         self.migrations.submit(info, handle, targets, owned=owned, reservation=reservation)
         self.maintenance.note_chunks(shard.manifest_id, shard.manifest.chunks)

@@ -41,7 +41,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from tiercheck.errors import Halted, NotFound, OverBudget, TiercheckError, TierUnavailable
+from tiercheck.errors import (
+    DurabilityError,
+    Halted,
+    NotFound,
+    OverBudget,
+    TiercheckError,
+    TierUnavailable,
+)
 from tiercheck.formats.manifest import CommitRecord, VersionInfo
 from tiercheck.runtime.background import Halt, reporting
 from tiercheck.runtime.handles import Failures, SaveHandle, TierState
@@ -180,6 +187,27 @@ class MigrationService:
                     self._sent[s.name] = (info.step, info.time)
             due.append(s)
         return due, later
+
+    def unopened_shortfall(
+        self, info: VersionInfo, handle: SaveHandle, targets: Sequence[TierSlot]
+    ) -> DurabilityError | None:
+        """What ``wait_migrated()`` raises for ``info``, sent to no tier (``targets`` empty)
+        while a tier is not open: a required asynchronous one that could not be opened
+        fails it (no migration settles the handle, to say so)."""
+        if targets or all(s.tier is not None for s in self.tierset.slots):
+            return None
+        states = handle.result_now()
+        return guarantees.check(
+            "migrated",
+            version=info.id,
+            step=info.step,
+            role=info.role,
+            slots=self.tierset.slots,
+            policy=self.policy,
+            states=states.tiers,
+            errors=states.errors,
+            rank=self.rank if self.world_size > 1 else None,
+        )
 
     def _takes_base(self, tier: str, base: int) -> bool:
         """Whether ``tier`` holds version ``base`` or is being sent it: a version that
