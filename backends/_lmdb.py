@@ -25,8 +25,9 @@ a snapshot it is reading; where ``lock.mdb`` cannot be written, e.g. a read-only
 falls back to ``lock=False`` with a warning, which is only safe when no process writes),
 ``sync`` (default True: every commit is
 fsync'ed, content survives power loss; False trades the last transactions on power loss
-for speed, never integrity), ``map_size`` (initial map size, default 1 GiB),
-``max_size`` (cap on map growth; default none) and ``writemap`` (default True, see below).
+for speed, never integrity), ``map_size`` (initial map size; bytes or a size string such
+as ``"8MiB"``), ``max_size`` (cap on map growth, at least ``map_size``; default none) and
+``writemap`` (default True, see below). A bad value is a ``ConfigError`` naming the option.
 The default map is 64 MiB and grows with the data, so ``data.mdb`` (as long as the map
 under writemap, a sparse file) stays near the size of what the tier holds.
 
@@ -97,7 +98,8 @@ from tiercheck.backends.base import (
     invalid_url,
     scatter,
 )
-from tiercheck.errors import NotFound, TierError, TierFull
+from tiercheck.core.sizes import parse_size
+from tiercheck.errors import ConfigError, NotFound, TierError, TierFull
 from tiercheck.formats.framing import frame_record, unframe_record
 
 __all__ = ["DEFAULT_MAP_SIZE", "LmdbTier"]
@@ -144,6 +146,21 @@ def _parse_url(url: str) -> str:
     return os.path.normpath(path)
 
 
+def _size_option(url: str, name: str, value: int | str | None) -> int | None:
+    """A size option (``map_size``, ``max_size``) in bytes: an int or a size string
+    (``"8MiB"``, :mod:`tiercheck.core.sizes`); None: not given. ``ConfigError`` naming
+    the option for anything else, and for 0."""
+    if value is None:
+        return None
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{url}: option {name}: {exc}") from None
+    if size <= 0:
+        raise ConfigError(f"{url}: option {name} must be positive, got {value!r}")
+    return size
+
+
 def _stamp(txn: lmdb.Transaction, e: _Env, key: bytes) -> None:
     """Record in the writer's transaction when the blob ``key`` was written."""
     txn.put(key, _TIME.pack(time.time()), db=e.times)
@@ -168,23 +185,31 @@ class LmdbTier(Tier):
         *,
         read_only: bool = False,
         sync: bool = True,
-        map_size: int = DEFAULT_MAP_SIZE,
-        max_size: int | None = None,
+        map_size: int | str | None = None,
+        max_size: int | str | None = None,
         writemap: bool = True,
         **options: Any,
     ) -> None:
         if options:
             raise invalid_url(url, f"unknown options for lmdb://: {sorted(options)}")
         path = _parse_url(url)
-        if map_size <= 0 or (max_size is not None and max_size <= 0):
-            raise ValueError(f"map_size and max_size must be positive ({url})")
-        if max_size is not None:
-            map_size = min(map_size, max_size)
+        for name, flag in (("sync", sync), ("writemap", writemap)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{url}: option {name} must be true or false, got {flag!r}")
+        initial = _size_option(url, "map_size", map_size)
+        cap = _size_option(url, "max_size", max_size)
+        if initial is not None and cap is not None and cap < initial:
+            raise ConfigError(
+                f"{url}: option max_size ({max_size!r}) is smaller than map_size "
+                f"({map_size!r}): the map could never grow to its initial size"
+            )
+        if initial is None:  # the default map, within the cap
+            initial = DEFAULT_MAP_SIZE if cap is None else min(DEFAULT_MAP_SIZE, cap)
         super().__init__(url, capabilities=self.CAPABILITIES, read_only=read_only)
         self.path = path
-        self.max_size = max_size
+        self.max_size = cap
         self._env: _Env | None = _acquire_env(
-            url, path, read_only=read_only, sync=sync, map_size=map_size, writemap=writemap
+            url, path, read_only=read_only, sync=sync, map_size=initial, writemap=writemap
         )
         self._close_lock = threading.Lock()
 

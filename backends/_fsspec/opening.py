@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from tiercheck.backends._fsspec.errors import is_unavailable
 from tiercheck.backends._fsspec.local import LocalStore
@@ -14,11 +14,58 @@ from tiercheck.backends._fsspec.store import Store
 from tiercheck.backends.base import Capabilities, FailureDomain, invalid_url
 from tiercheck.errors import InvalidURL, TierUnavailable, UnknownScheme
 
-__all__ = ["default_capabilities", "open_store"]
+__all__ = ["default_capabilities", "open_store", "url_credentials"]
 
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # Protocols whose first path component is a bucket (checked at open).
 _BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+
+
+# Protocols whose file system takes a URL's user and password, as these options
+_USERINFO_OPTIONS = {"s3": ("key", "secret"), "s3a": ("key", "secret")}
+
+
+def url_credentials(url: str, storage_options: Any) -> tuple[str, Any]:
+    """``url`` without the user and password of its authority, and ``storage_options``
+    with them as the file system's credentials: ``s3://KEY:SECRET@bucket/run`` opens
+    ``s3://bucket/run`` with s3fs's ``key=KEY, secret=SECRET`` (percent-decoded: a ``/``
+    in a secret is written ``%2F``). Only the URL without them is used from here on, so
+    no message shows them. ``InvalidURL``, without them, for a protocol whose file system
+    takes no credentials this way, for credentials given in ``storage_options`` too, and
+    for an s3 URL whose bucket part still holds a ``:`` (a secret with a bare ``/``)."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    protocol = scheme.lower().removeprefix("fsspec+")
+    names = _USERINFO_OPTIONS.get(protocol)
+    if sep and names is not None and ":" in authority and "@" not in authority:
+        # never shown: this is a secret cut at a '/' it holds
+        raise InvalidURL(
+            f"the bucket of an {protocol}:// URL cannot hold ':' (a secret with a bare '/' "
+            "cuts the URL there): write credentials as KEY:SECRET@bucket, percent-encoded "
+            "('/' as %2F), or pass them in storage_options"
+        )
+    if not sep or "@" not in authority:
+        return url, storage_options
+    userinfo, _, host = authority.rpartition("@")
+    bare = f"{scheme}://{host}{slash}{path}"
+    if names is None:
+        raise invalid_url(
+            bare,
+            "only s3:// and s3a:// URLs take credentials (KEY:SECRET@bucket); pass them "
+            "in storage_options, or as a reference ({env = NAME})",
+        )
+    if storage_options is not None and not isinstance(storage_options, dict):
+        return bare, storage_options  # refused as it is by the tier
+    options = dict(storage_options or {})
+    if any(name in options for name in names):
+        raise invalid_url(
+            bare, f"credentials both in the URL and in storage_options ({'/'.join(names)})"
+        )
+    user, has_password, password = userinfo.partition(":")
+    options[names[0]] = unquote(user)
+    if has_password:
+        options[names[1]] = unquote(password)
+    return bare, options
 
 
 def default_capabilities(*, local: bool, memory: bool, shared: bool | None) -> Capabilities:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, cast
 
 from tiercheck.backends._fsspec.errors import raise_typed
 from tiercheck.backends._fsspec.local import LocalStore
-from tiercheck.backends._fsspec.opening import default_capabilities, open_store
+from tiercheck.backends._fsspec.opening import default_capabilities, open_store, url_credentials
 from tiercheck.backends._fsspec.remote import FsspecStore
 from tiercheck.backends._fsspec.s3_multipart import REMOTE_THREADS
 from tiercheck.backends._packs import PackedBlobs
@@ -113,6 +113,8 @@ class FsspecTier(Tier):
         pack_size: int | str | None = None,
         **unknown: Any,
     ) -> None:
+        # s3://KEY:SECRET@bucket/run: the credentials go to the file system, never further
+        url, storage_options = url_credentials(url, storage_options)
         if unknown:
             raise invalid_url(url, f"unknown options for the fsspec tier: {sorted(unknown)}")
         if storage_options is not None and not isinstance(storage_options, dict):

@@ -489,6 +489,16 @@ def _write_synced(fd: int, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _holds(path: Path, text: str) -> bool:
+    """Whether the file at ``path`` holds exactly ``text``, readable by its owner only."""
+    try:
+        with open(path, "rb") as f:
+            private = not os.fstat(f.fileno()).st_mode & (stat.S_IRWXG | stat.S_IRWXO)
+            return private and f.read() == text.encode()
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def _store_file_lock(path: Path) -> Iterator[None]:
     """Serialise the writers of the store file ``path`` (an flock on its directory), so
@@ -511,7 +521,8 @@ def read_store_id(path: Path) -> str | None:
 
 
 def save_config(path: Path, config: StoreConfig, *, exclusive: bool = False) -> bool:
-    """Write ``config`` to ``path`` atomically (temp file + fsync + rename).
+    """Write ``config`` to ``path`` atomically (temp file + fsync + rename); a file that
+    holds it already is left as it is (a writable open of a store on a full disk works).
 
     The store id and root written are those of the file it replaces (the root a store was
     moved or copied from is :mod:`tiercheck.store.identity`'s to judge), or a new id and
@@ -545,26 +556,33 @@ def _save_config(
     except TypeError as exc:  # a value TOML cannot hold
         raise ConfigError(f"cannot write the store configuration to TOML: {exc}") from None
     text = "# tiercheck store configuration (secrets are never written here)\n" + body
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    # 0600: the file holds no secret, but names where they live (and options people
-    # put there by hand); the store's owner reads it, nobody else needs to
-    _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), text)
-    if not exclusive:
-        os.replace(tmp, path)
+    if not exclusive and _holds(path, text):
+        # every writable open saves its configuration: one that did not change is not
+        # written again, so a store on a full disk still opens (for `tiercheck gc`)
         return True
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    except OSError:  # a file system without hard links: create-if-absent, then write
+        # 0600: the file holds no secret, but names where they live (and options people
+        # put there by hand); the store's owner reads it, nobody else needs to
+        _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), text)
+        if not exclusive:
+            os.replace(tmp, path)
+            return True
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.link(tmp, path)
         except FileExistsError:
             return False
-        _write_synced(fd, text)
+        except OSError:  # a file system without hard links: create-if-absent, then write
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                return False
+            _write_synced(fd, text)
+        return True
     finally:
-        tmp.unlink()
-    return True
+        # gone once renamed; else removed, whatever failed (a full disk leaves no temp file)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
 
 def rewrite_store_file(

@@ -54,6 +54,7 @@ from tiercheck.store.config import (
     new_store_id,
     resolve_references,
     rewrite_store_file,
+    without_userinfo,
 )
 
 __all__ = [
@@ -232,8 +233,10 @@ def _orphan_reason(seg: Segment) -> str | None:
         return f"its store {seg.store} is gone (no {CONFIG_NAME})"
     try:
         config = load_config(config_path)
-    except ConfigError:
-        return None  # unreadable right now: never guess toward deleting
+    except Exception as exc:  # another store's file must never fail this scan
+        # unreadable or invalid (a hand edit): never guess toward deleting
+        log.debug("orphan scan: cannot judge %s by %s: %s", seg.path, config_path, exc)
+        return None
     if seg.store_id is not None and config.store_id not in (None, seg.store_id):
         return f"its store {seg.store_id} is gone (another store is at {seg.store} now)"
     if not _names_segment(_resolved(config, seg.store), seg):
@@ -402,7 +405,11 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
     lock = _writer_locks(path) if path.exists() else contextlib.nullcontext()
     with lock:
         if config_path.is_file():
-            config = load_config(config_path)
+            try:
+                config = load_config(config_path)
+            except ConfigError as exc:
+                # its tiers (segments, LMDB environments outside the root) are named there
+                raise ConfigError(f"{exc}; fix it, then delete the store again") from None
         specs = _resolved(config, path) if config is not None else []
         segments: dict[str, Segment] = {}
         kept: list[str] = []
@@ -423,11 +430,13 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
                 ):
                     segments[seg.path] = seg  # recorded at this root (even a root now gone)
         lmdb: list[str] = []
+        inner: list[str] = []  # LMDB environments inside the root: deleted with it
         for spec in specs:
             if spec.url.startswith("lmdb://"):
                 for env in _lmdb_paths(spec):
                     if _inside(env, path):
-                        continue  # deleted with the root
+                        inner.append(env)
+                        continue
                     assert config is not None
                     owner = _owner_of_lmdb(f"lmdb://{env}")
                     if _owns(owner, config, path):
@@ -439,10 +448,11 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
             ):
                 continue  # deleted above, with the root, or with the process
             else:
-                kept.append(f"{spec.name} ({spec.url})")
+                kept.append(f"{spec.name} ({without_userinfo(spec.url)})")
         if not path.exists() and not segments:
             raise FileNotFoundError(f"no store at {path} and no shm segment it owns")
-        held = _still_held([*segments, *lmdb])
+        # a reader (Checkpointer(root, read_only=True)) holds its LMDB environments open
+        held = _still_held([*segments, *lmdb, *inner])
         if held:
             where, pid = next(iter(held.items()))
             raise StoreLocked(
@@ -542,7 +552,7 @@ def adopt_store(root: str | os.PathLike[str]) -> AdoptReport:
             local = identity.local_path(spec.url)
             if local is None or not _inside(local, path):
                 if not spec.url.startswith("shm://"):
-                    left.append(f"{spec.name} ({spec.url})")
+                    left.append(f"{spec.name} ({without_userinfo(spec.url)})")
                 continue
             if not os.path.exists(local):
                 continue  # nothing there yet: the first open records the owner
@@ -550,13 +560,13 @@ def adopt_store(root: str | os.PathLike[str]) -> AdoptReport:
                 options = resolve_references(spec.options, tier=spec.name)
                 tier = open_tier(spec.url, **options)
             except (TierError, ConfigError, OSError) as exc:
-                left.append(f"{spec.name} ({spec.url}): cannot open it: {exc}")
+                left.append(f"{spec.name} ({without_userinfo(spec.url)}): cannot open it: {exc}")
                 continue
             try:
                 tier.write_owner(owner)
             finally:
                 tier.close()
-            claimed.append(f"{spec.name} ({spec.url})")
+            claimed.append(f"{spec.name} ({without_userinfo(spec.url)})")
     log.info("%s is now store %s (was %s)", path, new_id, config.store_id)
     return AdoptReport(
         root=str(path),

@@ -49,6 +49,16 @@ Durability = Literal["process", "node", "cluster"]
 _DURABILITY = ("process", "node", "cluster")
 
 
+def _is_int(value: object) -> bool:
+    """An int, not a bool (TOML's ``true`` is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class TierPolicy:
     """Placement of versions on one tier.
@@ -91,7 +101,7 @@ class TierPolicy:
             raise ConfigError(f"codec must be 'raw', 'zstd' or 'delta', got {self.codec!r}")
         for name in ("keep_bases", "keep_diffs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (not _is_int(value) or value < 0):
                 raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
         if self.keep_bases == 0:
             raise ConfigError("keep_bases must be at least 1 (or None for all)")
@@ -181,7 +191,7 @@ class Policy:
     tiers: Mapping[str, TierPolicy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.base_every, int) or self.base_every < 1:
+        if not _is_int(self.base_every) or self.base_every < 1:
             raise ConfigError(f"base_every must be an int >= 1, got {self.base_every!r}")
         if not isinstance(self.chunk_size, int) or self.chunk_size < 4096 or self.chunk_size % 64:
             raise ConfigError(
@@ -193,15 +203,17 @@ class Policy:
             )
         if self.on_busy not in ("wait", "skip"):
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
-        if not 1 <= self.zstd_level <= 22:
-            raise ConfigError(f"zstd_level must be 1..22, got {self.zstd_level!r}")
-        if self.gc_grace_seconds < 0:
-            raise ConfigError("gc_grace_seconds must be >= 0")
-        if (
-            not isinstance(self.max_replay_seconds, (int, float))
-            or isinstance(self.max_replay_seconds, bool)
-            or not self.max_replay_seconds >= 0
-        ):
+        if not _is_int(self.zstd_level) or not 1 <= self.zstd_level <= 22:
+            raise ConfigError(f"zstd_level must be an int 1..22, got {self.zstd_level!r}")
+        if not _is_number(self.gc_grace_seconds) or not self.gc_grace_seconds >= 0:
+            raise ConfigError(
+                f"gc_grace_seconds must be a number >= 0, got {self.gc_grace_seconds!r}"
+            )
+        if not _is_int(self.hash_threads) or self.hash_threads < 0:
+            raise ConfigError(
+                f"hash_threads must be an int >= 0 (0: one per core), got {self.hash_threads!r}"
+            )
+        if not _is_number(self.max_replay_seconds) or not self.max_replay_seconds >= 0:
             raise ConfigError(
                 f"max_replay_seconds must be a number >= 0, got {self.max_replay_seconds!r}"
             )
