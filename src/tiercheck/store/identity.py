@@ -56,6 +56,7 @@ from tiercheck.store.config import (
     read_store_id,
     relative_defaults,
     rewrite_store_file,
+    without_userinfo,
 )
 
 __all__ = [
@@ -274,10 +275,10 @@ def claim(
             return
         owner = won
     raise TierError(
-        f"tier {spec.name} ({spec.url}): its owner record changed {_CLAIM_ROUNDS} times while "
+        f"tier {spec.name} ({_shown(spec)}): its owner record changed {_CLAIM_ROUNDS} times while "
         f"the store at {root} claimed it (other stores are claiming it at the same moment): "
         "open the store again",
-        url=spec.url,
+        url=_shown(spec),
     )
 
 
@@ -296,21 +297,22 @@ def _needs_record(
     if verdict == "copy" and not read_only:
         assert owner is not None
         raise StoreCopied(
-            f"tier {spec.name} ({spec.url}) belongs to the store at {owner.root}, of which "
+            f"tier {spec.name} ({_shown(spec)}) belongs to the store at {owner.root}, of which "
             f"{root} is a copy (same store id {store_id}): open {root} with read_only=True, "
             f"or run `tiercheck adopt {root}` to make it a store of its own",
-            tier=spec.url,
+            tier=_shown(spec),
             owner_root=owner.root or "",
             root=str(root),
         )
     if verdict == "foreign":
         assert owner is not None
         raise ForeignTier(
-            f"tier {spec.name} ({spec.url}) is owned by another store ({owner.store_id or 'no id'}"
-            f" at {owner.root}{' on ' + owner.host if owner.host else ''}), not by the store "
-            f"at {root}: give this store a tier of its own, or declare the tier shared "
+            f"tier {spec.name} ({_shown(spec)}) is owned by another store "
+            f"({owner.store_id or 'no id'} at {owner.root}"
+            f"{' on ' + owner.host if owner.host else ''}), not by the store at {root}: give "
+            "this store a tier of its own, or declare the tier shared "
             f"({SHARED_OPTION} = true) so that each store keeps its own namespace in it",
-            tier=spec.url,
+            tier=_shown(spec),
             owner_root=owner.root or "",
             root=str(root),
         )
@@ -321,3 +323,8 @@ def _needs_record(
     if verdict == "moved" and owner is not None:
         log.info("tier %s: its store moved from %s to %s", spec.name, owner.root, root)
     return True
+
+
+def _shown(spec: TierSpec) -> str:
+    """``spec``'s URL as an error shows it: without the credentials it may hold."""
+    return without_userinfo(spec.url)

@@ -20,7 +20,7 @@ from tiercheck.backends.resilience import open_wrapped, split_options, wrapping
 from tiercheck.core.sizes import format_size
 from tiercheck.errors import ConfigError, ForeignTier, InvalidURL, TierError, TierUnavailable
 from tiercheck.store import identity
-from tiercheck.store.config import StoreConfig, TierSpec, resolve_references
+from tiercheck.store.config import StoreConfig, TierSpec, resolve_references, without_userinfo
 from tiercheck.store.policy import Policy, TierPolicy
 
 __all__ = ["TierSet", "TierSlot"]
@@ -114,7 +114,9 @@ class TierSet:
                 # secrets referenced as {env = NAME} / {file = PATH} are read now
                 options = resolve_references(spec.options, tier=spec.name)
             except ConfigError as exc:
-                log.warning("tier %s (%s) is unavailable: %s", spec.name, spec.url, exc)
+                log.warning(
+                    "tier %s (%s) is unavailable: %s", spec.name, without_userinfo(spec.url), exc
+                )
                 self.slots.append(TierSlot(spec, None, None, str(exc)))
                 continue
             options, wrappers = split_options(options)
@@ -127,7 +129,9 @@ class TierSet:
             except InvalidURL:
                 raise
             except (TierError, OSError) as exc:
-                log.warning("tier %s (%s) is unavailable: %s", spec.name, spec.url, exc)
+                log.warning(
+                    "tier %s (%s) is unavailable: %s", spec.name, without_userinfo(spec.url), exc
+                )
                 down = isinstance(exc, TierUnavailable)
                 self.slots.append(TierSlot(spec, None, None, str(exc), unreachable=down))
                 continue
