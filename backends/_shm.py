@@ -207,7 +207,7 @@ class ShmTier(Tier):
         *,
         root: str | os.PathLike[str] = DEFAULT_ROOT,
         read_only: bool = False,
-        pool_limit: int = DEFAULT_POOL_LIMIT,
+        pool_limit: int | str = DEFAULT_POOL_LIMIT,
         budget: int | str | None = None,
         **options: Any,
     ) -> None:
@@ -218,8 +218,7 @@ class ShmTier(Tier):
         name = url[len(_PREFIX) :].rstrip("/")
         if not _NAME_RE.match(name) or name in {".", ".."}:
             raise invalid_url(url, "NAME must be 1-128 characters of A-Z a-z 0-9 . _ - (no slash)")
-        if pool_limit < 0:
-            raise ValueError(f"pool_limit must be >= 0, got {pool_limit}")
+        pool_limit = parse_budget(pool_limit, url, "pool_limit") or 0  # "64MiB" too
         super().__init__(url, capabilities=self.CAPABILITIES, read_only=read_only)
         self.name = name
         self.root = os.fspath(root)

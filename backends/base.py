@@ -678,14 +678,15 @@ def scatter(data: Buffer, parts: Sequence[memoryview]) -> int:
     return len(view)
 
 
-def parse_budget(value: int | str | None, url: str = "") -> int | None:
-    """A ``budget`` tier option as bytes (None: no budget); ``InvalidURL`` if malformed."""
+def parse_budget(value: int | str | None, url: str = "", option: str = "budget") -> int | None:
+    """A ``budget`` tier option (or another size ``option``) as bytes (None: no budget);
+    ``InvalidURL`` naming the option if malformed (a size string such as "64MiB" is not)."""
     if value is None:
         return None
     try:
         return parse_size(value)
-    except ValueError as exc:
-        raise invalid_url(url, f"budget: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise invalid_url(url, f"{option}: {exc}") from None
 
 
 def check_budget(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from tiercheck.errors import DurabilityError
 from tiercheck.formats.manifest import ChunkRef, VersionInfo
 from tiercheck.runtime.handles import SaveHandle
 from tiercheck.store.budgets import Shortfall
@@ -26,6 +27,13 @@ class Migrations(Protocol):
 
     def targets(self, info: VersionInfo) -> tuple[list[TierSlot], dict[str, str]]:
         """The asynchronous tiers ``info`` is sent to now, and why each other one is not."""
+        ...
+
+    def unopened_shortfall(
+        self, info: VersionInfo, handle: SaveHandle, targets: Sequence[TierSlot]
+    ) -> DurabilityError | None:
+        """What ``wait_migrated()`` raises for ``info`` sent to none of ``targets`` while a
+        required asynchronous tier could not be opened (None: nothing)."""
         ...
 
     def reserve(
