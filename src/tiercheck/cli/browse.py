@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +21,8 @@ from tiercheck.cli.common import (
     label,
     make_console,
     open_store,
-    pick_version,
     plain,
+    read_picked,
     relative_time,
     tiers_json,
 )
@@ -52,24 +53,33 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _ls_one(ckpt: Any, args: argparse.Namespace) -> dict[str, Any]:
     """List one store (as a table unless ``--json``); returns its JSON document."""
-    from tiercheck.history.versions import dropped_summary
+    from tiercheck.history.versions import dropped_summary, vanished_tiers
 
     versions = ckpt.history()
-    dropped = dropped_summary(versions, ckpt.refresh())
+    catalog = ckpt.refresh()
+    dropped = dropped_summary(versions, catalog)
+    vanished = vanished_tiers(ckpt, catalog)
     if args.limit is not None:
         versions = versions[-args.limit :] if args.limit > 0 else []
     data = {
         "root": label(ckpt),
-        "tiers": tiers_json(ckpt),
+        "tiers": tiers_json(ckpt, vanished),
         "versions": [v.to_json() for v in versions],
         "not_listed": dropped,
     }
     if not args.json:
-        _ls_table(ckpt, versions, dropped)
+        _ls_table(ckpt, versions, vanished, dropped)
     return data
 
 
-def _ls_table(ckpt: Any, versions: list[history.Version], dropped: str | None = None) -> None:
+def _ls_table(
+    ckpt: Any,
+    versions: list[history.Version],
+    vanished: Mapping[str, str],
+    dropped: str | None = None,
+) -> None:
+    """``vanished``: the tiers whose content is gone, with why
+    (:func:`tiercheck.history.versions.vanished_tiers`)."""
     from rich.table import Table
 
     names = [s.name for s in ckpt.tierset.slots]
@@ -98,8 +108,11 @@ def _ls_table(ckpt: Any, versions: list[history.Version], dropped: str | None = 
             str(v.step),
             role,
             f"{absolute_time(v.time)} ({relative_time(v.time, now)})",
-            human_size(v.logical_bytes),
-            human_size(v.stored_bytes),
+            *(  # a lost version's row has no sizes: the ack ledger does not record them
+                ("-", "-")
+                if v.gone is not None
+                else (human_size(v.logical_bytes), human_size(v.stored_bytes))
+            ),
             *cells,
         )
     console = make_console()
@@ -112,6 +125,8 @@ def _ls_table(ckpt: Any, versions: list[history.Version], dropped: str | None = 
                 f"[red]tier {plain(s.name)} ({plain(s.spec.url)}) is unavailable: "
                 f"{plain(s.error)}[/red]"
             )
+        elif s.name in vanished:
+            console.print(f"[red]tier {plain(s.name)} {plain(vanished[s.name])}[/red]")
         else:
             console.print(f"{plain(s.name)}: survives {describe_survival(s.tier.capabilities)}")
     if dropped is not None:
@@ -216,8 +231,9 @@ def _show_data(v: history.Version) -> dict[str, Any]:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with contextlib.closing(open_store(args.root)) as ckpt:
-        v = pick_version(ckpt, args.version, args.rank)
-        data = _show_data(v)
+        v, data = read_picked(
+            ckpt, [args.version], args.rank, lambda vs: (vs[0], _show_data(vs[0]))
+        )
         if args.json:
             emit_json(data)
             return 0
@@ -298,9 +314,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from tiercheck.history.diff import diff
 
     with contextlib.closing(open_store(args.root)) as ckpt:
-        va = pick_version(ckpt, args.a, args.rank)
-        vb = pick_version(ckpt, args.b, args.rank)
-        d = diff(va, vb)
+        va, vb, d = read_picked(
+            ckpt, [args.a, args.b], args.rank, lambda vs: (vs[0], vs[1], diff(vs[0], vs[1]))
+        )
         if args.json:
             emit_json(d.to_json())
             return 0

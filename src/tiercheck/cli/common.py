@@ -10,9 +10,9 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tiercheck.errors import (
     ConfigError,
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 
 EXPORT_SUFFIXES = (".safetensors", ".pt", ".pth")
+
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -213,6 +215,12 @@ def open_store(root: str, *, write: bool = False) -> Any:
             raise UsageError(f"{root}: cannot open the tier: {down[0].error}")
         if not _holds_anything(ckpt.tierset.slots[0].tier):
             ckpt.close()
+            folders = _store_folders(root)
+            if folders:
+                raise UsageError(
+                    f"{root}: a tier shared by stores (shared_by_stores): each store keeps its "
+                    f"own folder in it; give one of them: {', '.join(folders)}"
+                )
             raise UsageError(
                 f"{root}: holds no tiercheck tier (no owner, log or blob): check the URL"
             )
@@ -241,6 +249,27 @@ def open_store(root: str, *, write: bool = False) -> Any:
         raise UsageError(f"{root}: {exc}") from None
 
 
+def _store_folders(url: str) -> list[str]:
+    """The URLs of the folders ``stores/<id>`` under the tier URL ``url``, where a tier
+    declared ``shared_by_stores`` keeps each store's namespace (none if there are none, or
+    they cannot be listed)."""
+    from tiercheck.store.identity import local_path
+
+    base = url.rstrip("/") + "/stores"
+    local = local_path(url)
+    try:
+        if local is not None:
+            names = os.listdir(os.path.join(local, "stores"))
+        else:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(base)
+            names = [p.rstrip("/").rpartition("/")[2] for p in fs.ls(path, detail=False)]
+    except Exception:  # any backend's own error: the listing only helps a message
+        return []
+    return [f"{base}/{name}" for name in sorted(names)]
+
+
 def _holds_anything(tier: Any) -> bool:
     """Whether ``tier`` holds what a store or ``migrate --to`` writes: an owner record, a
     log record or a blob. A read-only open creates nothing, so a URL with a typo in it
@@ -265,6 +294,29 @@ def pick_version(ckpt: Any, spec: str, rank: int | None = None) -> history.Versi
         raise UsageError(f"{label(ckpt)}: {exc}") from None
 
 
+def read_picked(
+    ckpt: Any, specs: Sequence[str], rank: int | None, read: Callable[[list[history.Version]], T]
+) -> T:
+    """``read`` of the versions ``specs`` name (as :func:`pick_version` picks them: UsageError
+    if there is none), resolved on one view of the history; a version a writer's retention
+    drops while it is read is picked again (``latest``) or named as dropped
+    (:func:`tiercheck.history.reading.read_versions`)."""
+    from tiercheck.history import versions as history
+
+    rows = ckpt.history()
+    try:
+        for spec in specs:
+            history.parse_version_spec(spec)
+        picked = [history.resolve_version(rows, spec, rank=rank) for spec in specs]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except NoRestorableVersion as exc:
+        raise UsageError(f"{label(ckpt)}: {exc}") from None
+    from tiercheck.history.reading import read_versions
+
+    return read_versions(ckpt, specs, read, rank=rank, opened=(rows, picked))
+
+
 def tier_names(ckpt: Any, wanted: Sequence[str] | None) -> list[str] | None:
     if not wanted:
         return None
@@ -280,7 +332,9 @@ def tier_names(ckpt: Any, wanted: Sequence[str] | None) -> list[str] | None:
     return names
 
 
-def tiers_json(ckpt: Any) -> list[dict[str, Any]]:
+def tiers_json(ckpt: Any, vanished: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The store's tiers as ``ls --json`` lists them; ``error`` says why a tier is
+    unavailable, or (``vanished``, by name) why its content is gone."""
     from tiercheck.store.guarantees import describe_survival
 
     out = []
@@ -291,7 +345,7 @@ def tiers_json(ckpt: Any) -> list[dict[str, Any]]:
                 "name": slot.name,
                 "url": slot.spec.url,
                 "available": slot.tier is not None,
-                "error": slot.error,
+                "error": slot.error or (vanished or {}).get(slot.name),
                 "speed_rank": slot.speed_rank if slot.tier is not None else None,
                 "survives": slot.tier.capabilities.survives.value if slot.tier else None,
                 "survives_text": describe_survival(slot.tier.capabilities) if slot.tier else None,

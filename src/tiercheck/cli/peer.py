@@ -11,6 +11,7 @@ from tiercheck.cli.common import UsageError, emit_json, human_size, make_console
 from tiercheck.errors import (
     ConfigError,
     InvalidURL,
+    TierError,
 )
 
 
@@ -40,6 +41,7 @@ def cmd_peer_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_peer_status(args: argparse.Namespace) -> int:
+    from tiercheck.backends._peer_protocol import PeerRejected
     from tiercheck.peer import daemon as peer_daemon
 
     try:
@@ -48,6 +50,15 @@ def cmd_peer_status(args: argparse.Namespace) -> int:
         )
     except InvalidURL as exc:
         raise UsageError(str(exc)) from None
+    except TierError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, PeerRejected) and cause.code == "NoToken":
+            # the library's message names its arguments (token=, token_file=), not the flag
+            raise UsageError(
+                f"peer status: the daemon at {args.address} requires a token: "
+                "--token-file FILE or TIERCHECK_PEER_TOKEN"
+            ) from None
+        raise
     if args.json:
         emit_json(stats)
         return 0

@@ -94,7 +94,7 @@ def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyRep
                     "reads: not known to be damaged, but not checked; upgrade tiercheck and "
                     "verify again"
                 )
-            fixable = [p for p in left if p.kind in REPAIRABLE]
+            fixable = [p for p in left if p.kind in REPAIRABLE and p.id]
             # --repair copies from another tier: a tier URL is opened alone (and read-only)
             sources = sum(s.tier is not None for s in ckpt.tierset.slots)
             if not args.repair and fixable and sources > 1:
@@ -107,12 +107,12 @@ def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyRep
                     f"{len(fixable)} damaged or missing copies, and no other tier to repair "
                     "them from"
                 )
-            others = [p for p in left if p.kind not in REPAIRABLE and p.kind != "newer-format"]
+            others = [p for p in left if p not in fixable and p.kind != "newer-format"]
             if others:
                 where = plain(", ".join(sorted({p.tier for p in others})))
                 console.print(
-                    f"{len(others)} problem(s) --repair cannot fix (tier {where}: unreadable "
-                    "or a damaged log); move the damaged tier aside and let the store rebuild "
-                    "it, see docs/troubleshooting.md"
+                    f"{len(others)} problem(s) --repair cannot fix (tier {where}: unreadable, "
+                    "its content gone, or a damaged log); move the damaged tier aside and let "
+                    "the store rebuild it, see docs/troubleshooting.md"
                 )
         return report

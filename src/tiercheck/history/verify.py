@@ -18,7 +18,7 @@ from tiercheck.errors import (
     TierError,
 )
 from tiercheck.formats.codecs import decode_blob, encode_blob
-from tiercheck.history.versions import ProblemKind, Progress, Version
+from tiercheck.history.versions import ProblemKind, Progress, Version, vanished_tiers
 from tiercheck.history.view import StoreView
 from tiercheck.store.catalog import TierLog
 from tiercheck.store.fetch import ChunkFetcher, repair_codec
@@ -29,7 +29,8 @@ __all__ = ["BlobProblem", "TierVerify", "VerifyReport", "verify"]
 
 @dataclass
 class BlobProblem:
-    """A blob a tier should hold that is ``corrupt``, ``missing``, could not be read
+    """A blob a tier should hold that is ``corrupt``, ``missing`` (also used for a whole
+        tier whose content vanished, with ``id=""``), could not be read
         (``unreadable``; also used for a whole tier that cannot be reached, with ``id=""``), or
         was written by a newer major format than this tiercheck reads (``newer-format``: not
         known to be damaged, but not checkable here either; upgrade tiercheck to check it).
@@ -137,7 +138,10 @@ def verify(
     for a blob or manifest written by a newer major format (``newer-format``: the chunks
     of such a manifest cannot be listed, those of the other versions are still checked).
     With ``repair`` (the store must be open for writing), a corrupt or missing copy is
-    rewritten from an intact copy in another tier and checked again.
+    rewritten from an intact copy in another tier and checked again. Next to a writer
+    (a read-only pass beside a training job), a copy that turns out bad is a problem only
+    if its tier still holds one of its versions once the pass is done: a version the
+    writer's retention dropped meanwhile is not checked.
     """
     if repair and store.read_only:
         raise CheckpointError("verify --repair needs the store open for writing")
@@ -148,12 +152,14 @@ def verify(
         if unknown:
             raise ConfigError(f"unknown tier {unknown[0]!r}; this store's tiers: {names}")
     chosen = [s for s in store.tierset.slots if tiers is None or s.name in tiers]
+    vanished = vanished_tiers(store, catalog)
     everywhere = ChunkFetcher(store.tierset.by_speed(), repair=False)
 
     def base_lookup(blob_id: str) -> bytes:
         return bytes(everywhere.fetch(blob_id)[0])
 
     report = VerifyReport()
+    found: list[BlobProblem] = []
     work: list[tuple[TierSlot, str]] = []
     refs: dict[tuple[str, str], set[int]] = defaultdict(set)
     # manifests of a newer schema (or whose every copy is of a newer blob format)
@@ -166,6 +172,9 @@ def verify(
             tv.reachable = False
             why = slot.error or catalog.unreachable.get(slot.name, "cannot be reached")
             report.problems.append(BlobProblem(slot.name, "", "unreadable", why))
+            continue
+        if slot.name in vanished:
+            report.problems.append(BlobProblem(slot.name, "", "missing", vanished[slot.name]))
             continue
         report.problems.extend(_log_problems(slot.name, tl))
         ids: dict[str, None] = {}
@@ -184,10 +193,8 @@ def verify(
                     )
                     continue
                 except (TierError, OSError) as exc:
-                    report.problems.append(
-                        BlobProblem(
-                            slot.name, mid, "unreadable", f"no readable manifest: {exc}", (vid,)
-                        )
+                    found.append(
+                        BlobProblem(slot.name, mid, "unreadable", f"no readable manifest: {exc}")
                     )
                     continue
                 for ref in manifest.chunks:
@@ -195,7 +202,10 @@ def verify(
                     refs[(slot.name, ref.id)].add(vid)
         frontier = [c for c in ids if c in tl.deltas]
         while frontier:
-            base = tl.deltas[frontier.pop()]
+            chunk = frontier.pop()
+            base = tl.deltas[chunk]
+            # a delta base is needed by the versions of the chunks encoded against it
+            refs[(slot.name, base)] |= refs[(slot.name, chunk)]
             if base not in ids:
                 ids.setdefault(base)
                 if base in tl.deltas:
@@ -211,7 +221,6 @@ def verify(
         n, problem = _check_blob(slot, blob_id, base_lookup)
         return slot, blob_id, n, problem
 
-    found: list[BlobProblem] = []
     for done, (slot, blob_id, n, problem) in enumerate(store.executors.io.map(check, work), 1):
         tv = by_name[slot.name]
         tv.blobs += 1
@@ -226,11 +235,32 @@ def verify(
     found.extend(unlisted.values())  # a newer manifest whose copy here is also damaged
     for problem in found:
         problem.versions = tuple(sorted(refs.get((problem.tier, problem.id), ())))
+    if found:
+        found = _still_held(store, found)
     if repair:
         for problem in found:
             _repair(store, problem, base_lookup)
     report.problems.extend(found)
     return report
+
+
+def _still_held(store: StoreView[Version], found: list[BlobProblem]) -> list[BlobProblem]:
+    """``found`` less the problems of versions a writer's retention dropped while they were
+    checked: the logs are read again, and a copy is a problem only for the versions its
+    tier still holds (a writer saving next to this read-only pass drops versions and
+    sweeps their blobs at any moment; what it dropped is no damage)."""
+    catalog = store.refresh()
+    kept = []
+    for problem in found:
+        tl = catalog.logs.get(problem.tier)
+        if tl is None or not problem.versions:
+            kept.append(problem)
+            continue
+        held = tuple(v for v in problem.versions if tl.holds(v))
+        if held:
+            problem.versions = held
+            kept.append(problem)
+    return kept
 
 
 def _log_problems(tier: str, tl: TierLog) -> list[BlobProblem]:

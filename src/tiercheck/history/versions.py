@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -36,6 +37,7 @@ from tiercheck.errors import (
     CheckpointError,
     NoRestorableVersion,
     ReplayRequired,
+    TierError,
 )
 from tiercheck.formats.manifest import (
     Entry,
@@ -65,6 +67,7 @@ __all__ = [
     "open_version",
     "parse_version_spec",
     "resolve_version",
+    "vanished_tiers",
 ]
 
 
@@ -522,6 +525,57 @@ def _sent_by_cadence(slot: TierSlot, catalog: Catalog) -> set[int]:
     return out
 
 
+def vanished_tiers(store: StoreView[Version], catalog: Catalog) -> dict[str, str]:
+    """The persistent tiers of ``store`` that hold nothing of it any more, by name, with
+    why: open, yet without an owner record or a log record. Every writable open records
+    the store in each tier it reaches, so such a tier lost all the store wrote there (a
+    wiped directory, an expired bucket prefix), as a tier that cannot be opened would.
+    None for a store without an id (a tier opened by URL, an older store)."""
+    if store.tierset.store_id is None:
+        return {}
+    out: dict[str, str] = {}
+    for slot in store.tierset.open():
+        tl = catalog.logs.get(slot.name)
+        if slot.tier is None or tl is None or tl.records or not slot.tier.capabilities.persistent:
+            continue
+        try:
+            if slot.tier.read_owner() is not None:
+                continue
+        except TierError:
+            continue  # what it holds cannot be told now
+        out[slot.name] = (
+            f"holds nothing of this store at {slot.spec.url} (no owner record, no log "
+            "record): what the store wrote there is gone (its directory or bucket prefix was "
+            "deleted or expired, or the URL points elsewhere)"
+        )
+    return out
+
+
+def _writer_holds(root: Path) -> bool:
+    """Whether a process holds the writer lock of the store at ``root`` (``.lock``, or a
+    rank's ``.lock.rankN``), as the kernel's table of locks says. Read, never probed:
+    taking the lock even for a moment would make a writer opening then fail. The table is
+    matched by inode only (an overlay file system shows another device there); where it
+    cannot be read, a writer is assumed."""
+    inodes: set[str] = set()
+    for path in [root / ".lock", *root.glob(".lock.rank*")]:
+        try:
+            inodes.add(str(path.stat().st_ino))
+        except OSError:
+            continue
+    if not inodes:
+        return False
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return True
+    for line in table.splitlines():
+        fields = line.split()  # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END"
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rpartition(":")[2] in inodes:
+            return True
+    return False
+
+
 def build_history(
     store: StoreView[Version],
     catalog: Catalog,
@@ -532,9 +586,11 @@ def build_history(
     """Every committed version of ``catalog``, oldest first, as :class:`Version` objects.
 
     Reads no blob. A tier shows ``migrating`` for a version when this process has its
-    migration queued (``pending``, ``pinned``), or, seen from another process, when the
-    tier receives such versions asynchronously, holds nothing newer yet (migrations run in
-    commit order) and its cadence sends this one (:func:`_sent_by_cadence`).
+    migration queued (``pending``, ``pinned``), or, seen from another process while a
+    writer holds the store, when the tier receives such versions asynchronously, holds
+    nothing newer yet (migrations run in commit order) and its cadence sends this one
+    (:func:`_sent_by_cadence`), unless the tier's content vanished
+    (:func:`vanished_tiers`).
     """
     pending_set = set(pending)
     pinned_set = set(pinned)
@@ -544,8 +600,12 @@ def build_history(
         held_by[name] = set(tl.held())
     restorable = catalog.restorable_ids
     slots = store.tierset.slots
-    # the writer is another process: its queue is not visible, the tier's log and cadence are
-    inferred = {s.name: _sent_by_cadence(s, catalog) for s in slots} if store.read_only else {}
+    # the writer is another process, if one holds the store: its queue is not visible, the
+    # tier's log and cadence are; a tier whose content vanished gets nothing it lost back
+    inferred: dict[str, set[int]] = {}
+    if store.read_only and _writer_holds(store.root):
+        vanished = vanished_tiers(store, catalog)
+        inferred = {s.name: _sent_by_cadence(s, catalog) for s in slots if s.name not in vanished}
     out: list[Version] = []
     for vid, info in versions.items():
         tiers: dict[str, TierState] = {}
@@ -689,18 +749,22 @@ def parse_version_spec(spec: int | str) -> tuple[str, int | None]:
 
 
 def resolve_version(
-    versions: Sequence[Version], spec: int | str | None = None, *, step: int | None = None
+    versions: Sequence[Version],
+    spec: int | str | None = None,
+    *,
+    step: int | None = None,
+    rank: int | None = None,
 ) -> Version:
-    """Pick the version ``spec`` names (see :func:`_resolve`). Raises
-    :class:`NoRestorableVersion` when there is no such version, or when it was lost (its
-    row says with which tier)."""
+    """Pick the version ``spec`` names (see :func:`_resolve`), for ``rank`` (None: the
+    rows' own). Raises :class:`NoRestorableVersion` when there is no such version, or
+    when it was lost (its row says with which tier)."""
     v = _resolve(versions, spec, step=step)
     if v.gone is not None:
         raise NoRestorableVersion(
             f"version {v.id} (step {v.step}) was acknowledged, then {v.gone}: no tier holds "
             "it; `tiercheck ls` shows the versions that can be restored"
         )
-    return v
+    return _for_rank(v, rank)
 
 
 def _resolve(
@@ -719,24 +783,52 @@ def _resolve(
     if kind == "latest":
         restorable = [v for v in versions if v.restorable]
         return (restorable or [v for v in versions if v.gone is None] or list(versions))[-1]
+    ids = [v.id for v in versions]
+    listed = (
+        f"the store lists {len(ids)} version(s), ids {ids[0]}..{ids[-1]}; "
+        "`tiercheck ls` shows which are restorable"
+    )
     if kind == "step":
+        assert num is not None
         matches = [v for v in versions if v.step == num]
         if not matches:
-            raise NoRestorableVersion(f"no committed version has step {num}")
+            raise NoRestorableVersion(_no_step(versions, num, listed))
         return matches[-1]
     for v in versions:
         if v.id == num:
             return v
-    ids = [v.id for v in versions]
     if 0 <= num < ids[-1]:  # type: ignore[operator]
         raise NoRestorableVersion(
-            f"version {num} was committed, then dropped by retention: no tier holds it "
-            f"(the store lists {len(ids)} version(s), ids {ids[0]}..{ids[-1]}; "
-            "`tiercheck ls` shows which are restorable)"
+            f"version {num} was committed, then dropped by retention: no tier holds it ({listed})"
         )
     raise NoRestorableVersion(
         f"version {num} is not a committed version of this store "
         f"(committed: {len(ids)} version(s), ids {ids[0]}..{ids[-1]})"
+    )
+
+
+def _no_step(versions: Sequence[Version], step: int, listed: str) -> str:
+    """Why no version of ``versions`` has ``step``: where versions not listed were saved
+    between the listed steps around it, retention dropped them, and where one id per step
+    lies between those two, the dropped version is named as by its id."""
+    below = [v for v in versions if v.step < step]
+    above = [v for v in versions if v.step > step]
+    lo = max(below, key=lambda v: (v.step, v.id), default=None)
+    hi = min(above, key=lambda v: (v.step, v.id), default=None)
+    lo_id, lo_step = (lo.id, lo.step) if lo is not None else (-1, -1)
+    if hi is None or hi.id <= lo_id + 1:
+        return f"no committed version has step {step}"
+    if lo is not None and hi.step - lo.step == hi.id - lo.id:  # a version at every step
+        vid = lo.id + step - lo.step
+        return (
+            f"version {vid} (step {step}) was committed, then dropped by retention: no tier "
+            f"holds it ({listed})"
+        )
+    since = f"after step {lo_step} (version {lo_id}) " if lo is not None else ""
+    return (
+        f"no listed version has step {step}: the versions saved {since}before step "
+        f"{hi.step} (version {hi.id}), ids {lo_id + 1}..{hi.id - 1}, were committed, then "
+        f"dropped by retention: no tier holds them ({listed})"
     )
 
 
@@ -752,7 +844,10 @@ def open_version(
         return spec
     if isinstance(spec, Version):
         spec = spec.id
-    v = resolve_version(store.history(), spec, step=step)
+    return resolve_version(store.history(), spec, step=step, rank=rank)
+
+
+def _for_rank(v: Version, rank: int | None) -> Version:
     if rank is not None and rank != v.rank:
         if not 0 <= rank < v.info.world_size:
             raise NoRestorableVersion(
