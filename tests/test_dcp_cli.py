@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save
 
+from tiercheck import TierSpec
 from tiercheck.cli.main import main
 from tiercheck.integrations.dcp import TierWriter, load_full_state_dict
 
@@ -87,3 +88,24 @@ def test_a_migrated_copy_is_browsed_at_its_url(
     capsys.readouterr()
     assert main(["gc", url]) == 2  # writing commands refuse a URL, with a reason
     assert "read-only" in capsys.readouterr().err
+
+
+def test_rm_of_a_dcp_root_deletes_every_ranks_store_and_its_segment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tiercheck rm`` of a DCP root was refused ("not a tiercheck store"), and deleting
+    the directory by hand left each rank's shm segment (one kept version each) taken."""
+    root = tmp_path / "dcp"
+    shm_root = tmp_path / "shm"
+    spec = TierSpec("shm", f"shm://dcprm-{tmp_path.name[-12:]}", {"root": str(shm_root)})
+    with TierWriter(root, tiers=lambda r: [spec]) as w:
+        save({"w": torch.ones(64)}, storage_writer=w, checkpoint_id=1)
+    segments = list(shm_root.iterdir())
+    assert len(segments) == 1
+    dry = _cli(capsys, "rm", root, "--dry-run")
+    assert dry["dcp"] is True and dry["ranks"][0]["dry_run"] is True
+    assert root.exists() and segments[0].exists()
+    done = _cli(capsys, "rm", root)
+    assert [r["root"] for r in done["ranks"]] == [str(root.resolve() / "rank0")]
+    assert done["ranks"][0]["segments"] == [str(segments[0])]
+    assert not root.exists() and not segments[0].exists()

@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Delete the store at ROOT: the root directory, the shm segments it owns "
         "(also those a deleted root left behind) and its LMDB environments. Refused while a "
         "process holds the store open for writing. Remote tiers outside the root and peer "
-        "daemons are kept and listed.",
+        "daemons are kept and listed. A DCP root (one store per rank in ROOT/rank{r}) is "
+        "deleted rank by rank, none if any is held open.",
     )
     p.add_argument("root", metavar="ROOT", help="store root")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")

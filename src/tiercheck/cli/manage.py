@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tiercheck.cli.common import (
     UsageError,
+    dcp_ranks,
     emit_json,
     human_size,
     make_console,
@@ -23,18 +25,30 @@ from tiercheck.errors import (
     StoreLocked,
 )
 
+if TYPE_CHECKING:
+    from tiercheck.store.lifecycle import DestroyReport
+
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from tiercheck.store.lifecycle import destroy_store
 
+    ranks = dcp_ranks(args.root)  # a DCP root: every rank's store, or none of them
     try:
-        report = destroy_store(args.root, dry_run=args.dry_run)
+        if ranks:
+            for path in ranks:  # one held by a live process stops it before any is deleted
+                destroy_store(path, dry_run=True)
+        reports: list[DestroyReport] = [
+            destroy_store(path, dry_run=args.dry_run) for path in ranks or [args.root]
+        ]
     except StoreLocked as exc:
         raise UsageError(str(exc)) from None
     except (ConfigError, FileNotFoundError) as exc:
         raise UsageError(f"{args.root}: {exc}") from None
+    if ranks and not args.dry_run:
+        with contextlib.suppress(OSError):  # what else is there is the user's
+            Path(args.root).expanduser().rmdir()
     if args.json:
-        emit_json(
+        rows = [
             {
                 "root": report.root,
                 "dry_run": report.dry_run,
@@ -43,8 +57,20 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 "lmdb": list(report.lmdb),
                 "kept": list(report.kept),
             }
-        )
+            for report in reports
+        ]
+        if ranks:
+            root = str(Path(args.root).expanduser().resolve())
+            emit_json({"root": root, "dcp": True, "ranks": rows})
+        else:
+            emit_json(rows[0])
         return 0
+    for report in reports:
+        _print_removal(report)
+    return 0
+
+
+def _print_removal(report: DestroyReport) -> None:
     verb = "would delete" if report.dry_run else "deleted"
     print(f"{verb} {report.root}")
     for seg in report.segments:
@@ -56,7 +82,6 @@ def cmd_rm(args: argparse.Namespace) -> int:
     )
     for tier in report.kept:
         print(f"kept tier {tier}: delete its data yourself if you no longer need it")
-    return 0
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
