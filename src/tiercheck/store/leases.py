@@ -50,7 +50,7 @@ import msgpack
 import psutil
 
 from tiercheck.backends.base import Tier
-from tiercheck.errors import NotFound, StoreLocked, TierError, TierUnavailable
+from tiercheck.errors import NotFound, StoreLocked, TierError, TierFull, TierUnavailable
 from tiercheck.formats.ids import chunk_id
 from tiercheck.store.tierset import TierSlot
 
@@ -467,7 +467,14 @@ class TierLeases:
         current = read_lease(tier, SWEEP_LEASE_ID)
         if current is not None and current.holder != self.holder and not current.stale():
             return f"{current.holder} is sweeping it"
-        tier.put(SWEEP_LEASE_ID, self._lease("sweep", SWEEP_TTL).encode(), overwrite=True)
+        try:
+            tier.put(SWEEP_LEASE_ID, self._lease("sweep", SWEEP_TTL).encode(), overwrite=True)
+        except TierFull as exc:
+            # no room for the lease in a full tier, and this sweep may be what frees room:
+            # it goes on without it (the writers' leases are still checked, and the grace
+            # period keeps what was written lately); a sweep racing it deletes as it does
+            log.info("%s: sweeping without a sweep lease: %s", tier.url, exc)
+            return None
         back = read_lease(tier, SWEEP_LEASE_ID)  # two sweepers racing: the last put wins
         if back is None or back.holder != self.holder:
             return "another process is sweeping it"
