@@ -23,6 +23,10 @@ How it works, through public Trainer hooks only:
   loaded its own RNG file: before the resumed epoch's data iterator is created when ``N``
   ends an epoch, else right after the skipped batches (``on_epoch_begin`` /
   ``on_step_begin``). The resumed run is then bit-identical to one that never stopped.
+  Only ``checkpoint-N/tiercheck.json`` says which version is this run's checkpoint (a store
+  may hold other runs' versions of step ``N``): without it (the job was killed after the
+  Trainer wrote ``checkpoint-N``, before tiercheck committed), resuming raises
+  :class:`~tiercheck.errors.CheckpointError`.
 
 Why ``save_only_model=True`` and not no Trainer save at all: ``train(resume_from_checkpoint)``
 only accepts a directory holding model weights, and no public hook runs before it looks.
@@ -124,14 +128,16 @@ class TiercheckCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{step}"
         pointer = read_pointer(folder / POINTER_NAME) if (folder / POINTER_NAME).exists() else None
         if pointer is None:
-            matches = [i.id for i in store.refresh().versions.values() if i.step == step]
-            if not matches:
-                raise CheckpointError(
-                    f"the Trainer resumed from step {step}, but {store.root} has no version of "
-                    f"that step (and {folder} has no {POINTER_NAME}); resume from a checkpoint "
-                    "that TiercheckCallback saved"
-                )
-            pointer = Pointer(str(store.root), max(matches), step)
+            # a version of this step in the store may be another run's (a store shared by
+            # runs, or by a run restarted from scratch): only the pointer names this one's
+            raise CheckpointError(
+                f"the Trainer resumed from step {step}, but {folder / POINTER_NAME} does not "
+                "exist: tiercheck never committed that checkpoint's state (the job was likely "
+                f"killed while saving it), or {folder} is not a checkpoint TiercheckCallback "
+                "saved; resume from an earlier checkpoint that has one "
+                "(train(resume_from_checkpoint='.../checkpoint-M')), or delete "
+                f"{folder} to let resume_from_checkpoint=True pick the one before it"
+            )
         target = {**self._state(kwargs), "rng": None}
         info = store.restore(target, version=pointer.version)
         self._rng = info.state["rng"]

@@ -13,7 +13,10 @@ It names a version of the coordinator's store (see below):
   it as the step after the newest one in the store (``0`` in an empty store). An id applies
   to the next save only. ``"version:N"`` is refused: version ids are assigned by the store.
 - reading: ``N`` / ``"N"`` / ``"step:N"`` load the newest DCP version of step ``N``;
-  ``"version:N"`` loads version ``N``; ``None`` loads the newest restorable DCP version.
+  ``"version:N"`` loads version ``N``; ``None`` loads the newest DCP checkpoint that every
+  rank's store can restore, skipping newer ones with a warning that names the rank whose
+  shard is lost and why. A named checkpoint that a rank cannot restore raises
+  :class:`~tiercheck.errors.NoRestorableVersion` saying the same.
 
 **Stores and ranks.** ``TierWriter(root)`` opens (creating if needed) one store per rank at
 ``root/rank{r}``; ``TierWriter(checkpointer)`` uses the caller's store for this rank (it must
@@ -23,7 +26,11 @@ coordinator (DCP's rank 0) saves its items *together with* the global DCP metada
 every rank has reported its writes (``finish``). That coordinator version is the DCP
 checkpoint: it exists iff every rank's shard was committed first, and it names each rank's
 version and store. A rank that dies mid-write leaves no coordinator version, so the previous
-checkpoint stays the newest one. DCP's own protocol (every rank's ``write_data``, then
+checkpoint stays the newest one. Each rank's store runs its own retention, though: a rank's
+save of the new checkpoint may drop that rank's shard of the previous one (a base that
+drops the diffs of the base before) before the coordinator records the new one; if the
+coordinator then dies, the reader falls back to the newest checkpoint every rank still
+holds. DCP's own protocol (every rank's ``write_data``, then
 ``finish`` on the coordinator with all their results) is thus the two-phase commit: the
 per-rank versions are the prepared shards and the coordinator version is the decision. The
 engine's multi-rank coordinator (:mod:`tiercheck.engine.coordinator`) is not used under DCP, so DCP

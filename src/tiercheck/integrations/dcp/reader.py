@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import uuid
@@ -49,7 +50,10 @@ from tiercheck.integrations.dcp.ids import (
     parse_checkpoint_id,
     rank_root,
 )
-from tiercheck.integrations.dcp.metadata import _bad, decode_metadata
+from tiercheck.integrations.dcp.metadata import DecodedMetadata, _bad, decode_metadata
+from tiercheck.store.catalog import Catalog
+
+log = logging.getLogger(__name__)
 
 # --- reading entries from a version -----------------------------------------------------
 
@@ -65,7 +69,9 @@ def _dcp_versions(ckpt: Checkpointer, *, coordinator: bool) -> list[VersionInfo]
     return out
 
 
-def _find_version(ckpt: Checkpointer, ref: CheckpointRef) -> VersionInfo:
+def _candidates(ckpt: Checkpointer, ref: CheckpointRef) -> list[VersionInfo]:
+    """The coordinator versions ``ref`` names, newest first: the one named, or (``ref``
+    names none) every restorable DCP checkpoint. Raises NoRestorableVersion if none."""
     found = _dcp_versions(ckpt, coordinator=True)
     if ref.version is not None:
         match = [i for i in found if i.id == ref.version]
@@ -81,7 +87,27 @@ def _find_version(ckpt: Checkpointer, ref: CheckpointRef) -> VersionInfo:
             f"{ckpt.root} holds no restorable DCP checkpoint for {label} "
             f"(restorable DCP versions: {[i.id for i in found] or 'none'})"
         )
-    return match[-1]
+    return match[::-1] if ref.version is None and ref.step is None else match[-1:]
+
+
+def _why_not_restorable(catalog: Catalog, vid: int) -> str:
+    """Why version ``vid`` of a store cannot be restored: the first version of its chain
+    (it, then its bases) that no reachable tier holds."""
+    cur: int | None = vid
+    while cur is not None:
+        info = catalog.versions.get(cur)
+        what = f"version {cur}" if cur == vid else f"version {cur} (its base)"
+        if info is None:
+            return f"{what} is not committed there"
+        if not catalog.holders(cur):
+            states = [
+                f"{name}: {'dropped' if cur in tl.dropped else 'missing'}"
+                for name, tl in catalog.logs.items()
+            ]
+            states += [f"{name}: unreachable" for name in catalog.unreachable]
+            return f"no tier holds {what} ({', '.join(states)})"
+        cur = info.base if info.role in ("diff", "log") else None
+    return f"version {vid} is not restorable there"
 
 
 # --- the reader -------------------------------------------------------------------------
@@ -127,15 +153,18 @@ class TierReader(StorageReader):
         """The coordinator version being loaded, once ``read_metadata`` found it."""
         return self._info
 
-    def _store(self, rank: int) -> tuple[Checkpointer, bool]:
-        """Rank ``rank``'s store and whether this reader opened it (and must close it)."""
+    def _store(
+        self, rank: int, ranks: Mapping[int, tuple[int | None, str]] | None = None
+    ) -> tuple[Checkpointer, bool]:
+        """Rank ``rank``'s store and whether this reader opened it (and must close it).
+        ``ranks``: the stores a checkpoint records (default: the one being loaded)."""
         if self._root is not None:
             root = rank_root(self._root, rank)
         else:
             assert self._given is not None
             if rank == self._coordinator_rank:
                 return self._given, False
-            recorded = self._ranks.get(rank)
+            recorded = (self._ranks if ranks is None else ranks).get(rank)
             if recorded is None:
                 raise NoRestorableVersion(f"the checkpoint records no store for rank {rank}")
             root = Path(recorded[1])
@@ -144,8 +173,10 @@ class TierReader(StorageReader):
         return Checkpointer(root, read_only=True, coordinator=LocalCoordinator()), True
 
     @contextlib.contextmanager
-    def _opened(self, rank: int) -> Iterator[Checkpointer]:
-        ckpt, owned = self._store(rank)
+    def _opened(
+        self, rank: int, ranks: Mapping[int, tuple[int | None, str]] | None = None
+    ) -> Iterator[Checkpointer]:
+        ckpt, owned = self._store(rank, ranks)
         try:
             yield ckpt
         finally:
@@ -166,17 +197,28 @@ class TierReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise NoRestorableVersion("tiercheck DCP checkpoints have no rank-local metadata")
+        newest = self._ref.version is None and self._ref.step is None
+        skipped: list[str] = []
+        seen: dict[tuple[int, str], tuple[Catalog, Path] | None] = {}
         with self._opened(self._coordinator_rank) as ckpt:
-            info = _find_version(ckpt, self._ref)
-            v = ckpt.version(info.id)
-            entry = v.entries.get(METADATA)
-            if entry is None:
-                raise _bad(f"version {info.id} of {ckpt.root} has no {METADATA!r} entry")
-            if entry.kind not in ("tensor", "msgpack"):
-                # checked before reading: a store opened with allow_pickle would unpickle it
-                raise _bad(f"the metadata entry is stored as {entry.kind!r}, not as bytes")
-            blob = entry_bytes(entry.kind, v[METADATA], "the metadata entry")
-        decoded = decode_metadata(blob)
+            for info in _candidates(ckpt, self._ref):
+                decoded = self._decode(ckpt, info)
+                why = self._unrestorable_rank(decoded.ranks, seen)
+                if why is None:
+                    break
+                label = f"DCP checkpoint version {info.id} (step {info.step}) of {ckpt.root}"
+                if not newest:
+                    raise NoRestorableVersion(
+                        f"{label} cannot be loaded: {why}; load an older checkpoint, or pass "
+                        "no checkpoint_id to load the newest one every rank can restore"
+                    )
+                log.warning("%s skipped, an older one is loaded instead: %s", label, why)
+                skipped.append(f"version {info.id} (step {info.step}): {why}")
+            else:
+                raise NoRestorableVersion(
+                    f"{ckpt.root} holds no DCP checkpoint that every rank can restore: "
+                    + "; ".join(skipped)
+                )
         self._info = info
         self._ranks = decoded.ranks
         md = decoded.metadata
@@ -184,6 +226,49 @@ class TierReader(StorageReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = uuid.uuid4().hex
         return md
+
+    @staticmethod
+    def _decode(ckpt: Checkpointer, info: VersionInfo) -> DecodedMetadata:
+        v = ckpt.version(info.id)
+        entry = v.entries.get(METADATA)
+        if entry is None:
+            raise _bad(f"version {info.id} of {ckpt.root} has no {METADATA!r} entry")
+        if entry.kind not in ("tensor", "msgpack"):
+            # checked before reading: a store opened with allow_pickle would unpickle it
+            raise _bad(f"the metadata entry is stored as {entry.kind!r}, not as bytes")
+        return decode_metadata(entry_bytes(entry.kind, v[METADATA], "the metadata entry"))
+
+    def _unrestorable_rank(
+        self,
+        ranks: Mapping[int, tuple[int | None, str]],
+        seen: dict[tuple[int, str], tuple[Catalog, Path] | None],
+    ) -> str | None:
+        """Why a rank's shard of the checkpoint whose stores are ``ranks`` cannot be
+        restored (None: every rank's can, or cannot be judged here). The coordinator's own
+        shard is in its version, which was found restorable. ``seen``: the catalogs of the
+        stores read so far; None for one with a tier this process cannot read (another
+        node's memory): what it holds there is not known here, so it is not judged."""
+        for rank, (vid, recorded) in sorted(ranks.items()):
+            if rank == self._coordinator_rank or vid is None:
+                continue  # in the coordinator's version, or the rank wrote no items
+            if (rank, recorded) not in seen:
+                try:
+                    with self._opened(rank, ranks) as ckpt:
+                        catalog = ckpt.refresh()
+                        whole = not catalog.unreachable and all(
+                            s.tier is not None for s in ckpt.tierset.slots
+                        )
+                        seen[(rank, recorded)] = (catalog, ckpt.root) if whole else None
+                except NoRestorableVersion as exc:
+                    return f"rank {rank}: {exc}"
+            known = seen[(rank, recorded)]
+            if known is None:
+                continue
+            catalog, root = known
+            if not catalog.restorable(vid):
+                why = _why_not_restorable(catalog, vid)
+                return f"rank {rank}'s shard, version {vid} of {root}, is lost: {why}"
+        return None
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

@@ -74,6 +74,8 @@ class _PlanInfo:
     rank: int
     root: str
     step: int | None = None
+    save: str = ""
+    """The save the plan was made for (a plan cached at an earlier save carries that one)."""
 
 
 class TierWriter(StorageWriter):
@@ -123,6 +125,7 @@ class TierWriter(StorageWriter):
         self._is_coordinator = True
         self._step: int | None = None
         self._planned: int | None = None  # the step prepare_global_plan chose for this save
+        self._save = ""  # this save's id in the plans (prepare_local_plan)
         self._ranks: dict[int, str] = {}
         self._pending: dict[str, Any] | None = None
         # the version id of the last checkpoint this writer committed as DCP's coordinator
@@ -256,7 +259,9 @@ class TierWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         ckpt = self._open(self._rank)
-        return dataclasses.replace(plan, storage_data=_PlanInfo(self._rank, str(ckpt.root)))
+        self._save = uuid.uuid4().hex
+        info = _PlanInfo(self._rank, str(ckpt.root), save=self._save)
+        return dataclasses.replace(plan, storage_data=info)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ckpt = self._open(self._rank)
@@ -299,8 +304,16 @@ class TierWriter(StorageWriter):
             loc = Location(self._rank, None, key, nbytes, root)
             results.append(WriteResult(item.index, nbytes, loc))
         # a plan cached at an earlier save (enable_plan_caching) carries that save's step:
-        # the coordinator's own planning, or the checkpoint_id given, names this one
-        step = info.step if self._ref.step is None else self._ref.step
+        # the coordinator's own planning, or the checkpoint_id given, names this one; the
+        # coordinator's choice does not reach another rank then, which takes the step after
+        # its store's newest (the coordinator's, as long as every save reached every rank)
+        if self._ref.step is not None:
+            step = self._ref.step
+        elif info.save == self._save or self._is_coordinator:
+            step = info.step
+        else:
+            steps = [i.step for i in ckpt.refresh().versions.values()]
+            step = max(steps) + 1 if steps else 0
         if self._is_coordinator:
             # saved in finish(), together with the metadata: that version is the checkpoint
             self._pending = items
