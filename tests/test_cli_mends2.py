@@ -72,8 +72,14 @@ def test_read_only_commands_report_no_false_problem_next_to_a_trainer(
         assert trainer.stdout is not None
         assert trainer.stdout.readline().strip() == "ready", log.read_text()
         false: list[tuple[str, int, str]] = []  # every false problem, of every round
+        exported = str(tmp_path / "latest.pt")
         for _ in range(8):
-            for command in (["verify"], ["diff", "0", "latest"], ["show", "latest"]):
+            for command in (
+                ["verify"],
+                ["diff", "0", "latest"],
+                ["show", "latest"],
+                ["export", "latest", exported, "--force"],
+            ):
                 capsys.readouterr()
                 rc = main([command[0], str(root), *command[1:], "--json"])
                 out = capsys.readouterr()
@@ -244,3 +250,15 @@ def test_ls_shows_no_size_for_a_version_lost_with_its_tier(
         assert len(lost) == 2 and sizes == [["-", "-"]] * 2, out
     finally:
         destroy_store(root)
+
+
+def test_a_version_named_as_dcp_names_it_is_accepted() -> None:
+    """``tiercheck export ROOT version:1`` was refused while DCP's ``checkpoint_id`` and
+    the integrations' docs name versions so."""
+    from tiercheck.history.versions import parse_version_spec
+
+    assert parse_version_spec("version:1") == ("id", 1)
+    assert parse_version_spec("Version:12") == ("id", 12)
+    for bad in ("version:", "version:x", "version:-1"):
+        with pytest.raises(ValueError, match="not a version"):
+            parse_version_spec(bad)

@@ -19,9 +19,9 @@ from tiercheck.cli.common import (
     make_console,
     open_store,
     output_path,
-    pick_version,
     plain,
     progress_bar,
+    read_picked,
 )
 from tiercheck.errors import NoRestorableVersion
 
@@ -54,55 +54,62 @@ def _weights_only_safe(value: Any) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import numpy as np
-    import torch
-
     out = _check_output(args.out, args.force)
     fmt = "safetensors" if out.suffix.lower() == ".safetensors" else "torch"
     if dcp_ranks(args.root):
         return _export_dcp(args, out, fmt)
     with contextlib.closing(open_store(args.root)) as ckpt:
-        v = pick_version(ckpt, args.version, args.rank)
-        if v.role == "log":
-            return _export_log_version(args, out, fmt, v)
-        prefix = args.only or ""
-        keys = [k for k in v.entries if k.startswith(prefix)]
-        if not keys:
-            raise UsageError(f"version {v.id} has no entry whose key starts with {prefix!r}")
-        skipped: list[str] = []
-        wanted = []
-        for k in keys:
-            e = v.entries[k]
-            if e.kind == "pickle" or (fmt == "safetensors" and e.kind not in ("tensor", "ndarray")):
-                skipped.append(k)
-            else:
-                wanted.append(k)
-        total = sum(v.entries[k].size for k in wanted)
-        values: dict[str, Any] = {}
-        with progress_bar(not args.json, "reading") as progress:
-            done = 0
-            batch: list[str] = []
-            size = 0
-            for i, k in enumerate(wanted):
-                batch.append(k)
-                size += v.entries[k].size
-                if size >= (64 << 20) or i == len(wanted) - 1:
-                    values.update(v.read(batch))
-                    done += size
-                    batch, size = [], 0
-                    if progress is not None:
-                        progress(done, total)
+        # next to a trainer: a version its retention drops while it is read is picked again
+        return read_picked(
+            ckpt, [args.version], args.rank, lambda vs: _export_version(args, out, fmt, vs[0])
+        )
 
-        def name(k: str) -> str:
-            return k if args.keep_prefix or not prefix else k[len(prefix) :] or k
 
-        obj: dict[str, Any] = {}
-        for k in wanted:
-            value = values[k]
-            if isinstance(value, np.ndarray):
-                value = torch.from_numpy(np.ascontiguousarray(value))
-            obj[name(k)] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
-        _write_export(obj, out, fmt, v.id, v.step, v.metadata, skipped, args.json)
+def _export_version(args: argparse.Namespace, out: Path, fmt: str, v: history.Version) -> int:
+    """Export version ``v`` (read, then written to ``out``: a failed read writes nothing)."""
+    import numpy as np
+    import torch
+
+    if v.role == "log":
+        return _export_log_version(args, out, fmt, v)
+    prefix = args.only or ""
+    keys = [k for k in v.entries if k.startswith(prefix)]
+    if not keys:
+        raise UsageError(f"version {v.id} has no entry whose key starts with {prefix!r}")
+    skipped: list[str] = []
+    wanted = []
+    for k in keys:
+        e = v.entries[k]
+        if e.kind == "pickle" or (fmt == "safetensors" and e.kind not in ("tensor", "ndarray")):
+            skipped.append(k)
+        else:
+            wanted.append(k)
+    total = sum(v.entries[k].size for k in wanted)
+    values: dict[str, Any] = {}
+    with progress_bar(not args.json, "reading") as progress:
+        done = 0
+        batch: list[str] = []
+        size = 0
+        for i, k in enumerate(wanted):
+            batch.append(k)
+            size += v.entries[k].size
+            if size >= (64 << 20) or i == len(wanted) - 1:
+                values.update(v.read(batch))
+                done += size
+                batch, size = [], 0
+                if progress is not None:
+                    progress(done, total)
+
+    def name(k: str) -> str:
+        return k if args.keep_prefix or not prefix else k[len(prefix) :] or k
+
+    obj: dict[str, Any] = {}
+    for k in wanted:
+        value = values[k]
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        obj[name(k)] = value if isinstance(value, torch.Tensor) else _weights_only_safe(value)
+    _write_export(obj, out, fmt, v.id, v.step, v.metadata, skipped, args.json)
     return 0
 
 

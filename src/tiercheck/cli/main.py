@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "-v", "--verbose", action="store_true", help="show tiercheck's log and tracebacks"
     )
-    version_help = "a version id, 'latest' or 'step:N'"
+    version_help = "a version id (also 'version:N'), 'latest' or 'step:N'"
     root_help = (
         "store root (the directory with tiercheck.toml), a DCP root (TierWriter's, with one "
         "store per rank), or a tier URL such as one `migrate --to` wrote (read-only)"

@@ -728,8 +728,9 @@ def _ranges(ids: Sequence[int]) -> str:
 
 
 def parse_version_spec(spec: int | str) -> tuple[str, int | None]:
-    """``17`` / ``"17"`` -> ``("id", 17)``; ``"step:N"`` -> ``("step", N)``;
-    ``"latest"`` -> ``("latest", None)``. Raises ``ValueError`` otherwise."""
+    """``17`` / ``"17"`` / ``"version:17"`` (as DCP's ``checkpoint_id`` names one) ->
+    ``("id", 17)``; ``"step:N"`` -> ``("step", N)``; ``"latest"`` -> ``("latest", None)``.
+    Raises ``ValueError`` otherwise."""
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
         raise ValueError(f"not a version: {spec!r} (expected an id, 'latest' or 'step:N')")
     if isinstance(spec, int):
@@ -743,8 +744,8 @@ def parse_version_spec(spec: int | str) -> tuple[str, int | None]:
         num = text[5:]
         if num.isdigit():
             return "step", int(num)
-    elif text.isdigit():
-        return "id", int(text)
+    elif text.removeprefix("version:").isdigit():
+        return "id", int(text.removeprefix("version:"))
     raise ValueError(f"not a version: {spec!r} (expected an id, 'latest' or 'step:N')")
 
 
