@@ -312,7 +312,7 @@ class Checkpointer:
         )
 
     def history(self) -> list[Version]:
-        """Every committed version, oldest first, with where it is held.
+        """The committed versions the tiers still hold, oldest first, and where.
 
         Reads the logs only; each :class:`~tiercheck.history.versions.Version` opens its content
         lazily (``v.entries``, ``v[key]``, ``v.to_state_dict()``).
