@@ -251,7 +251,7 @@ class ShmTier(Tier):
             return
         try:
             _private_root(self.root)
-            self.made = made_dir(self.path)  # this open created the segment (:meth:`unmake`)
+            self.made = made_dir(self.path, _os.mkdir)  # this open made it (:meth:`unmake`)
             for d in (self._blobs, self._pool_dir, self._tmp):
                 _os.makedirs(d, mode=0o700, exist_ok=True)
             with self._owner_lock():  # a claim racing this open keeps its record

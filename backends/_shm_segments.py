@@ -53,7 +53,7 @@ import os
 import resource
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -156,11 +156,11 @@ def owner_lock(path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def made_dir(path: str) -> bool:
-    """Make the directory ``path`` (mode 0700); False if it was there already. Atomic: of
-    opens racing to make it, one made it."""
+def made_dir(path: str, mkdir: Callable[..., None] = os.mkdir) -> bool:
+    """Make the directory ``path`` (mode 0700) by ``mkdir``; False if it was there already.
+    Atomic: of opens racing to make it, one made it."""
     try:
-        os.mkdir(path, mode=0o700)
+        mkdir(path, mode=0o700)
     except FileExistsError:
         return False
     return True

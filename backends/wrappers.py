@@ -185,6 +185,9 @@ class WrapperTier(Tier):
     def close(self) -> None:
         self.inner.close()
 
+    def unmake(self, store_id: str | None = None) -> None:
+        self.inner.unmake(store_id)
+
     def __enter__(self) -> WrapperTier:
         return self
 

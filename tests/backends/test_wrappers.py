@@ -145,6 +145,7 @@ CALLS: dict[str, Callable[[Tier], object]] = {
     "bind_store": lambda t: t.bind_store("/nonexistent/store"),
     "flush": lambda t: t.flush(),
     "close": lambda t: t.close(),
+    "unmake": lambda t: t.unmake(),
 }
 _METHODS = frozenset(CALLS)
 
