@@ -96,7 +96,9 @@ def test_an_outage_costs_one_try_per_call_once_a_call_gave_up(
         tier.close()
 
 
-def store(tmp_path: Path, flaky: FlakyS3, s3_server: Any, **wrappers: Any) -> Checkpointer:
+def store(
+    tmp_path: Path, flaky: FlakyS3, s3_server: Any, guarantee: str = "required", **wrappers: Any
+) -> Checkpointer:
     tiers = [
         TierSpec("mem", f"memory://{uuid.uuid4().hex}"),
         TierSpec("s3sync", bucket_url(s3_server), options_via(flaky, s3_server, **wrappers)),
@@ -108,7 +110,7 @@ def store(tmp_path: Path, flaky: FlakyS3, s3_server: Any, **wrappers: Any) -> Ch
         tiers={
             "mem": TierPolicy(keep_bases=1, keep_diffs=1),
             "s3sync": TierPolicy(versions="all", mode="sync", keep_bases=1, keep_diffs=1),
-            "s3": TierPolicy(versions="base", mode="async", keep_bases=1, guarantee="required"),
+            "s3": TierPolicy(versions="base", mode="async", keep_bases=1, guarantee=guarantee),
         },
     )
     return Checkpointer(tmp_path / "s", tiers=tiers, policy=policy)
@@ -153,7 +155,9 @@ def test_without_the_retry_the_same_faults_fail_the_save(
 ) -> None:
     """The faults above are real: with ``retry = false`` the synchronous S3 tier fails."""
     flaky.fraction = 0.2
-    ckpt = store(tmp_path, flaky, s3_server, retry=False)
+    # the asynchronous tier best effort: the faults may keep it from opening, and a required
+    # one that could not be opened fails every wait_migrated() (close() says so)
+    ckpt = store(tmp_path, flaky, s3_server, guarantee="best_effort", retry=False)
     try:
         assert not isinstance(ckpt.tierset.get("s3sync").tier, RetryTier)
         failed = 0
@@ -161,7 +165,7 @@ def test_without_the_retry_the_same_faults_fail_the_save(
             try:
                 ckpt.save(step, state_of(step)).wait()
             except DurabilityError as exc:
-                assert "s3sync" in exc.failed
+                assert "s3sync" in exc.failed, exc
                 failed += 1
         assert failed > 0 and flaky.injected > 0
         # the migrations to the asynchronous S3 tier are the scheduler's to retry, whole
