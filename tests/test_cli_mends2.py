@@ -262,3 +262,33 @@ def test_a_version_named_as_dcp_names_it_is_accepted() -> None:
     for bad in ("version:", "version:x", "version:-1"):
         with pytest.raises(ValueError, match="not a version"):
             parse_version_spec(bad)
+
+
+def test_rm_of_a_segment_migrate_wrote_deletes_it_and_refuses_a_stores_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``migrate --to shm://NAME`` made a segment that neither ``rm`` (not a store root)
+    nor ``gc --orphans`` (no store owns it) would delete: ``rm shm://NAME`` does now. A
+    segment a live store names is refused (delete the store)."""
+    import os
+    import uuid
+
+    from tiercheck.backends import DEFAULT_SHM_ROOT
+
+    root = tmp_path / "store"
+    name = f"mends-copy-{uuid.uuid4().hex[:8]}"
+    try:
+        with Checkpointer(root) as ckpt:
+            ckpt.save(1, {"w": torch.ones(256)}).wait()
+            own = ckpt.tierset.get("shm").spec.url
+        _cli(capsys, "migrate", root, "latest", "--to", f"shm://{name}")
+        assert os.path.isdir(os.path.join(DEFAULT_SHM_ROOT, name))
+        out, _ = _cli(capsys, "rm", f"shm://{name}", "--json")
+        assert json.loads(out)["segments"] == [os.path.join(DEFAULT_SHM_ROOT, name)]
+        assert not os.path.exists(os.path.join(DEFAULT_SHM_ROOT, name))
+        _, err = _cli(capsys, "rm", own, ok=2)
+        assert "is a tier of the store at" in err
+        _, err = _cli(capsys, "rm", f"shm://{name}", ok=2)
+        assert "no shm segment" in err
+    finally:
+        destroy_store(root)

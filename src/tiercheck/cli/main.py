@@ -189,9 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(also those a deleted root left behind) and its LMDB environments. Refused while a "
         "process holds the store open for writing. Remote tiers outside the root and peer "
         "daemons are kept and listed. A DCP root (one store per rank in ROOT/rank{r}) is "
-        "deleted rank by rank, none if any is held open.",
+        "deleted rank by rank, none if any is held open. ROOT may also be shm://NAME: a "
+        "segment that is no store's tier (one `migrate --to` wrote, or a deleted store's).",
     )
-    p.add_argument("root", metavar="ROOT", help="store root")
+    p.add_argument("root", metavar="ROOT", help="store root, DCP root, or shm://NAME")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.set_defaults(func=cmd_rm)
 

@@ -30,16 +30,16 @@ if TYPE_CHECKING:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from tiercheck.store.lifecycle import destroy_store
+    from tiercheck.store.lifecycle import destroy_segment, destroy_store
 
     ranks = dcp_ranks(args.root)  # a DCP root: every rank's store, or none of them
     try:
-        if ranks:
+        if args.root.startswith("shm://"):  # a segment that is no store's tier
+            reports = [destroy_segment(args.root, dry_run=args.dry_run)]
+        else:
             for path in ranks:  # one held by a live process stops it before any is deleted
                 destroy_store(path, dry_run=True)
-        reports: list[DestroyReport] = [
-            destroy_store(path, dry_run=args.dry_run) for path in ranks or [args.root]
-        ]
+            reports = [destroy_store(path, dry_run=args.dry_run) for path in ranks or [args.root]]
     except StoreLocked as exc:
         raise UsageError(str(exc)) from None
     except (ConfigError, FileNotFoundError) as exc:

@@ -62,6 +62,7 @@ __all__ = [
     "DestroyReport",
     "Orphan",
     "adopt_store",
+    "destroy_segment",
     "destroy_store",
     "find_orphans",
     "remove_orphans",
@@ -380,6 +381,31 @@ def _owns(owner: StoreOwner | None, config: StoreConfig, root: Path) -> bool:
         recorded = owner.root
         return owner.store_id is None and recorded is not None and _same_path(recorded, str(root))
     return identity.relation(owner, config.store_id, root) in ("own", "moved")
+
+
+def destroy_segment(url: str, *, dry_run: bool = False) -> DestroyReport:
+    """Delete the shm segment ``url`` (``shm://NAME`` under the default shm root) that is
+    not a tier of a store: one ``tiercheck migrate --to`` wrote, or one whose store is gone.
+    Refused (``ConfigError``) for a segment a store still names (delete that store), and
+    while a live process holds it open (``StoreLocked``); ``FileNotFoundError`` if there
+    is none."""
+    name = url.removeprefix("shm://").rstrip("/")
+    found = [s for s in list_segments(DEFAULT_SHM_ROOT, sizes=True) if s.name == name]
+    if not url.startswith("shm://") or not found:
+        raise FileNotFoundError(f"no shm segment {url} in {DEFAULT_SHM_ROOT}")
+    seg = found[0]
+    if seg.store is not None and _orphan_reason(seg) is None:
+        raise ConfigError(
+            f"{url} is a tier of the store at {seg.store}: delete that store "
+            f"(tiercheck rm {seg.store}), not its tier"
+        )
+    held = _still_held([seg.path])
+    if held:
+        raise StoreLocked(
+            f"{url} is held open by process {held[os.path.realpath(seg.path)]}; nothing was deleted"
+        )
+    freed = seg.nbytes or 0 if dry_run else remove_segment(seg.path)
+    return DestroyReport(url, (seg.path,), freed, (), (), dry_run)
 
 
 def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> DestroyReport:
