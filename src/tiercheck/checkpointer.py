@@ -210,8 +210,8 @@ class Checkpointer:
     # --- migration ------------------------------------------------------------------------
 
     def retry_migrations(self) -> int:
-        """Retry now the migrations waiting out a backoff (a tier was unreachable); returns
-        how many there were. Migrations are retried automatically; this skips the wait."""
+        """Retry now the migrations waiting out a backoff, and open the tiers that could not
+        be reached at the open (on this thread); returns how many migrations waited."""
         migrations = self._engine.migrations
         return migrations.retry_now() if migrations is not None else 0
 
