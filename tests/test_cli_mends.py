@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _clirun import run_cli as _cli
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -21,15 +22,6 @@ from tiercheck.cli.main import main
 from tiercheck.formats.codecs import Codec, encode_blob
 from tiercheck.integrations.dcp import TierWriter
 from tiercheck.store.lifecycle import destroy_store
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *args: str | Path, ok: int = 0) -> tuple[str, str]:
-    """Run ``main`` in this process; check its exit status; return stdout and stderr."""
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    assert rc == ok, (args, rc, out.out, out.err)
-    return out.out, out.err
 
 
 def _one_line_error(err: str) -> str:

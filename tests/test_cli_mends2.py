@@ -14,20 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _clirun import run_cli as _cli
 
 from tiercheck import Checkpointer, Policy, TierSpec
 from tiercheck.cli.main import main
 from tiercheck.store.lifecycle import destroy_store
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *args: str | Path, ok: int = 0) -> tuple[str, str]:
-    """Run ``main`` in this process; check its exit status; return stdout and stderr."""
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    assert rc == ok, (args, rc, out.out, out.err)
-    return out.out, out.err
-
 
 # --- 4: read-only commands next to a trainer that saves ---------------------------------------
 

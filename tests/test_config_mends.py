@@ -17,13 +17,13 @@ import subprocess
 import sys
 import traceback
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import _fresh
 import pytest
 import torch
+from _tmpfs import tmpfs
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.backends.registry import open_tier
@@ -178,26 +178,6 @@ def test_bad_lmdb_options_are_config_errors_naming_them(
 # --- (5) a full disk -------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A ``size`` tmpfs mounted at ``path`` (the test is skipped where it cannot be)."""
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def _fill(disk: Path) -> Path:
     """A ballast file that takes every free block of ``disk``."""
     ballast = disk / "ballast"
@@ -217,7 +197,7 @@ def _temp_files(root: Path) -> list[str]:
 
 
 def test_a_writable_open_on_a_full_disk_leaves_the_store_file_alone(tmp_path: Path) -> None:
-    with _tmpfs(tmp_path / "disk", "24m") as disk:
+    with tmpfs(tmp_path / "disk", "24m") as disk:
         root = disk / "store"
         try:
             _store(root)

@@ -8,22 +8,20 @@ left the garbage has exited.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import struct
-import subprocess
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import _fresh
 import lmdb
 import pytest
 import torch
+from _tmpfs import tmpfs
 
 from tiercheck import Checkpointer
 from tiercheck.errors import DurabilityError
@@ -31,26 +29,6 @@ from tiercheck.store.config import TierSpec
 from tiercheck.store.policy import Policy, TierPolicy
 
 MiB = 1 << 20
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str = "40m") -> Iterator[Path]:
-    """A ``size`` tmpfs mounted at ``path`` (the test is skipped where it cannot be)."""
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def used(path: Path) -> float:

@@ -846,17 +846,8 @@ class SaveService(SaveQueue):
         rank falls short. ``anywhere``: this rank committed it in some tier."""
         states = job.handle.result_now()
         multi = self.world_size > 1
-        mine = guarantees.check(
-            "wait",
-            version=info.id,
-            step=info.step,
-            role=info.role,
-            slots=self.tierset.slots,
-            policy=self.policy,
-            states=states.tiers,
-            errors=states.errors,
-            rank=self.rank if multi else None,
-        )
+        rank = self.rank if multi else None
+        mine = guarantees.judge("wait", info, states, self.tierset.slots, self.policy, rank)
         if not multi:
             return mine
         problem = str(mine) if mine is not None else ""

@@ -28,14 +28,18 @@ is told when only a skipped tier would have given it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.errors import DurabilityError
 from tiercheck.store.policy import Durability, Policy
 from tiercheck.store.tierset import TierSlot
 
-__all__ = ["Phase", "check", "describe_survival", "survives"]
+if TYPE_CHECKING:
+    from tiercheck.formats.manifest import VersionInfo
+    from tiercheck.runtime.handles import SaveResult
+
+__all__ = ["Phase", "check", "describe_survival", "judge", "survives"]
 
 Phase = Literal["wait", "migrated"]
 
@@ -129,4 +133,27 @@ def check(
         step=step,
         committed=committed,
         failed=failed,
+    )
+
+
+def judge(
+    phase: Phase,
+    info: VersionInfo,
+    result: SaveResult,
+    slots: Sequence[TierSlot],
+    policy: Policy,
+    rank: int | None = None,
+) -> DurabilityError | None:
+    """:func:`check` of version ``info`` by the tier states and errors of its save's
+    ``result`` (a handle's ``result_now()``)."""
+    return check(
+        phase,
+        version=info.id,
+        step=info.step,
+        role=info.role,
+        slots=slots,
+        policy=policy,
+        states=result.tiers,
+        errors=result.errors,
+        rank=rank,
     )

@@ -196,18 +196,13 @@ class MigrationService:
         fails it (no migration settles the handle, to say so)."""
         if targets or all(s.tier is not None for s in self.tierset.slots):
             return None
-        states = handle.result_now()
-        return guarantees.check(
-            "migrated",
-            version=info.id,
-            step=info.step,
-            role=info.role,
-            slots=self.tierset.slots,
-            policy=self.policy,
-            states=states.tiers,
-            errors=states.errors,
-            rank=self.rank if self.world_size > 1 else None,
-        )
+        return self._migrated_shortfall(info, handle)
+
+    def _migrated_shortfall(self, info: VersionInfo, handle: SaveHandle) -> DurabilityError | None:
+        """What ``wait_migrated()`` raises for ``info``, by its handle's tier states."""
+        rank = self.rank if self.world_size > 1 else None
+        slots = self.tierset.slots
+        return guarantees.judge("migrated", info, handle.result_now(), slots, self.policy, rank)
 
     def _takes_base(self, tier: str, base: int) -> bool:
         """Whether ``tier`` holds version ``base`` or is being sent it: a version that
@@ -572,20 +567,7 @@ class MigrationService:
             self.maintenance.discard([job.slot.name], job.written)
         handle = job.handle
         if handle is not None and handle._migration_settled(job.slot.name, state, error):
-            states = handle.result_now()
-            handle._settle_migrated(
-                guarantees.check(
-                    "migrated",
-                    version=job.info.id,
-                    step=job.info.step,
-                    role=job.info.role,
-                    slots=self.tierset.slots,
-                    policy=self.policy,
-                    states=states.tiers,
-                    errors=states.errors,
-                    rank=self.rank if self.world_size > 1 else None,
-                )
-            )
+            handle._settle_migrated(self._migrated_shortfall(job.info, handle))
 
     def _exempt(self, catalog: Catalog, versions: list[int]) -> set[str]:
         """The tiers with a memory budget whose copies of ``versions`` a migration need not
