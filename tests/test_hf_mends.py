@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +77,6 @@ def main() -> None:
         _train(work, "run2", seed=2, resume=True)
 
 
-@pytest.fixture
-def work(tmp_path: Path) -> Iterator[Path]:
-    try:
-        yield tmp_path
-    finally:
-        destroy_stores(tmp_path)
-
-
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, __file__, *args],
@@ -97,17 +88,20 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_resume_without_tiercheck_pointer_raises_and_loads_no_other_run(work: Path) -> None:
-    runs = _run("runs", str(work))
-    assert runs.returncode == -signal.SIGKILL, runs.stdout[-3000:] + runs.stderr[-5000:]
-    assert "run1: done at step 4" in runs.stdout
-    ckpt = work / "run2" / "checkpoint-2"
-    assert ckpt.is_dir() and not (ckpt / "tiercheck.json").exists()
-    resumed = _run("resume", str(work))
-    out = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 1, out[-5000:]
-    assert "run2: done" not in out
-    assert "CheckpointError" in out and f"{ckpt / 'tiercheck.json'} does not exist" in out, out
+def test_resume_without_tiercheck_pointer_raises_and_loads_no_other_run(tmp_path: Path) -> None:
+    try:
+        runs = _run("runs", str(tmp_path))
+        assert runs.returncode == -signal.SIGKILL, runs.stdout[-3000:] + runs.stderr[-5000:]
+        assert "run1: done at step 4" in runs.stdout
+        ckpt = tmp_path / "run2" / "checkpoint-2"
+        assert ckpt.is_dir() and not (ckpt / "tiercheck.json").exists()
+        resumed = _run("resume", str(tmp_path))
+        out = resumed.stdout + resumed.stderr
+        assert resumed.returncode == 1, out[-5000:]
+        assert "run2: done" not in out
+        assert "CheckpointError" in out and f"{ckpt / 'tiercheck.json'} does not exist" in out
+    finally:
+        destroy_stores(tmp_path)
 
 
 if __name__ == "__main__":
