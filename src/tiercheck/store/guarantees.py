@@ -28,7 +28,7 @@ is told when only a skipped tier would have given it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from tiercheck.backends.base import Capabilities, FailureDomain
 from tiercheck.errors import DurabilityError
@@ -37,9 +37,19 @@ from tiercheck.store.tierset import TierSlot
 
 if TYPE_CHECKING:
     from tiercheck.formats.manifest import VersionInfo
-    from tiercheck.runtime.handles import SaveResult
 
-__all__ = ["Phase", "check", "describe_survival", "judge", "survives"]
+
+class Outcome(Protocol):
+    """A save's tier states and errors (a handle's ``result_now()``)."""
+
+    @property
+    def tiers(self) -> Mapping[str, str]: ...
+
+    @property
+    def errors(self) -> Mapping[str, str]: ...
+
+
+__all__ = ["Outcome", "Phase", "check", "describe_survival", "judge", "survives"]
 
 Phase = Literal["wait", "migrated"]
 
@@ -139,7 +149,7 @@ def check(
 def judge(
     phase: Phase,
     info: VersionInfo,
-    result: SaveResult,
+    result: Outcome,
     slots: Sequence[TierSlot],
     policy: Policy,
     rank: int | None = None,
