@@ -46,6 +46,7 @@ __all__ = [
     "flatten",
     "is_stateful",
     "pack_exact",
+    "tensor_place",
     "torch_dtype",
 ]
 
@@ -67,6 +68,13 @@ class Leaf:
     shape: tuple[int, ...]
     nbytes: int
     placement: ShardPlacement | None = None  # set for the local piece of a DTensor
+
+
+def tensor_place(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where ``t`` is as a view of memory: device, address, dtype, shape and strides. Equal
+    for two tensor objects that are the same view, as the tensors a ``state_dict()`` hands
+    out are of the live ones."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
 def is_stateful(obj: object) -> bool:

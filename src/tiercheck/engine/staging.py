@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tiercheck.core.chunking import Layout
-from tiercheck.core.entries import Leaf, torch_dtype
+from tiercheck.core.entries import Leaf, tensor_place, torch_dtype
 from tiercheck.errors import TiercheckError
 from tiercheck.formats.manifest import Entry
 
@@ -79,16 +79,13 @@ def copy_buffers(state: Any, leaves: list[Leaf]) -> list[Leaf]:
 
     found: dict[tuple[Any, ...], None] = {}
 
-    def where(t: torch.Tensor) -> tuple[Any, ...]:
-        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
     def walk(node: Any, depth: int) -> None:
         if depth > _MODULE_DEPTH:
             return
         if isinstance(node, torch.nn.Module):
             for b in node.buffers():
                 if b.numel():
-                    found[where(b)] = None
+                    found[tensor_place(b)] = None
         elif isinstance(node, Mapping):
             for v in node.values():
                 walk(v, depth + 1)
@@ -107,7 +104,7 @@ def copy_buffers(state: Any, leaves: list[Leaf]) -> list[Leaf]:
             and leaf.placement is None
             and type(value) is torch.Tensor
             and value.numel()
-            and where(value) in found
+            and tensor_place(value) in found
         ):
             leaf = dataclasses.replace(leaf, value=value.detach().clone())
         out.append(leaf)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.core.chunking import ALIGN, cut_windows
-from tiercheck.core.entries import Leaf, torch_dtype
+from tiercheck.core.entries import Leaf, tensor_place, torch_dtype
 from tiercheck.core.sharded import local_tensor
 from tiercheck.errors import StateError
 from tiercheck.formats.manifest import (
@@ -183,18 +183,15 @@ def replayed_leaves(leaves: Sequence[Leaf], replayed: Mapping[str, Any]) -> dict
     """
     import torch
 
-    def ident(t: torch.Tensor) -> tuple[Any, ...]:
-        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-
     by_ident = {
-        ident(local_tensor(v)): name
+        tensor_place(local_tensor(v)): name
         for name, v in replayed.items()
         if isinstance(v, torch.Tensor) and local_tensor(v).numel() > 0
     }
     out: dict[str, str] = {}
     for leaf in leaves:
         if leaf.kind == "tensor" and leaf.value.numel() > 0:
-            name = by_ident.get(ident(leaf.value))
+            name = by_ident.get(tensor_place(leaf.value))
             if name is not None:
                 out[leaf.key] = name
     return out

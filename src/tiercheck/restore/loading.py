@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tiercheck.backends.base import Later, Pins, copy_bytes
-from tiercheck.core.entries import decode_scalar, is_stateful
+from tiercheck.core.entries import decode_scalar, is_stateful, tensor_place
 from tiercheck.errors import StateError, TiercheckError
 from tiercheck.formats.manifest import ChunkRef, ShardManifest
 from tiercheck.restore.binding import MISSING, Binding
@@ -484,9 +484,6 @@ def copied_on_load(binding: Binding) -> set[int]:
     converted, so copied). Their bytes must be written, and they loaded again."""
     import torch
 
-    def where(t: Any) -> tuple[Any, ...]:
-        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
     def tensors(value: Any) -> Iterator[Any]:
         if isinstance(value, torch.Tensor):
             yield value
@@ -503,8 +500,8 @@ def copied_on_load(binding: Binding) -> set[int]:
         written = [t for t in written if isinstance(t, torch.Tensor) and t.numel()]
         if not written:
             continue
-        held = {where(t) for t in tensors(binding.objects[node_id][1].state_dict())}
-        if any(where(t) not in held for t in written):
+        held = {tensor_place(t) for t in tensors(binding.objects[node_id][1].state_dict())}
+        if any(tensor_place(t) not in held for t in written):
             out.add(node_id)
     return out
 
