@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from tiercheck.backends.base import StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
@@ -84,7 +85,7 @@ class TierSet:
         self.created = created and self.store_id is not None
         try:
             resolved = [identity.resolve_spec(s, root, self.store_id) for s in specs]
-            self._open_all(resolved, policy, read_only)
+            self._open_all(resolved, policy)
             owners: dict[str, StoreOwner | None] = {}
             if root is not None and self.store_id is not None and not read_only:
                 owners = self._owners()
@@ -97,7 +98,7 @@ class TierSet:
                     if again != resolved:
                         self._close_tiers()
                         self.slots, resolved, owners = [], again, {}
-                        self._open_all(resolved, policy, read_only)
+                        self._open_all(resolved, policy)
             if root is not None and self.store_id is not None:
                 self._claim(root, self.store_id, read_only, owners)
         except BaseException:
@@ -108,7 +109,7 @@ class TierSet:
         if owner is not None and not read_only:
             self._bind(os.fspath(owner), specs)
 
-    def _open_all(self, specs: Sequence[TierSpec], policy: Policy, read_only: bool) -> None:
+    def _open_all(self, specs: Sequence[TierSpec], policy: Policy) -> None:
         for spec in specs:
             try:
                 # secrets referenced as {env = NAME} / {file = PATH} are read now
@@ -119,13 +120,8 @@ class TierSet:
                 )
                 self.slots.append(TierSlot(spec, None, None, str(exc)))
                 continue
-            options, wrappers = split_options(options)
-            wrapping(spec.url, wrappers)  # bad options: a ConfigError before anything opens
-            if read_only:
-                options["read_only"] = True
             try:
-                opening = functools.partial(open_tier, spec.url, **options)
-                tier = open_wrapped(spec.url, wrappers, opening)
+                tier = self._open_one(spec, options)
             except InvalidURL:
                 raise
             except (TierError, OSError) as exc:
@@ -137,6 +133,15 @@ class TierSet:
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
 
+    def _open_one(self, spec: TierSpec, options: dict[str, Any]) -> Tier:
+        """Open ``spec``'s tier with ``options`` (its secrets read) inside the wrappers they
+        ask for; bad wrapper options are a ``ConfigError`` before anything opens."""
+        options, wrappers = split_options(options)
+        wrapping(spec.url, wrappers)
+        if self._read_only:
+            options["read_only"] = True
+        return open_wrapped(spec.url, wrappers, functools.partial(open_tier, spec.url, **options))
+
     def reopen(self, slot: TierSlot) -> bool:
         """Open ``slot``'s tier, which could not be reached when the store was opened, as
         the open would have: its owner record checked and, writing, this store recorded in
@@ -144,11 +149,7 @@ class TierSet:
         says why). A tier of another store stays out (``ForeignTier`` is logged)."""
         spec = slot.spec
         try:
-            options, wrappers = split_options(resolve_references(spec.options, tier=spec.name))
-            if self._read_only:
-                options["read_only"] = True
-            opening = functools.partial(open_tier, spec.url, **options)
-            tier = open_wrapped(spec.url, wrappers, opening)
+            tier = self._open_one(spec, resolve_references(spec.options, tier=spec.name))
         except (TierError, OSError, ConfigError) as exc:
             slot.error = str(exc)
             return False

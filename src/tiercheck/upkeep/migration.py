@@ -208,7 +208,7 @@ class MigrationService:
         """Whether ``tier`` holds version ``base`` or is being sent it: a version that
         follows a base is restored from a tier only with its base there."""
         tl = self.catalog.snapshot().logs.get(tier)
-        if tl is not None and base in tl.committed and base not in tl.dropped:
+        if tl is not None and tl.holds(base):
             return True
         with self._cond:
             return any(j.info.id == base and j.slot.name == tier for j in self._jobs())
