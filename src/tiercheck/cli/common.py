@@ -283,11 +283,20 @@ def _holds_anything(tier: Any) -> bool:
 
 def pick_version(ckpt: Any, spec: str, rank: int | None = None) -> history.Version:
     """The version ``spec`` names (id, ``latest``, ``step:N``); UsageError if none."""
+    return _picked(ckpt, ckpt.history(), [spec], rank)[0]
+
+
+def _picked(
+    ckpt: Any, rows: Sequence[history.Version], specs: Sequence[str], rank: int | None
+) -> list[history.Version]:
+    """The versions ``specs`` name among ``rows`` (every spec checked first); UsageError
+    for a malformed one or one that names no version."""
     from tiercheck.history import versions as history
 
     try:
-        history.parse_version_spec(spec)
-        return ckpt.version(spec, rank=rank)  # type: ignore[no-any-return]
+        for spec in specs:
+            history.parse_version_spec(spec)
+        return [history.resolve_version(rows, spec, rank=rank) for spec in specs]
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except NoRestorableVersion as exc:
@@ -301,19 +310,10 @@ def read_picked(
     if there is none), resolved on one view of the history; a version a writer's retention
     drops while it is read is picked again (``latest``) or named as dropped
     (:func:`tiercheck.history.reading.read_versions`)."""
-    from tiercheck.history import versions as history
-
-    rows = ckpt.history()
-    try:
-        for spec in specs:
-            history.parse_version_spec(spec)
-        picked = [history.resolve_version(rows, spec, rank=rank) for spec in specs]
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    except NoRestorableVersion as exc:
-        raise UsageError(f"{label(ckpt)}: {exc}") from None
     from tiercheck.history.reading import read_versions
 
+    rows = ckpt.history()
+    picked = _picked(ckpt, rows, specs, rank)
     return read_versions(ckpt, specs, read, rank=rank, opened=(rows, picked))
 
 
