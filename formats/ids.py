@@ -1,6 +1,12 @@
-"""Chunk ids: BLAKE3-256 of a chunk's raw bytes, as 64 lowercase hex characters.
+"""Chunk ids: BLAKE3-256 of a chunk's raw bytes, as 64 lowercase hex characters; and
+chunk checks: XXH3-128 of the same bytes.
 
-An id names content, whatever the encoding of a stored copy (SPEC.md section 2).
+An id names content, whatever the encoding of a stored copy (SPEC.md section 2). A check
+(schema 1.2, SPEC.md section 7.2) is recorded in the shard manifest next to the id, taken
+from the same bytes before their id: a copy of a chunk that never left this host's memory
+(a blob of the shm tier read where it lies) is verified against it at restore, at memory
+speed (XXH3-128 runs at about 30 GB/s on one core here, BLAKE3 at about 5), as a file
+system checks its blocks with a fast checksum and keeps a cryptographic hash for dedup.
 """
 
 from __future__ import annotations
@@ -11,12 +17,25 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import blake3
+import xxhash
 
-__all__ = ["ID_HEX_LENGTH", "Buffer", "as_byte_view", "chunk_id", "chunk_ids"]
+__all__ = [
+    "CHECK_SIZE",
+    "ID_HEX_LENGTH",
+    "Buffer",
+    "as_byte_view",
+    "chunk_check",
+    "chunk_checks",
+    "chunk_id",
+    "chunk_ids",
+]
 
 Buffer = bytes | bytearray | memoryview
 
 ID_HEX_LENGTH = 64
+
+#: bytes of a chunk check (XXH3-128, canonical big-endian, seed 0)
+CHECK_SIZE = 16
 
 # Above this size one chunk is hashed by blake3's own worker pool (max_threads=AUTO, one
 # pool for the process), which splits the BLAKE3 tree across cores. Measured on 2 cores
@@ -53,6 +72,24 @@ def chunk_id(data: Buffer) -> str:
     if len(view) >= _TREE_PARALLEL_MIN:
         return blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
     return blake3.blake3(view).hexdigest()
+
+
+def chunk_check(data: Buffer) -> bytes:
+    """The check of ``data``: XXH3-128 (seed 0), ``CHECK_SIZE`` bytes, big-endian. The
+    GIL is released while it runs."""
+    return xxhash.xxh3_128_digest(as_byte_view(data))
+
+
+def chunk_checks(chunks: Sequence[Buffer], pool: Executor | None = None) -> list[bytes]:
+    """The check of every buffer in ``chunks``, in order: on the calling thread, and on one
+    task of ``pool`` for the second half where there is enough to share (a save takes
+    them on its hashing lanes, just before the ids)."""
+    views = [as_byte_view(c) for c in chunks]
+    if pool is None or len(views) < 2 or sum(len(v) for v in views) < _POOL_MIN_BYTES:
+        return [chunk_check(v) for v in views]
+    half = len(views) // 2
+    later = pool.submit(lambda: [chunk_check(v) for v in views[half:]])
+    return [chunk_check(v) for v in views[:half]] + later.result()
 
 
 def _hash_serial(views: Sequence[memoryview]) -> list[str]:

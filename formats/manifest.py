@@ -15,6 +15,9 @@ replayed and verified at restore. SPEC.md section 12 defines it. It also adds sh
 tensors: an entry that is one rank's piece of a distributed tensor (DTensor), placed in the
 global tensor by a :class:`ShardPlacement` (the manifest's optional ``sharded`` key, SPEC.md
 section 14).
+
+Schema 1.2 adds each chunk's check (:attr:`ChunkRef.check`, the shard manifest's optional
+``checks`` key): XXH3-128 of the chunk's bytes, taken by the save before their id.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import msgpack
 import numpy as np
 
 from tiercheck.errors import BlobCorrupt, FormatVersionError
+from tiercheck.formats.ids import CHECK_SIZE
 
 __all__ = [
     "MAX_INT",
@@ -62,7 +66,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1
+SCHEMA_MINOR = 2
 
 # The torch dtypes a tensor entry may name (``str(dtype)`` without ``torch.``) and the
 # bytes per element of each: a reader checks an entry's ``nbytes`` against its shape with
@@ -131,11 +135,18 @@ class Entry:
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """A window ``[offset, offset + length)`` of the stream and the id of its content."""
+    """A window ``[offset, offset + length)`` of the stream and the id of its content.
+
+    ``check`` (schema 1.2): XXH3-128 of the same bytes, which the save took before their id
+    (:func:`~tiercheck.formats.ids.chunk_checks`); a restore verifies a copy read in place
+    from a memory tier of this host against it instead of re-hashing BLAKE3 (SPEC.md
+    section 7.2). None where the writer recorded none. Not part of equality: the id names
+    the content."""
 
     id: str
     offset: int
     length: int
+    check: bytes | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -468,6 +479,8 @@ def pack_manifest(m: ShardManifest) -> bytes:
         "tree": m.tree,
         "extra": dict(m.extra),
     }
+    if m.chunks and all(c.check is not None for c in m.chunks):
+        obj["checks"] = b"".join(c.check for c in m.chunks if c.check is not None)
     if m.log is not None:
         obj["log"] = _replay_log_to_obj(m.log)
     if m.sharded:
@@ -517,6 +530,7 @@ def unpack_manifest(data: bytes | memoryview) -> ShardManifest:
         if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
             raise BlobCorrupt(f"malformed {what}: bad chunk {raw!r:.80}")
         chunks.append(ChunkRef(_id_hex(cid, what), offset, length))
+    chunks = _with_checks(chunks, obj.get("checks"), what)
     extra = obj.get("extra", {})
     if not isinstance(extra, dict):
         raise BlobCorrupt(f"malformed {what}: extra must be a map")
@@ -549,6 +563,21 @@ def unpack_manifest(data: bytes | memoryview) -> ShardManifest:
         log=replay_log,
         sharded=sharded,
     )
+
+
+def _with_checks(chunks: list[ChunkRef], checks: Any, what: str) -> list[ChunkRef]:
+    """``chunks`` with the checks of the manifest's optional ``checks`` key (schema 1.2):
+    ``CHECK_SIZE`` bytes per chunk, in chunk order; absent, the chunks have none."""
+    if checks is None:
+        return chunks
+    if not isinstance(checks, bytes) or len(checks) != CHECK_SIZE * len(chunks):
+        raise BlobCorrupt(
+            f"malformed {what}: checks must be {CHECK_SIZE} bytes for each of {len(chunks)} chunks"
+        )
+    return [
+        ChunkRef(c.id, c.offset, c.length, checks[i * CHECK_SIZE : (i + 1) * CHECK_SIZE])
+        for i, c in enumerate(chunks)
+    ]
 
 
 def element_size(kind: str, dtype: str) -> int | None:

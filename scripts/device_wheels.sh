@@ -18,7 +18,7 @@ cd "$here"
 py="$here/.venv/bin/python"
 dest="${1:-$here/.whl}"
 pyver="${PYVER:-3.12}"
-packages="${PACKAGES:-blake3 lmdb zstandard bitmath tenacity tomli_w}"
+packages="${PACKAGES:-blake3 xxhash lmdb zstandard bitmath tenacity tomli_w}"
 mkdir -p "$dest"
 rm -f "$dest"/*.whl
 platforms=()

@@ -19,6 +19,7 @@ from typing import Any
 import blake3
 import msgpack
 import pytest
+import xxhash
 import zstandard
 
 from tiercheck.errors import BlobCorrupt
@@ -195,6 +196,30 @@ def test_golden_manifest() -> None:
     assert pack_manifest(fixed) == data
 
 
+def test_golden_manifest_checks_are_xxh3_128_of_each_chunk() -> None:
+    """Schema 1.2: ``checks`` is 16 bytes per chunk, XXH3-128 (seed 0, big-endian) of the
+    window's bytes, read here with msgpack and xxhash alone (SPEC.md section 7.2)."""
+    base, new = _inputs()["base"], _inputs()["new"]
+    obj = msgpack.unpackb(_read("manifest.msgpack"), raw=False)
+    assert obj["v"] == [1, 2]
+    windows = [base[:4096], new]  # the bytes fixed_manifest names its two chunks by
+    assert [bytes(cid) for cid, _, _ in obj["chunks"]] == [
+        blake3.blake3(w).digest() for w in windows
+    ]
+    assert obj["checks"] == b"".join(xxhash.xxh3_128_digest(w) for w in windows)
+    assert [c.check for c in unpack_manifest(_read("manifest.msgpack")).chunks] == [
+        xxhash.xxh3_128(w).digest() for w in windows
+    ]
+
+
+@pytest.mark.parametrize("cut", [1, 16, 17])
+def test_checks_not_16_bytes_a_chunk_are_corruption(cut: int) -> None:
+    obj = msgpack.unpackb(_read("manifest.msgpack"), raw=False)
+    obj["checks"] = obj["checks"][:-cut]
+    with pytest.raises(BlobCorrupt, match="checks must be 16 bytes"):
+        unpack_manifest(msgpack.packb(obj, use_bin_type=True))
+
+
 def test_golden_log() -> None:
     base, new = _inputs()["base"], _inputs()["new"]
     records = MAKER.fixed_records(INDEX["manifest"]["id"], base, new)
@@ -224,12 +249,33 @@ def test_v1_0_vectors_intact_and_read() -> None:
     old_manifest = _read("v1_0/manifest.msgpack")
     fixed = MAKER.fixed_manifest(base, new)
     assert unpack_manifest(old_manifest) == fixed
+    assert all(c.check is None for c in unpack_manifest(old_manifest).chunks)
     # "v" is the last key and [1, minor] packs as 92 01 <minor>: re-encoding changes only it
-    assert pack_manifest(fixed) == old_manifest[:-1] + bytes([SCHEMA_MINOR])
+    assert pack_manifest(unpack_manifest(old_manifest)) == old_manifest[:-1] + bytes([SCHEMA_MINOR])
     payloads = list(iter_frames(_read("v1_0/log.bin")))
     records = MAKER.fixed_records(chunk_id(old_manifest), base, new)
     assert [unpack_record(p) for p in payloads] == records
     assert [pack_record(r) for r in records] == [p[:-1] + bytes([SCHEMA_MINOR]) for p in payloads]
+
+
+def test_v1_1_vectors_intact_and_read() -> None:
+    """Schema 1.1 (before chunk checks): every manifest and record reads as it did, its
+    chunks without checks (restore verifies them by BLAKE3), and re-encodes with only its
+    minor version changed."""
+    base, new = _inputs()["base"], _inputs()["new"]
+    for name, spec in INDEX["v1_1"].items():
+        data = _read(spec["file"])
+        assert chunk_id(data) == spec["blake3"], name
+        if name.endswith(".msgpack"):
+            m = unpack_manifest(data)
+            assert all(c.check is None for c in m.chunks)
+            assert pack_manifest(m) == data[:-1] + bytes([SCHEMA_MINOR])
+        else:
+            payloads = list(iter_frames(data))
+            assert [pack_record(unpack_record(p)) for p in payloads] == [
+                p[:-1] + bytes([SCHEMA_MINOR]) for p in payloads
+            ]
+    assert unpack_manifest(_read("v1_1/manifest.msgpack")) == MAKER.fixed_manifest(base, new)
 
 
 # --- schema 1.1: log versions (SPEC.md section 12) -------------------------------------

@@ -7,8 +7,8 @@ imports them to re-encode and compare); the raw chunk inputs are also written ou
 files, so the vectors do not depend on any random number generator staying stable.
 Regenerating is a format change: it must come with a SPEC.md change and a version bump,
 unless only the libzstd version changed (see SPEC.md section 11). The vectors of older
-schema versions live in ``v1_0/`` and are never regenerated: they are what a newer reader
-must keep reading.
+schema versions live in ``v1_0/`` and ``v1_1/`` and are never regenerated: they are what a
+newer reader must keep reading.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import zstandard
 
 from tiercheck.core.entries import encode_scalar
 from tiercheck.formats import Codec, chunk_id, encode_blob, frame_record
+from tiercheck.formats.ids import chunk_check
 from tiercheck.formats.manifest import (
     SCHEMA_MAJOR,
     SCHEMA_MINOR,
@@ -90,7 +91,10 @@ def fixed_manifest(base: bytes, new: bytes) -> ShardManifest:
             Entry("model/b", "tensor", "bfloat16", (3,), 4096, 6),
             Entry("step", "msgpack", "", (), 4160, 1),
         ),
-        chunks=(ChunkRef(chunk_id(base[:4096]), 0, 4096), ChunkRef(chunk_id(new), 4096, 4099)),
+        chunks=(
+            ChunkRef(chunk_id(base[:4096]), 0, 4096, chunk_check(base[:4096])),
+            ChunkRef(chunk_id(new), 4096, 4099, chunk_check(new)),
+        ),
         tree={
             "d": [["model", {"o": {"d": [["w", {"e": 0}], ["b", {"e": 1}]]}}], ["step", {"e": 2}]]
         },
@@ -344,6 +348,15 @@ def fixed_fingerprints(base: bytes, new: bytes) -> dict[str, dict[str, bytes]]:
     }
 
 
+V1_1_FILES = (
+    "manifest.msgpack",
+    "log.bin",
+    "log_version_manifest.msgpack",
+    "log_version_records.bin",
+    "sharded_manifest.msgpack",
+)
+
+
 def main() -> None:
     base, new = fixed_chunks()
     files: dict[str, bytes] = {"input_base.bin": base, "input_new.bin": new}
@@ -425,6 +438,11 @@ def main() -> None:
         "v1_0": {
             name: {"file": f"v1_0/{name}", "blake3": chunk_id((HERE / "v1_0" / name).read_bytes())}
             for name in ("manifest.msgpack", "log.bin", "manifest_1_0.py")
+        },
+        # schema 1.1, before each chunk's check (1.2): what a 1.2 reader keeps reading
+        "v1_1": {
+            name: {"file": f"v1_1/{name}", "blake3": chunk_id((HERE / "v1_1" / name).read_bytes())}
+            for name in V1_1_FILES
         },
         "blake3": {name: chunk_id(data) for name, data in sorted(files.items())},
     }

@@ -29,7 +29,7 @@ from tiercheck.core.chunking import Layout
 from tiercheck.engine.staging import ShardBytes
 from tiercheck.errors import NotFound, OverBudget, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
-from tiercheck.formats.ids import Buffer, chunk_id, chunk_ids
+from tiercheck.formats.ids import Buffer, chunk_checks, chunk_id, chunk_ids
 from tiercheck.formats.manifest import (
     ChunkRef,
     CommitRecord,
@@ -76,10 +76,13 @@ _Encoded = tuple[str, list[Buffer], str | None]
 
 
 def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
-    """Chunk ids of every window of the staged stream, hashed on ``threads`` cores."""
+    """Chunk ids of every window of the staged stream, hashed on ``threads`` cores, and
+    their checks (taken first: :func:`~tiercheck.formats.ids.chunk_checks`)."""
     windows = layout.windows
-    ids = chunk_ids([view[o : o + n] for o, n in windows], threads=threads)
-    return tuple(ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, windows))
+    views = [view[o : o + n] for o, n in windows]
+    checks = chunk_checks(views)
+    ids = chunk_ids(views, threads=threads)
+    return tuple(ChunkRef(cid, o, n, c) for cid, c, (o, n) in zip(ids, checks, windows))
 
 
 def streamable(
@@ -174,9 +177,9 @@ class ShardStream:
     def hash(
         self, layout: Layout, threads: int | None, hashing: Executor | None = None
     ) -> tuple[ChunkRef, ...]:
-        """Chunk ids of every window of the staged stream (as :func:`hash_stream`; small
-        chunks in parallel on ``hashing``), handing each ``BATCH_BYTES`` of windows to the
-        writers as soon as it is hashed."""
+        """Chunk ids and checks of every window of the staged stream (as
+        :func:`hash_stream`; small chunks in parallel on ``hashing``), handing each
+        ``BATCH_BYTES`` of windows to the writers as soon as it is hashed."""
         windows = layout.windows
         step = max(1, BATCH_BYTES // max(1, layout.chunk_size))
         refs: list[ChunkRef] = []
@@ -185,9 +188,12 @@ class ShardStream:
                 part = windows[lo : lo + step]
                 with self._view.reading():
                     views = [self._view[o : o + n] for o, n in part]
+                    # the checks first: a byte changed between the two is caught by the
+                    # check at restore, never blessed by it (SPEC.md section 7.2)
+                    checks = chunk_checks(views, pool=hashing)
                     ids = chunk_ids(views, threads=threads, pool=hashing)
                     del views
-                batch = [ChunkRef(cid, o, n) for cid, (o, n) in zip(ids, part)]
+                batch = [ChunkRef(cid, o, n, c) for cid, c, (o, n) in zip(ids, checks, part)]
                 if self._queues:
                     self._protect(ids)
                     for q in self._queues.values():

@@ -186,7 +186,9 @@ def fetch_stream(
     def one(ref_index: int) -> None:
         ref = refs[ref_index]
         if in_place is not None and ref_index in in_place.chunks:
-            view = fetcher.fetch_in_place(ref.id, in_place.slot, in_place.pins, ref.length)
+            view = fetcher.fetch_in_place(
+                ref.id, in_place.slot, in_place.pins, ref.length, ref.check
+            )
             if view is None and in_place.every:  # no staging: a buffer of its own
                 view = memoryview(bytearray(ref.length))
                 fetcher.fetch(ref.id, view, order=order, expect=expect)

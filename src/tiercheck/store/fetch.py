@@ -33,7 +33,7 @@ from tiercheck.formats.codecs import (
     encode_blob,
     raw_payload,
 )
-from tiercheck.formats.ids import as_byte_view
+from tiercheck.formats.ids import as_byte_view, chunk_check
 from tiercheck.formats.manifest import ShardManifest, unpack_manifest
 from tiercheck.store.tierset import TierSlot
 
@@ -231,13 +231,17 @@ class ChunkFetcher:
         raise NotFound(f"chunk is in no reachable tier ({detail})", key=chunk_id)
 
     def fetch_in_place(
-        self, chunk_id: str, slot: TierSlot, pins: Pins, length: int
+        self, chunk_id: str, slot: TierSlot, pins: Pins, length: int, check: bytes | None = None
     ) -> memoryview | None:
         """The raw bytes of ``chunk_id`` where ``slot``'s tier holds them (``pins`` are that
-        tier's), verified there: no copy. None where they cannot be used in place: no copy
-        there, a damaged one, a blob encoded otherwise than raw, or not ``length`` bytes;
-        the caller then reads it with :meth:`fetch`, which reports the damage, falls back
-        to the next tier and repairs."""
+        tier's: its blobs lie in this host's memory), verified there: no copy. None where
+        they cannot be used in place: no copy there, a damaged one, a blob encoded
+        otherwise than raw, or not ``length`` bytes; the caller then reads it with
+        :meth:`fetch`, which reports the damage, falls back to the next tier and repairs.
+
+        Verified against ``check`` where the manifest records one (the chunk's XXH3-128,
+        taken by the save from the same bytes before their id: SPEC.md section 7.2), else
+        by BLAKE3 against the id."""
         if slot.policy is not None and slot.policy.codec != "raw":
             return None
         try:
@@ -245,7 +249,10 @@ class ChunkFetcher:
             raw = raw_payload(front, rest, size, chunk_id, verify=False)
             if raw is None or len(raw) != length:
                 return None
-            _verify(raw, chunk_id)
+            if check is None:
+                _verify(raw, chunk_id)
+            elif chunk_check(raw) != check:
+                return None
         except (TiercheckError, OSError, ValueError):
             return None
         self._count_read(slot.name, size)

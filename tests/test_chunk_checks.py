@@ -1,0 +1,134 @@
+"""Chunk checks (schema 1.2, SPEC.md section 7.2): every save records XXH3-128 of each
+chunk next to its id, and a restore verifies a chunk read in place from shm against it.
+A copy that fails its check is verified by BLAKE3 instead; a store written before checks
+(no ``checks`` in its manifests) is verified by BLAKE3 throughout.
+
+Real /dev/shm segments (under the test's directory) and a real LMDB environment.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+import tiercheck
+from tiercheck import Policy, TierSpec
+from tiercheck.engine import placing
+from tiercheck.formats.manifest import ShardManifest
+from tiercheck.store.fetch import ChunkFetcher
+
+CHUNK = 64 * 1024
+
+
+def open_store(tmp_path: Path) -> tiercheck.Checkpointer:
+    tiers = [
+        TierSpec("shm", f"shm://ck{uuid.uuid4().hex[:10]}", {"root": str(tmp_path / "shm")}),
+        TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
+    ]
+    return tiercheck.Checkpointer(
+        tmp_path / "store", tiers=tiers, policy=Policy(chunk_size=CHUNK, gc_grace_seconds=0)
+    )
+
+
+def state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {"w": {f"w{i}": torch.randn(50_000) for i in range(3)}, "step": seed}
+
+
+def manifest_of(ckpt: tiercheck.Checkpointer) -> ShardManifest:
+    fetcher = ChunkFetcher(ckpt.tierset.by_speed())
+    versions = ckpt.refresh().versions
+    return fetcher.manifest(versions[max(versions)].shards[0])
+
+
+def damage_in_shm(ckpt: tiercheck.Checkpointer, chunk_id: str) -> None:
+    shm = ckpt.tierset.get("shm").tier
+    assert shm is not None
+    blob = bytearray(shm.get(chunk_id))
+    blob[-1] ^= 0x40
+    shm.put(chunk_id, bytes(blob), overwrite=True)
+
+
+def test_every_saved_chunk_records_xxh3_128_of_its_bytes(tmp_path: Path) -> None:
+    with open_store(tmp_path) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        manifest = manifest_of(ckpt)
+        assert len(manifest.chunks) > 2
+        lmdb = ChunkFetcher([ckpt.tierset.get("lmdb")])
+        for ref in manifest.chunks:
+            raw = lmdb.fetch(ref.id)[0]  # verified by BLAKE3
+            assert ref.check == xxhash.xxh3_128_digest(raw), ref.id
+
+
+def test_a_chunk_that_fails_its_check_in_shm_is_read_from_lmdb_and_repaired(
+    tmp_path: Path,
+) -> None:
+    """The check, not BLAKE3, decides in place: a flipped bit in shm's copy fails it, and
+    the restore takes LMDB's copy (verified by BLAKE3), exact, and rewrites shm's."""
+    with open_store(tmp_path) as ckpt:
+        saved = state(2)
+        ckpt.save(2, saved).wait()
+        ckpt.flush()
+        manifest = manifest_of(ckpt)
+        bad = manifest.chunks[1]
+        assert bad.check is not None
+        damage_in_shm(ckpt, bad.id)
+        target = state(3)
+        info = ckpt.restore(target)
+        for k, v in saved["w"].items():
+            assert torch.equal(target["w"][k], v), k
+        assert ("shm", bad.id) in info.corrupt and ("shm", bad.id) in info.repaired
+        assert info.chunks_from == {"shm": len(manifest.chunks), "lmdb": 1}  # manifest too
+
+
+def test_in_place_a_wrong_check_defers_to_blake3_and_no_check_means_blake3(
+    tmp_path: Path,
+) -> None:
+    """``fetch_in_place``: the bytes where their check matches; None (read them the long
+    way, verified by BLAKE3) where it does not; by BLAKE3 where the manifest has none."""
+    with open_store(tmp_path) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        ref = manifest_of(ckpt).chunks[0]
+        slot = ckpt.tierset.get("shm")
+        assert slot.tier is not None and ref.check is not None
+        fetcher = ChunkFetcher(ckpt.tierset.by_speed())
+        pins = slot.tier.pin()
+        assert pins is not None
+        try:
+            got = fetcher.fetch_in_place(ref.id, slot, pins, ref.length, ref.check)
+            assert got is not None and xxhash.xxh3_128_digest(got) == ref.check
+            wrong = bytes(b ^ 0xFF for b in ref.check)
+            assert fetcher.fetch_in_place(ref.id, slot, pins, ref.length, wrong) is None
+            by_blake3 = fetcher.fetch_in_place(ref.id, slot, pins, ref.length, None)
+            assert by_blake3 is not None and bytes(by_blake3) == bytes(got)
+        finally:
+            pins.close()
+
+
+def test_a_store_written_without_checks_restores_in_place_by_blake3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1.1 writer took no checks: its manifests have none, a restore verifies shm's copies
+    by BLAKE3 where they lie, and a damaged one is still caught."""
+    monkeypatch.setattr(placing, "chunk_checks", lambda views, pool=None: [None] * len(views))
+    with open_store(tmp_path) as ckpt:
+        saved = state(4)
+        ckpt.save(4, saved).wait()
+        ckpt.flush()
+        manifest = manifest_of(ckpt)
+        assert all(ref.check is None for ref in manifest.chunks)
+        target = state(5)
+        info = ckpt.restore(target)
+        assert info.chunks_from == {"shm": len(manifest.chunks) + 1}
+        bad = manifest.chunks[-1].id
+        damage_in_shm(ckpt, bad)
+        target = state(5)
+        info = ckpt.restore(target)
+        for k, v in saved["w"].items():
+            assert torch.equal(target["w"][k], v), k
+        assert ("shm", bad) in info.corrupt and ("shm", bad) in info.repaired
