@@ -180,7 +180,11 @@ def remove_unclaimed(path: str, store_id: str | None) -> None:
 
 
 def is_segment(path: str) -> bool:
-    return os.path.isdir(os.path.join(path, "blobs")) and os.path.exists(os.path.join(path, "log"))
+    """Whether ``path`` is an shm store: its ``blobs/`` directory or its ``log``. Either
+    one: an open killed after making ``blobs/`` and before the log leaves a segment too,
+    which then shows in :func:`list_segments` (unowned) and ``tiercheck rm shm://NAME``
+    deletes."""
+    return os.path.isdir(os.path.join(path, "blobs")) or os.path.exists(os.path.join(path, "log"))
 
 
 def list_segments(
