@@ -257,6 +257,18 @@ class Capabilities:
     empty_objects: bool = True
     blob_times: bool = False
 
+    @property
+    def host_memory(self) -> bool:
+        """Whether the tier's copies lie in this host's memory (shm, ``memory://``): lost
+        with the node, not shared, not persistent. A copy read from such a tier never left
+        the host, so a restore verifies it against its chunk's check (XXH3-128) where the
+        manifest records one, not by BLAKE3 (SPEC.md section 7.2)."""
+        return (
+            not self.persistent
+            and not self.shared
+            and self.survives.order <= FailureDomain.PROCESS.order
+        )
+
 
 @dataclass(frozen=True)
 class StoreOwner:

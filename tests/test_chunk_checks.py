@@ -20,6 +20,7 @@ import tiercheck
 from tiercheck import Policy, TierSpec
 from tiercheck.engine import placing
 from tiercheck.formats.manifest import ShardManifest
+from tiercheck.store import fetch as fetch_module
 from tiercheck.store.fetch import ChunkFetcher
 
 CHUNK = 64 * 1024
@@ -132,3 +133,45 @@ def test_a_store_written_without_checks_restores_in_place_by_blake3(
         for k, v in saved["w"].items():
             assert torch.equal(target["w"][k], v), k
         assert ("shm", bad) in info.corrupt and ("shm", bad) in info.repaired
+
+
+def test_a_restore_staged_from_shm_verifies_by_the_checks_and_from_lmdb_by_blake3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While shm cannot be pinned (another reader pins it), a restore reads shm's copies
+    into its staging buffer: those are verified against their checks (no BLAKE3 of a
+    chunk), and a chunk shm lost comes from LMDB, verified by BLAKE3."""
+    hashed: list[str] = []
+    verify = fetch_module._verify
+
+    def counting(raw: memoryview, chunk_id: str) -> None:
+        hashed.append(chunk_id)
+        verify(raw, chunk_id)
+
+    monkeypatch.setattr(fetch_module, "_verify", counting)
+    with open_store(tmp_path) as ckpt:
+        saved = state(6)
+        ckpt.save(6, saved).wait()
+        ckpt.flush()
+        manifest = manifest_of(ckpt)
+        shm = ckpt.tierset.get("shm").tier
+        assert shm is not None
+        held = shm.pin()
+        assert held is not None
+        try:
+            hashed.clear()
+            target = state(7)
+            info = ckpt.restore(target)
+            for k, v in saved["w"].items():
+                assert torch.equal(target["w"][k], v), k
+            assert info.chunks_from == {"shm": len(manifest.chunks) + 1}
+            assert not set(hashed) & {ref.id for ref in manifest.chunks}
+            lost = manifest.chunks[0].id
+            shm.delete([lost])
+            hashed.clear()
+            target = state(7)
+            info = ckpt.restore(target)
+            assert torch.equal(target["w"]["w0"], saved["w"]["w0"])
+            assert info.chunks_from.get("lmdb") == 1 and lost in hashed
+        finally:
+            held.close()

@@ -191,12 +191,16 @@ def fetch_stream(
             )
             if view is None and in_place.every:  # no staging: a buffer of its own
                 view = memoryview(bytearray(ref.length))
-                fetcher.fetch(ref.id, view, order=order, expect=expect)
+                fetcher.fetch(ref.id, view, order=order, expect=expect, check=ref.check)
             if view is not None:
                 verified[ref_index] = view
                 return
         fetcher.fetch(
-            ref.id, stream[ref.offset : ref.offset + ref.length], order=order, expect=expect
+            ref.id,
+            stream[ref.offset : ref.offset + ref.length],
+            order=order,
+            expect=expect,
+            check=ref.check,
         )
         if on_device is not None:
             on_device.verified(ref.offset, ref.length)

@@ -57,6 +57,13 @@ def _verify(raw: memoryview, chunk_id: str) -> None:
         )
 
 
+def _passes(raw: memoryview, check: bytes | None, tier: Tier) -> bool:
+    """Whether ``raw``, read from ``tier``, matches the chunk's ``check`` where that is
+    all it needs: a copy from this host's memory. False: verify it by BLAKE3 (which also
+    decides a copy that fails its check: damaged, or the check is wrong)."""
+    return check is not None and tier.capabilities.host_memory and chunk_check(raw) == check
+
+
 def repair_codec(slot: TierSlot) -> Codec:
     """The codec a rewritten copy gets in ``slot``: raw stays raw, otherwise zstd."""
     return Codec.RAW if slot.policy is None or slot.policy.codec == "raw" else Codec.ZSTD
@@ -119,7 +126,7 @@ class ChunkFetcher:
         return scratch
 
     def _read_decode(
-        self, slot: TierSlot, chunk_id: str, out: memoryview | None
+        self, slot: TierSlot, chunk_id: str, out: memoryview | None, check: bytes | None = None
     ) -> tuple[memoryview, int]:
         """The verified raw bytes of ``chunk_id`` from ``slot`` (in ``out`` if given) and
         the blob's stored size.
@@ -138,7 +145,8 @@ class ChunkFetcher:
             size = tier.get_parts(chunk_id, [memoryview(head), dst])
             raw = raw_payload(head, dst, size, chunk_id, verify=False)
             if raw is not None:
-                _verify(raw, chunk_id)
+                if not _passes(raw, check, tier):
+                    _verify(raw, chunk_id)
                 return raw, size
             if size <= BLOB_HEADER_SIZE + len(dst):  # all of it was read: reassemble
                 blob = self._scratch(size)[:size]
@@ -177,12 +185,16 @@ class ChunkFetcher:
         *,
         order: Sequence[TierSlot] | None = None,
         expect: Sequence[str] = (),
+        check: bytes | None = None,
     ) -> tuple[memoryview, str]:
         """Return ``(raw bytes, tier name)`` for ``chunk_id``, written into ``out`` if given.
 
         ``order`` overrides the tier order; ``expect`` names tiers that should hold the
-        chunk, so a missing copy there is repaired too. Raises :class:`NotFound` if no tier
-        has the chunk, :class:`BlobCorrupt` if every copy found is damaged.
+        chunk, so a missing copy there is repaired too. ``check``: the chunk's check from
+        its manifest, against which a raw copy from a tier of this host's memory is
+        verified (:attr:`~tiercheck.backends.base.Capabilities.host_memory`; every other
+        copy, and one that fails it, by BLAKE3). Raises :class:`NotFound` if no tier has
+        the chunk, :class:`BlobCorrupt` if every copy found is damaged.
         """
         slots = list(order) if order is not None else self.slots
         bad: list[TierSlot] = []
@@ -194,7 +206,7 @@ class ChunkFetcher:
             if tier is None:
                 continue
             try:
-                raw, stored = self._read_decode(slot, chunk_id, out)
+                raw, stored = self._read_decode(slot, chunk_id, out, check)
             except FormatVersionError as exc:
                 # a newer writer's copy, or a damaged version byte: another tier may still
                 # hold a copy this reader can use; refuse only if none does
@@ -249,7 +261,7 @@ class ChunkFetcher:
             raw = raw_payload(front, rest, size, chunk_id, verify=False)
             if raw is None or len(raw) != length:
                 return None
-            if check is None:
+            if check is None or slot.tier is None or not slot.tier.capabilities.host_memory:
                 _verify(raw, chunk_id)
             elif chunk_check(raw) != check:
                 return None
