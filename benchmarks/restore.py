@@ -12,7 +12,8 @@ Every system restores into the same live tensors (a dict of ``--tensors`` fp32 t
 
 - ``memcpy_s``: one copy of the state's bytes (host to host, or host to device): the floor;
 - ``tc_shm_s``: ``restore(state)`` from a store whose only tier is shm (raw blobs), every
-  byte verified (BLAKE3) and the restore all or nothing;
+  byte verified (against its chunk's XXH3-128 check, which the save took before the
+  BLAKE3 id: shm's copies never left this host's memory) and the restore all or nothing;
 - ``tc_shm_prepared_s``: the same from a shm-only store the trainer prepared
   (``ckpt.prepare(state)``) before its save, as a training loop does (or any store from its
   third save on): shm wrote the blobs into segments it keeps mapped, and a restore in the
@@ -284,14 +285,16 @@ def section(path: Path = Path(__file__).parent / "results" / "restore.json") -> 
         f"{doc['load'][0]:.1f} at the start and {doc['load'][1]:.1f} at the end.\n\n"
         "| system | median | throughput |\n|---|---|---|\n" + "\n".join(rows) + "\n\n"
         "| tiercheck (shm) over | ratio |\n|---|---|\n" + "\n".join(ratios) + "\n\n"
-        "tiercheck verifies every chunk of the version where the shm tier holds it (the "
+        "tiercheck verifies every chunk of the version where the shm tier holds it, against "
+        "the chunk's XXH3-128 check that its manifest records (the save took it from the same "
+        "bytes before their BLAKE3 id; SPEC.md section 7.2) ("
         "segment mapped read-only while the restore pins the tier: no put rewrites a deleted "
         "blob's pages until it ends; in the process that saved it, read through the mapping "
         "shm keeps of the segment for its puts, whose pages are already in the page tables, "
         "or, for a blob a save staged straight into shm, where its staging range maps it), "
         "one chunk per core at a time; only when every chunk is "
         "verified does it copy each entry into its live tensor, from the segment, on one "
-        "thread per core: per byte one hash and one copy, no staging buffer, no allocation. "
+        "thread per core: per byte one check and one copy, no staging buffer, no allocation. "
         "Tensors outside stateful objects get no undo copy (they are written last, when "
         "nothing can fail any more), nor do those of a module or optimizer that loads by "
         "reference (torch's own, no load hooks: written last too); an object of another "
