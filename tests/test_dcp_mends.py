@@ -1,10 +1,12 @@
 """DCP on tiercheck after its coordinator was killed in ``finish``, and with DCP's plan
 caching (2 ranks under torchrun).
 
-Every rank had committed its shard of the new checkpoint, and retention in rank 1's store
-had already let go of its shards of the previous checkpoints; the coordinator's store still
-records those checkpoints. Loading without a checkpoint_id falls back to the newest one
-every rank can restore; naming one that cannot be read says which rank lost what.
+Every rank had committed its shard of the new checkpoint; rank 1's store held its shard of
+the newest finished one (tests/test_dcp_hold.py), until a ``gc`` of that store outside DCP,
+which holds nothing, let go of its shards of the previous checkpoints; the coordinator's
+store still records those checkpoints. Loading without a checkpoint_id falls back to the
+newest one every rank can restore; naming one that cannot be read says which rank lost
+what.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     proc = torchrun("save", str(root))
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "Signal 9" in proc.stderr or "SIGKILL" in proc.stderr, proc.stderr[-5000:]
+    # a store opened outside DCP holds nothing: its retention drops the held shard
+    with Checkpointer(rank_root(root, 1), coordinator=LocalCoordinator()) as ckpt:
+        ckpt.gc()
     try:
         yield root
     finally:

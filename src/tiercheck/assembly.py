@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -240,9 +240,18 @@ class Engine:
 
     # --- what the services ask each other -------------------------------------------------
 
+    #: versions held by :meth:`hold`: a protocol above the store still needs them
+    held: frozenset[int] = frozenset()
+
+    def hold(self, versions: Iterable[int]) -> None:
+        """Keep ``versions`` (and what they need) from retention until the next call
+        replaces them; the versions held before go at the next retention."""
+        self.held = frozenset(versions)
+
     def pinned(self) -> set[int]:
-        """The versions saves and migrations in flight still need (retention keeps them)."""
-        out: set[int] = set()
+        """The versions saves and migrations in flight still need, and those held
+        (:meth:`hold`): retention keeps them."""
+        out: set[int] = set(self.held)
         if self.saves is not None:
             out |= self.saves.pinned()
         if self.migrations is not None:

@@ -17,7 +17,7 @@ A ``Checkpointer`` is the front of the library, and it only delegates:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -178,8 +178,7 @@ class Checkpointer:
         a full version). With several ranks, guard on every rank or on none.
 
         Returns a function that removes the hook and the log. The hook only waits: a
-        save's failure is raised by its own handle, never by the optimizer.
-        """
+        save's failure is raised by its own handle, never by the optimizer."""
         return self._engine.guard(optimizer, scaler, log=log, mirrors=mirrors)
 
     def wait_staged(self) -> None:
@@ -203,8 +202,7 @@ class Checkpointer:
         ``role`` forces a base or diff version; left to the store, a save may also be a
         log version when the optimizer is guarded (:meth:`guard`). The save's outcome,
         failure included, is delivered on the returned handle only (``docs/concepts.md``,
-        "Guarantees").
-        """
+        "Guarantees")."""
         return self._engine.writer().submit(step, state, metadata=metadata, role=role)
 
     # --- migration ------------------------------------------------------------------------
@@ -228,6 +226,12 @@ class Checkpointer:
         return migrations.pending() if migrations is not None else []
 
     # --- retention and GC -----------------------------------------------------------------
+
+    def hold(self, versions: Iterable[int]) -> None:
+        """Keep ``versions`` and what they need from retention, in this process, until the
+        next ``hold`` replaces them (``hold(())`` lets go): for a protocol that acknowledges
+        a version after the store committed it (DCP's ``finish``)."""
+        self._engine.hold(versions)
 
     def gc(self, *, dry_run: bool = False, grace: float | None = None) -> list[GCReport]:
         """Apply each tier's retention, then sweep unreferenced blobs from every tier
@@ -296,8 +300,7 @@ class Checkpointer:
         fastest tier that holds an intact copy; damaged copies are repaired when ``repair``.
         ``tiers`` restricts the tiers read. Raises :class:`NoRestorableVersion` or
         :class:`StateError`; on a store that holds no version, :class:`EmptyStore`, or
-        with ``missing_ok`` returns None, ``state`` untouched (a first launch).
-        """
+        with ``missing_ok`` returns None, ``state`` untouched (a first launch)."""
         self._engine.check_open()
         if version is not None and step is not None:
             raise ValueError(f"pass version or step, not both (got {version!r} and step={step!r})")
@@ -315,8 +318,7 @@ class Checkpointer:
         """The committed versions the tiers still hold, oldest first, and where.
 
         Reads the logs only; each :class:`~tiercheck.history.versions.Version` opens its content
-        lazily (``v.entries``, ``v[key]``, ``v.to_state_dict()``).
-        """
+        lazily (``v.entries``, ``v[key]``, ``v.to_state_dict()``)."""
         self.flush()
         catalog = self.refresh() if not self.closed else self._engine.catalog.snapshot()
         pending = {(v, t) for v, t, _ in self.pending_migrations()}
@@ -331,8 +333,7 @@ class Checkpointer:
     ) -> Version:
         """Open one version lazily: an id, ``"latest"``, ``"step:N"``, or ``step=N``.
 
-        Raises :class:`NoRestorableVersion` if the store has no such committed version.
-        """
+        Raises :class:`NoRestorableVersion` if the store has no such committed version."""
         if version is not None and step is not None:
             raise ValueError(f"pass version or step, not both (got {version!r} and step={step!r})")
         return open_version(self, version, step=step, rank=rank)
@@ -369,8 +370,7 @@ class Checkpointer:
         :class:`~tiercheck.errors.UnfinishedWork` lists them.
         ``abandon=True`` does not wait for migrations and logs what was left instead of
         raising (``wait_migrations=False`` is the older spelling of it). Versions committed
-        in the synchronous tiers stay committed either way.
-        """
+        in the synchronous tiers stay committed either way."""
         self._engine.close(timeout=timeout, abandon=abandon or not wait_migrations)
 
     def wait_closed(self, timeout: float | None = None) -> bool:

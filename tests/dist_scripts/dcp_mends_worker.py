@@ -6,8 +6,10 @@ Usage: ``torchrun --nproc-per-node 2 ... dcp_mends_worker.py MODE ROOT``
   version of a store is a base, and at step 4 (a base on every rank) rank 0, DCP's
   coordinator, SIGKILLs itself at the start of ``finish``, after every rank committed its
   shard. Each rank store has a fast tier that keeps every version of the newest base and a
-  durable one that keeps the two newest bases: rank 1's base of step 4 leaves its
-  versions of steps 2 and 3 in no tier, as the default store's shm and LMDB tiers do.
+  durable one that keeps the two newest bases: rank 1's base of step 4 would leave its
+  versions of steps 2 and 3 in no tier, as the default store's shm and LMDB tiers do; it
+  holds step 3's (the newest finished checkpoint's) until a ``gc`` outside DCP, which the
+  test runs after the kill.
 - ``load``: a restarted job's ``dcp.load`` of the newest checkpoint on both ranks; prints
   the step it loaded.
 - ``cache``: three saves with ``checkpoint_id=None`` and DCP's plan caching (the second and

@@ -26,15 +26,19 @@ coordinator (DCP's rank 0) saves its items *together with* the global DCP metada
 every rank has reported its writes (``finish``). That coordinator version is the DCP
 checkpoint: it exists iff every rank's shard was committed first, and it names each rank's
 version and store. A rank that dies mid-write leaves no coordinator version, so the previous
-checkpoint stays the newest one. Each rank's store runs its own retention, though: a rank's
-save of the new checkpoint may drop that rank's shard of the previous one (a base that
-drops the diffs of the base before) before the coordinator records the new one; if the
-coordinator then dies, the reader falls back to the newest checkpoint every rank still
-holds. DCP's own protocol (every rank's ``write_data``, then
-``finish`` on the coordinator with all their results) is thus the two-phase commit: the
-per-rank versions are the prepared shards and the coordinator version is the decision. The
-engine's multi-rank coordinator (:mod:`tiercheck.engine.coordinator`) is not used under DCP, so DCP
-saves get no cross-rank dedup on a shared tier: each rank writes its own store.
+checkpoint stays the newest one. Each rank's store runs its own retention at that rank's
+commit, before the coordinator records the new checkpoint: a base there would let go of
+the diffs before it, the rank's shard of the newest finished checkpoint among them. So
+every rank holds its shard of the newest finished checkpoint (the coordinator names it in
+the plan of each save) until a newer one is finished, across a restart too
+(:mod:`~tiercheck.integrations.dcp.hold`): a job killed before ``finish`` resumes from the
+newest finished checkpoint. Should a rank's shard be lost all the same (a lost tier), the
+reader falls back to the newest checkpoint every rank still holds. DCP's own protocol
+(every rank's ``write_data``, then ``finish`` on the coordinator with all their results) is
+thus the two-phase commit: the per-rank versions are the prepared shards and the
+coordinator version is the decision. The engine's multi-rank coordinator
+(:mod:`tiercheck.engine.coordinator`) is not used under DCP, so DCP saves get no cross-rank
+dedup on a shared tier: each rank writes its own store.
 
 ``TierReader(root)`` reads the metadata from ``root/rank0`` and each rank's items from
 ``root/rank{r}``; ``TierReader(checkpointer)`` reads the metadata from that store and the other

@@ -29,13 +29,18 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tiercheck.checkpointer import Checkpointer
-from tiercheck.engine.coordinator import LocalCoordinator
 from tiercheck.errors import (
     CheckpointError,
     ConfigError,
     UnsupportedValue,
 )
 from tiercheck.integrations.dcp import stores
+from tiercheck.integrations.dcp.hold import (
+    HoldingCoordinator,
+    finished_shards,
+    previous_shard,
+    recorded_hold,
+)
 from tiercheck.integrations.dcp.ids import (
     ITEMS,
     METADATA,
@@ -50,6 +55,7 @@ from tiercheck.integrations.dcp.ids import (
     rank_root,
 )
 from tiercheck.integrations.dcp.metadata import encode_metadata
+from tiercheck.store.catalog import Catalog
 from tiercheck.store.config import TierSpec
 from tiercheck.store.policy import Policy
 
@@ -76,6 +82,9 @@ class _PlanInfo:
     step: int | None = None
     save: str = ""
     """The save the plan was made for (a plan cached at an earlier save carries that one)."""
+    hold: tuple[int, ...] | None = None
+    """The rank's version in the newest finished checkpoint, which it holds while it saves
+    (:mod:`~tiercheck.integrations.dcp.hold`); None: the coordinator could not say."""
 
 
 class TierWriter(StorageWriter):
@@ -95,6 +104,10 @@ class TierWriter(StorageWriter):
     instead (:meth:`wait_migrations` waits for them; :meth:`close` too). ``close()`` closes
     this process's stores under the root (waiting for their migrations); a later save opens
     them again. A store given as a :class:`Checkpointer` is the caller's to close.
+
+    Each rank's store holds its shard of the newest finished checkpoint until a newer one is
+    finished (:mod:`~tiercheck.integrations.dcp.hold`): every save of another rank than the
+    coordinator sets :meth:`Checkpointer.hold` of its store, a given one's too.
     """
 
     def __init__(
@@ -202,10 +215,12 @@ class TierWriter(StorageWriter):
             tiers = self._tiers(root) if callable(self._tiers) else self._tiers
             if tiers is not None and (root / "tiercheck.toml").exists():
                 tiers = None  # an existing store keeps its configuration
+            # the coordinator's own versions are the finished checkpoints: it holds none
+            held = None if self._is_coordinator else recorded_hold(root)
             root.mkdir(parents=True, exist_ok=True)
             # a one-rank store: DCP's own collectives order the ranks (package docstring)
             return Checkpointer(
-                root, tiers=tiers, policy=self._policy, coordinator=LocalCoordinator()
+                root, tiers=tiers, policy=self._policy, coordinator=HoldingCoordinator(held)
             )
 
         self._ckpt = stores.shared_store(root, opener)
@@ -265,11 +280,13 @@ class TierWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ckpt = self._open(self._rank)
+        catalog = ckpt.refresh()
         if self._ref.step is not None:
             step = self._ref.step
         else:
-            steps = [i.step for i in ckpt.refresh().versions.values()]
+            steps = [i.step for i in catalog.versions.values()]
             step = max(steps) + 1 if steps else 0
+        finished = finished_shards(catalog)
         out = []
         self._ranks = {}
         self._planned = step
@@ -277,7 +294,10 @@ class TierWriter(StorageWriter):
             info = plan.storage_data
             if isinstance(info, _PlanInfo):
                 self._ranks[info.rank] = info.root
-                info = dataclasses.replace(info, step=step)
+                hold = None
+                if finished is not None:
+                    hold = (finished[info.rank],) if info.rank in finished else ()
+                info = dataclasses.replace(info, step=step, hold=hold)
             elif not plan.usable:
                 # enable_plan_caching: the rank's plan did not change, and it writes with the
                 # plan it cached at an earlier save (its own TierWriter data included)
@@ -307,12 +327,15 @@ class TierWriter(StorageWriter):
         # the coordinator's own planning, or the checkpoint_id given, names this one; the
         # coordinator's choice does not reach another rank then, which takes the step after
         # its store's newest (the coordinator's, as long as every save reached every rank)
+        fresh = info.save == self._save
+        catalog: Catalog | None = None
         if self._ref.step is not None:
             step = self._ref.step
-        elif info.save == self._save or self._is_coordinator:
+        elif fresh or self._is_coordinator:
             step = info.step
         else:
-            steps = [i.step for i in ckpt.refresh().versions.values()]
+            catalog = ckpt.refresh()
+            steps = [i.step for i in catalog.versions.values()]
             step = max(steps) + 1 if steps else 0
         if self._is_coordinator:
             # saved in finish(), together with the metadata: that version is the checkpoint
@@ -321,8 +344,15 @@ class TierWriter(StorageWriter):
             return _done(results)
         try:
             version = None
+            # until a newer checkpoint is finished, this rank's shard of the newest one
+            # stays, whatever this save lets retention drop (module hold)
+            hold = info.hold if fresh else None
+            if hold is None:  # the coordinator's word did not reach this rank
+                hold = previous_shard(ckpt.refresh() if catalog is None else catalog)
+            ckpt.hold(hold)
             if items:
-                handle = ckpt.save(step, {ITEMS: items}, metadata={"dcp": self._mark(False)})
+                mark = {**self._mark(False), "hold": list(hold)}
+                handle = ckpt.save(step, {ITEMS: items}, metadata={"dcp": mark})
                 version = handle.wait().version
                 self._settle(ckpt)
         except BaseException:
@@ -392,7 +422,10 @@ class TierWriter(StorageWriter):
             state: dict[str, Any] = {METADATA: bytes_entry(encoded)}
             if self._pending:
                 state[ITEMS] = self._pending
-            handle = ckpt.save(self._step, state, metadata={"dcp": self._mark(True)})
+            # each rank's version, which the ranks hold from the next save on (module hold)
+            shards = [[r, v] for r, v in sorted(versions.items()) if v is not None]
+            mark = {**self._mark(True), "shards": shards}
+            handle = ckpt.save(self._step, state, metadata={"dcp": mark})
             handle.wait()
             self.last_version = handle.version
             self._settle(ckpt)
