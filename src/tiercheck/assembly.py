@@ -55,6 +55,7 @@ from tiercheck.store.config import (
     expand_root,
     load_config,
     save_config,
+    without_userinfo,
 )
 from tiercheck.store.leases import GCFence, StoreLock, TierLeases
 from tiercheck.store.policy import Policy
@@ -659,16 +660,19 @@ def write_config(root: Path, config: StoreConfig, *, rewrite: bool) -> None:
 def _check_same_tiers(path: Path, stored: StoreConfig, wanted: StoreConfig) -> None:
     """Raise ConfigError if ``wanted`` names other tiers than the store's file at ``path``:
     rewriting it would leave the store's versions behind in tiers it no longer opens.
-    Tiers are compared by name and URL: options (a budget, credentials the file never
-    holds) may change from one open to the next."""
+    Tiers are compared by name and URL without its user and password: options (a budget,
+    credentials the file never holds, in the URL or not) may change from one open to the
+    next."""
     root = path.parent.resolve()
-    if [(t.name, expand_root(t, root).url) for t in stored.tiers] == [
-        (t.name, expand_root(t, root).url) for t in wanted.tiers
-    ]:
+
+    def tiers(cfg: StoreConfig) -> list[tuple[str, str]]:
+        return [(t.name, without_userinfo(expand_root(t, root).url)) for t in cfg.tiers]
+
+    if tiers(stored) == tiers(wanted):
         return
 
     def names(cfg: StoreConfig) -> str:
-        return ", ".join(f"{t.name} = {t.url}" for t in cfg.tiers)
+        return ", ".join(f"{t.name} = {without_userinfo(t.url)}" for t in cfg.tiers)
 
     raise ConfigError(
         f"{path} configures the tiers [{names(stored)}], not [{names(wanted)}]: the store's "

@@ -8,6 +8,8 @@ and what to do about it.
 
 from __future__ import annotations
 
+from tiercheck.core.urls import without_userinfo
+
 __all__ = [
     "AlreadyExists",
     "BlobCorrupt",
@@ -55,6 +57,7 @@ class TierError(TiercheckError):
     """A tier operation failed. ``url`` names the tier, ``key`` the blob or record."""
 
     def __init__(self, message: str, *, url: str = "", key: str = "") -> None:
+        url = without_userinfo(url)  # an error is shown: never the URL's credentials
         parts = [message]
         if url:
             parts.append(f"tier={url}")

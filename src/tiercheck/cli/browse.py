@@ -117,12 +117,14 @@ def _ls_table(
         )
     console = make_console()
     console.print(table)
+    from tiercheck.store.config import without_userinfo
     from tiercheck.store.guarantees import describe_survival
 
     for s in ckpt.tierset.slots:  # what each column's copies survive
         if s.tier is None:
             console.print(
-                f"[red]tier {plain(s.name)} ({plain(s.spec.url)}) is unavailable: "
+                f"[red]tier {plain(s.name)} ({plain(without_userinfo(s.spec.url))}) is "
+                f"unavailable: "
                 f"{plain(s.error)}[/red]"
             )
         elif s.name in vanished:

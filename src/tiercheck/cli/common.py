@@ -198,33 +198,34 @@ def open_store(root: str, *, write: bool = False) -> Any:
     """
     from tiercheck.checkpointer import Checkpointer
     from tiercheck.engine.coordinator import LocalCoordinator
-    from tiercheck.store.config import CONFIG_NAME
+    from tiercheck.store.config import CONFIG_NAME, without_userinfo
 
     if "://" in root:
+        shown = without_userinfo(root)  # the URL as every message and label names it
         if write:
-            raise UsageError(f"{root}: a tier URL is opened read-only; this command writes")
+            raise UsageError(f"{shown}: a tier URL is opened read-only; this command writes")
         try:
             ckpt: Any = Checkpointer(
                 Path.cwd(), tiers=[root], read_only=True, coordinator=LocalCoordinator()
             )
         except (ConfigError, InvalidURL, FormatVersionError) as exc:
-            raise UsageError(f"{root}: {exc}") from None
+            raise UsageError(f"{shown}: {exc}") from None
         down = [s for s in ckpt.tierset.slots if s.tier is None]
         if down:
             ckpt.close()
-            raise UsageError(f"{root}: cannot open the tier: {down[0].error}")
+            raise UsageError(f"{shown}: cannot open the tier: {down[0].error}")
         if not _holds_anything(ckpt.tierset.slots[0].tier):
             ckpt.close()
-            folders = _store_folders(root)
+            folders = [without_userinfo(f) for f in _store_folders(root)]
             if folders:
                 raise UsageError(
-                    f"{root}: a tier shared by stores (shared_by_stores): each store keeps its "
-                    f"own folder in it; give one of them: {', '.join(folders)}"
+                    f"{shown}: a tier shared by stores (shared_by_stores): each store keeps "
+                    f"its own folder in it; give one of them: {', '.join(folders)}"
                 )
             raise UsageError(
-                f"{root}: holds no tiercheck tier (no owner, log or blob): check the URL"
+                f"{shown}: holds no tiercheck tier (no owner, log or blob): check the URL"
             )
-        ckpt.cli_label = root
+        ckpt.cli_label = shown
         return ckpt
     path = Path(root).expanduser()
     if not path.exists():
@@ -335,6 +336,7 @@ def tier_names(ckpt: Any, wanted: Sequence[str] | None) -> list[str] | None:
 def tiers_json(ckpt: Any, vanished: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """The store's tiers as ``ls --json`` lists them; ``error`` says why a tier is
     unavailable, or (``vanished``, by name) why its content is gone."""
+    from tiercheck.store.config import without_userinfo
     from tiercheck.store.guarantees import describe_survival
 
     out = []
@@ -343,7 +345,7 @@ def tiers_json(ckpt: Any, vanished: Mapping[str, str] | None = None) -> list[dic
         out.append(
             {
                 "name": slot.name,
-                "url": slot.spec.url,
+                "url": without_userinfo(slot.spec.url),
                 "available": slot.tier is not None,
                 "error": slot.error or (vanished or {}).get(slot.name),
                 "speed_rank": slot.speed_rank if slot.tier is not None else None,

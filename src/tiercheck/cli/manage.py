@@ -19,6 +19,7 @@ from tiercheck.cli.common import (
     plain,
     progress_bar,
 )
+from tiercheck.core.urls import without_userinfo
 from tiercheck.errors import (
     ConfigError,
     InvalidURL,
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
 def cmd_rm(args: argparse.Namespace) -> int:
     from tiercheck.store.lifecycle import destroy_segment, destroy_store
 
+    if "://" in args.root and not args.root.startswith("shm://"):
+        raise UsageError(
+            f"{without_userinfo(args.root)}: rm deletes a store by its root directory (or an "
+            "shm segment, shm://NAME), not by a tier URL: give the store's root"
+        )
     ranks = dcp_ranks(args.root)  # a DCP root: every rank's store, or none of them
     try:
         if args.root.startswith("shm://"):  # a segment that is no store's tier

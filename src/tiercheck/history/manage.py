@@ -22,7 +22,7 @@ from tiercheck.formats.manifest import (
 from tiercheck.history.versions import Progress, Version
 from tiercheck.history.view import StoreView
 from tiercheck.store.catalog import append_record, read_tier_log
-from tiercheck.store.config import TierSpec
+from tiercheck.store.config import TierSpec, without_userinfo
 from tiercheck.store.fetch import ChunkFetcher
 from tiercheck.store.tierset import TierSlot
 from tiercheck.upkeep.copying import migrate_shard
@@ -48,7 +48,8 @@ def collect(
 @dataclass
 class MigrateReport:
     """What :func:`migrate` copied: ``versions`` the ids committed to the target (the
-    version and any base it needs), ``already`` those it held before."""
+    version and any base it needs), ``already`` those it held before. ``url`` is the
+    target's URL as it may be shown: without the credentials it may hold."""
 
     tier: str
     url: str
@@ -105,7 +106,7 @@ def migrate(
     t0 = time.perf_counter()
     slot, configured = _target_slot(store, to)
     assert slot.tier is not None
-    report = MigrateReport(slot.name, slot.spec.url, configured=configured)
+    report = MigrateReport(slot.name, without_userinfo(slot.spec.url), configured=configured)
     try:
         catalog = store.refresh()
         target_log = read_tier_log(slot.name, slot.tier)

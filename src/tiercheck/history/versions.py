@@ -49,6 +49,7 @@ from tiercheck.formats.manifest import (
 from tiercheck.history.view import StoreView
 from tiercheck.runtime.handles import TierState
 from tiercheck.store.catalog import Catalog, TierLog
+from tiercheck.store.config import without_userinfo
 from tiercheck.store.fetch import ChunkFetcher, FetchStats
 from tiercheck.store.tierset import TierSlot
 
@@ -544,9 +545,9 @@ def vanished_tiers(store: StoreView[Version], catalog: Catalog) -> dict[str, str
         except TierError:
             continue  # what it holds cannot be told now
         out[slot.name] = (
-            f"holds nothing of this store at {slot.spec.url} (no owner record, no log "
-            "record): what the store wrote there is gone (its directory or bucket prefix was "
-            "deleted or expired, or the URL points elsewhere)"
+            f"holds nothing of this store at {without_userinfo(slot.spec.url)} (no owner "
+            "record, no log record): what the store wrote there is gone (its directory or "
+            "bucket prefix was deleted or expired, or the URL points elsewhere)"
         )
     return out
 

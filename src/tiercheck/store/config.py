@@ -65,7 +65,6 @@ import os
 import re
 import stat
 import sys
-import urllib.parse
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -75,6 +74,7 @@ from typing import Any
 import blake3
 import tomli_w
 
+from tiercheck.core.urls import without_userinfo
 from tiercheck.errors import ConfigError
 from tiercheck.store.policy import Policy, TierPolicy
 
@@ -340,20 +340,6 @@ def is_secret_option(name: str) -> bool:
     """
     lower = name.lower().replace("-", "_")
     return lower in _SECRET_NAMES or lower.endswith(_SECRET_SUFFIXES)
-
-
-def without_userinfo(url: str) -> str:
-    """``url`` without the user and password of its authority (``s3://KEY:SECRET@b/x``
-    -> ``s3://b/x``); any other string is returned as it is."""
-    if "@" not in url or "://" not in url:
-        return url
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:  # not a URL after all (an unbalanced '[' ...): nothing to strip
-        return url
-    if "@" not in parts.netloc:
-        return url
-    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def _reference(value: Any) -> tuple[str, str] | None:

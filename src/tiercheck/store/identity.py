@@ -195,8 +195,8 @@ def namespaced(spec: TierSpec, store_id: str) -> TierSpec:
         return TierSpec(spec.name, f"{url.rstrip('/')}.{store_id[:16]}", options)
     if url.startswith(("peer://", "memory://", "collective://")) or "://" not in url:
         raise ConfigError(
-            f"tier {spec.name} ({url}) cannot be shared by stores: shm, LMDB and fsspec tiers "
-            "keep a namespace per store (a peer daemon keeps one per token)"
+            f"tier {spec.name} ({_shown(spec)}) cannot be shared by stores: shm, LMDB and "
+            "fsspec tiers keep a namespace per store (a peer daemon keeps one per token)"
         )
     parts = urlsplit(url)
     path = f"{parts.path.rstrip('/')}/stores/{store_id}"

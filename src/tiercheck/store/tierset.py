@@ -137,10 +137,11 @@ class TierSet:
         """Open ``spec``'s tier with ``options`` (its secrets read) inside the wrappers they
         ask for; bad wrapper options are a ``ConfigError`` before anything opens."""
         options, wrappers = split_options(options)
-        wrapping(spec.url, wrappers)
+        shown = without_userinfo(spec.url)  # the wrappers name it in their errors
+        wrapping(shown, wrappers)
         if self._read_only:
             options["read_only"] = True
-        return open_wrapped(spec.url, wrappers, functools.partial(open_tier, spec.url, **options))
+        return open_wrapped(shown, wrappers, functools.partial(open_tier, spec.url, **options))
 
     def reopen(self, slot: TierSlot) -> bool:
         """Open ``slot``'s tier, which could not be reached when the store was opened, as
