@@ -98,7 +98,7 @@ def _ls_table(
     now = time.time()
     for v in versions:
         role = _role(v)
-        mark = "" if v.restorable else f" [red]({v.gone or 'not restorable'})[/red]"
+        mark = "" if v.restorable else f" [red]({plain(v.gone or 'not restorable')})[/red]"
         cells = [
             f"[{STATE_STYLE.get(v.tiers[n], '')}]{v.tiers[n]}[/]" if v.tiers[n] else ""
             for n in names
@@ -110,7 +110,7 @@ def _ls_table(
             f"{absolute_time(v.time)} ({relative_time(v.time, now)})",
             *(  # a lost version's row has no sizes: the ack ledger does not record them
                 ("-", "-")
-                if v.gone is not None
+                if v.gone is not None and not v.holders
                 else (human_size(v.logical_bytes), human_size(v.stored_bytes))
             ),
             *cells,
@@ -133,11 +133,14 @@ def _ls_table(
             console.print(f"{plain(s.name)}: survives {describe_survival(s.tier.capabilities)}")
     if dropped is not None:
         console.print(plain(dropped))
-    lost = [v for v in versions if v.gone is not None]
-    if lost:
+    lost: dict[str, list[int]] = {}
+    for v in versions:
+        if v.gone is not None:
+            lost.setdefault(v.gone, []).append(v.step)
+    for gone, steps in lost.items():
         console.print(
-            f"[red]{len(lost)} acknowledged version(s) {lost[0].gone} (steps "
-            f"{', '.join(str(v.step) for v in lost[:8])}{', ...' if len(lost) > 8 else ''}): "
+            f"[red]{len(steps)} acknowledged version(s) {plain(gone)} (steps "
+            f"{', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}): "
             "a restore resumes from the newest restorable version[/red]"
         )
     if not versions:
@@ -261,7 +264,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             f"{human_size(v.stored_bytes)} stored in its tiers"
         )
         console.print(f"shards    {v.world_size} (showing rank {v.rank})")
-        console.print(f"restorable {'yes' if v.restorable else '[red]no[/red]'}")
+        why = f" ({plain(v.gone)})" if v.gone is not None else ""
+        console.print(f"restorable {'yes' if v.restorable else f'[red]no{why}[/red]'}")
         ch = data["chunks"]
         console.print(
             f"chunks    {ch['total']} of {human_size(data['chunk_size'])}, {ch['unique']} unique "

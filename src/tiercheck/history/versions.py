@@ -58,6 +58,8 @@ from tiercheck.store.tierset import TierSlot
 if TYPE_CHECKING:
     import torch
 
+    from tiercheck.restore.losses import ListedLoss
+
 
 __all__ = [
     "EntryInfo",
@@ -174,10 +176,12 @@ class Version:
     survives: str | None = None
     rank: int = field(default=0, repr=False, compare=False)
     gone: str | None = None
-    """Why no tier holds this version although its save was acknowledged: ``"lost with
-    tier shm"`` (the ack ledger names it, the tier that held it lost it, e.g. in a
-    reboot); None for a version a tier holds or held. Such a row has only its id, step,
-    role and time; reading it raises :class:`~tiercheck.errors.NoRestorableVersion`."""
+    """Why this version cannot be restored although its save was acknowledged: ``"lost
+    with tier shm"`` (the ack ledger names it, the tier that held it lost it, e.g. in a
+    reboot), ``"lost with tier shm of rank 1"`` (another rank lost its shard); None
+    otherwise. A row no tier here holds has only its id, step, role and time, and
+    reading it raises :class:`~tiercheck.errors.NoRestorableVersion`; one whose shard
+    this rank still holds reads as any version that is not restorable."""
     _store: StoreView[Version] | None = field(default=None, repr=False, compare=False)
 
     # --- log facts ----------------------------------------------------------------------
@@ -202,7 +206,7 @@ class Version:
     # --- lazy content -------------------------------------------------------------------
 
     def _require_store(self) -> StoreView[Version]:
-        if self.gone is not None or not self.holders:
+        if not self.holders:
             held = ", ".join(f"{n}: {s}" for n, s in self.tiers.items())
             raise NoRestorableVersion(
                 f"version {self.id} (step {self.step}) cannot be read: "
@@ -601,6 +605,7 @@ def build_history(
         held_by[name] = set(tl.held())
     restorable = catalog.restorable_ids
     slots = store.tierset.slots
+    lost = _losses(store, catalog)
     # the writer is another process, if one holds the store: its queue is not visible, the
     # tier's log and cadence are; a tier whose content vanished gets nothing it lost back
     inferred: dict[str, set[int]] = {}
@@ -635,6 +640,8 @@ def build_history(
             if s.tier is not None and tiers[s.name] == "committed"
         ]
         best = max(domains, key=lambda d: d.order).value if domains else None
+        # another rank lost its shard: this rank's is no use to a restore
+        elsewhere = lost[vid].gone if vid in lost and lost[vid].rank != store.rank else None
         out.append(
             Version(
                 id=vid,
@@ -646,73 +653,85 @@ def build_history(
                 logical_bytes=info.logical_bytes,
                 stored_bytes=stored,
                 tiers=tiers,
-                restorable=vid in restorable,
+                restorable=vid in restorable and elsewhere is None,
                 info=info,
                 survives=best,
                 rank=store.rank,
                 _store=store,
+                gone=elsewhere,
             )
         )
-    out += _lost_rows(store, catalog, slots)
-    return out
+    out += [_lost_row(store, a, slots) for vid, a in lost.items() if vid not in versions]
+    return sorted(out, key=lambda v: v.id)
 
 
-def _lost_rows(
-    store: StoreView[Version], catalog: Catalog, slots: Sequence[TierSlot]
-) -> list[Version]:
-    """History rows for the acknowledged versions the ack ledger names and no tier holds
-    any more (:mod:`tiercheck.restore.losses`), after the rows of the versions held."""
-    from tiercheck.restore.losses import ledger_path, lost_versions, read_ledger
+def _losses(
+    store: StoreView[Version] | None, catalog: Catalog | None = None
+) -> dict[int, ListedLoss]:
+    """The acknowledged versions history lists as lost, by id
+    (:func:`tiercheck.restore.losses.listed_losses`), or, without ``catalog``, all those
+    the ack ledgers record as lost (``recorded_losses``); none for a store without a root."""
+    from tiercheck.restore.losses import listed_losses, recorded_losses
 
     root = getattr(store, "root", None)
-    if root is None:
-        return []
-    acked = read_ledger(ledger_path(root, store.rank), store.tierset.store_id)
-    rows = []
-    for a in lost_versions(acked, catalog):
-        if a.id in catalog.versions:
-            continue
-        gone = f"lost with tier {', '.join(a.tiers)}"
-        role: Role = a.role if a.role in ("base", "diff", "log") else "base"  # type: ignore[assignment]
-        info = VersionInfo(a.id, a.step, role, None, 1, (), a.time, 0)
-        tiers: dict[str, TierState] = {s.name: "missing" for s in slots}
-        rows.append(
-            Version(
-                id=a.id,
-                step=a.step,
-                role=role,
-                base=None,
-                time=a.time,
-                metadata={},
-                logical_bytes=0,
-                stored_bytes=0,
-                tiers=tiers,
-                restorable=False,
-                info=info,
-                rank=store.rank,
-                _store=store,
-                gone=gone,
-            )
-        )
-    return rows
+    if store is None or root is None:
+        return {}
+    if catalog is None:
+        return recorded_losses(root, store.rank, store.tierset.store_id)
+    shared = [
+        s.name for s in store.tierset.slots if s.tier is not None and s.tier.capabilities.shared
+    ]
+    return listed_losses(root, store.rank, store.tierset.store_id, catalog, shared)
+
+
+def _lost_row(store: StoreView[Version], a: ListedLoss, slots: Sequence[TierSlot]) -> Version:
+    """The history row of a version lost that no tier here names: its id, step, role and
+    time, from the ack ledger."""
+    role: Role = a.role if a.role in ("base", "diff", "log") else "base"  # type: ignore[assignment]
+    info = VersionInfo(a.id, a.step, role, None, 1, (), a.time, 0)
+    tiers: dict[str, TierState] = {s.name: "missing" for s in slots}
+    return Version(
+        id=a.id,
+        step=a.step,
+        role=role,
+        base=None,
+        time=a.time,
+        metadata={},
+        logical_bytes=0,
+        stored_bytes=0,
+        tiers=tiers,
+        restorable=False,
+        info=info,
+        rank=store.rank,
+        _store=store,
+        gone=a.gone,
+    )
 
 
 def dropped_summary(versions: Sequence[Version], catalog: Catalog) -> str | None:
     """One line for the versions ``versions`` does not list (ids below the newest listed
     that no log read here names, aborted ones aside: retention dropped them, or, in a tier
-    opened by URL, they were never placed there); None if none."""
+    opened by URL, they were never placed there, or an ack ledger records them lost);
+    None if none."""
     if not versions:
         return None
     listed = {v.id for v in versions}
     aborted = set().union(*(tl.aborted for tl in catalog.logs.values()))
     newest = max(listed)
     missing = [i for i in range(newest) if i not in listed and i not in aborted]
-    if not missing:
-        return None
-    return (
-        f"{len(missing)} older version(s) not listed (ids {_ranges(missing)}): no tier read "
-        "here holds them (retention dropped them, or they were never placed there)"
-    )
+    lost = _losses(versions[0]._store) if missing else {}
+    gone = [i for i in missing if i in lost]
+    missing = [i for i in missing if i not in lost]
+    out = []
+    if missing:
+        out.append(
+            f"{len(missing)} older version(s) not listed (ids {_ranges(missing)}): no tier "
+            "read here holds them (retention dropped them, or they were never placed there)"
+        )
+    if gone:  # no longer listed as lost: the store keeps no version as old (losses.py)
+        why = "; ".join(dict.fromkeys(lost[i].gone for i in gone))
+        out.append(f"{len(gone)} older version(s) not listed (ids {_ranges(gone)}) {why}")
+    return "; ".join(out) or None
 
 
 def _ranges(ids: Sequence[int]) -> str:
@@ -759,9 +778,9 @@ def resolve_version(
 ) -> Version:
     """Pick the version ``spec`` names (see :func:`_resolve`), for ``rank`` (None: the
     rows' own). Raises :class:`NoRestorableVersion` when there is no such version, or
-    when it was lost (its row says with which tier)."""
+    when it was lost and no tier here holds it (its row says with which tier)."""
     v = _resolve(versions, spec, step=step)
-    if v.gone is not None:
+    if v.gone is not None and not v.holders:
         raise NoRestorableVersion(
             f"version {v.id} (step {v.step}) was acknowledged, then {v.gone}: no tier holds "
             "it; `tiercheck ls` shows the versions that can be restored"
@@ -794,18 +813,31 @@ def _resolve(
         assert num is not None
         matches = [v for v in versions if v.step == num]
         if not matches:
-            raise NoRestorableVersion(_no_step(versions, num, listed))
+            lost = [a for a in _losses(versions[0]._store).values() if a.step == num]
+            raise NoRestorableVersion(
+                _lost_before(lost[-1], listed) if lost else _no_step(versions, num, listed)
+            )
         return matches[-1]
     for v in versions:
         if v.id == num:
             return v
     if 0 <= num < ids[-1]:  # type: ignore[operator]
+        for was in _losses(versions[0]._store).values():
+            if was.id == num:
+                raise NoRestorableVersion(_lost_before(was, listed))
         raise NoRestorableVersion(
             f"version {num} was committed, then dropped by retention: no tier holds it ({listed})"
         )
     raise NoRestorableVersion(
         f"version {num} is not a committed version of this store "
         f"(committed: {len(ids)} version(s), ids {ids[0]}..{ids[-1]})"
+    )
+
+
+def _lost_before(lost: ListedLoss, listed: str) -> str:
+    return (
+        f"version {lost.id} (step {lost.step}) was acknowledged, then {lost.gone}: no tier "
+        f"holds it, and the store keeps no version as old any more ({listed})"
     )
 
 

@@ -15,10 +15,20 @@ lives on the node whose memory it describes. A version that a reboot-proof tier 
 needs no line: the tier's own log records it.
 
 Reading: :func:`find_losses` compares the ledger with a merged catalog. Every acknowledged
-version newer than the newest restorable one is lost, with the tiers that held it when it
-was acknowledged. Versions retention dropped are older than one it kept, so they never show
-as lost. The first line of the file names the store (its id): the ledger of an earlier
-store at the same root is not read as this one's.
+version newer than the newest restorable one is lost *now*, with the tiers that held it
+when it was acknowledged. Versions retention dropped are older than one it kept, so they
+never show as lost. The first line of the file names the store (its id): the ledger of an
+earlier store at the same root is not read as this one's.
+
+A loss stays on record. Once a newer version is committed, nothing in the logs tells a
+version lost with its tier from one that tier let go of for a newer one: so the first
+writable open after a loss (:class:`AckLedger`, before this process commits anything)
+appends the lost versions to the ledger again, marked ``"lost": true``. History
+(:func:`reported_losses`) lists a version so marked as lost for as long as no tier holds
+it and the store keeps a version older than it: once retention has dropped every older
+version, it would have dropped this one by now too. With several ranks every rank's
+ledger is in the root when the ranks share it, and each rank's history also lists the
+versions another rank recorded as lost that no tier shared by every rank holds.
 """
 
 from __future__ import annotations
@@ -27,25 +37,31 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from tiercheck.backends.base import Capabilities, FailureDomain
-from tiercheck.errors import NoRestorableVersion
+from tiercheck.errors import NoRestorableVersion, TiercheckError
 from tiercheck.formats.manifest import VersionInfo
-from tiercheck.store.catalog import Catalog
+from tiercheck.store.catalog import Catalog, read_catalog
 from tiercheck.store.tierset import TierSet
 
 __all__ = [
     "LEDGER_NAME",
     "AckLedger",
     "Acked",
+    "ListedLoss",
     "Loss",
     "find_losses",
     "ledger_path",
+    "ledgers",
+    "listed_losses",
     "newest_acked",
     "read_ledger",
+    "recorded_losses",
+    "reported_losses",
     "survives_reboot",
 ]
 
@@ -63,6 +79,19 @@ def ledger_path(root: str | os.PathLike[str], rank: int = 0) -> Path:
     return Path(root) / (LEDGER_NAME if rank == 0 else f"{LEDGER_NAME}.{rank}")
 
 
+def ledgers(root: str | os.PathLike[str]) -> dict[int, Path]:
+    """Every rank's ack ledger under ``root``, by rank (those the root holds: with
+    several ranks, all of them where the ranks share the root)."""
+    out: dict[int, Path] = {}
+    for path in Path(root).glob(f"{LEDGER_NAME}*"):
+        suffix = path.name[len(LEDGER_NAME) :]
+        if not suffix:
+            out[0] = path
+        elif suffix[0] == "." and suffix[1:].isdigit():
+            out[int(suffix[1:])] = path
+    return dict(sorted(out.items()))
+
+
 def survives_reboot(caps: Capabilities) -> bool:
     """Whether a tier with ``caps`` keeps its versions through a reboot of this node."""
     return caps.persistent or caps.survives.order >= FailureDomain.NODE.order
@@ -71,13 +100,28 @@ def survives_reboot(caps: Capabilities) -> bool:
 @dataclass(frozen=True)
 class Acked:
     """One version acknowledged in memory tiers only: its id, step, role and the tiers
-    that held it when its save was acknowledged."""
+    that held it when its save was acknowledged; ``lost``: a writable open found it lost
+    (:meth:`AckLedger.record_losses`)."""
 
     id: int
     step: int
     role: str
     tiers: tuple[str, ...]
     time: float = 0.0
+    lost: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """This row as one line of the ledger holds it."""
+        row: dict[str, Any] = {
+            "id": self.id,
+            "step": self.step,
+            "role": self.role,
+            "tiers": list(self.tiers),
+            "time": self.time,
+        }
+        if self.lost:
+            row["lost"] = True
+        return row
 
 
 @dataclass(frozen=True)
@@ -152,7 +196,8 @@ def _span(values: Sequence[int]) -> str:
 
 def read_ledger(path: Path, store_id: str | None) -> list[Acked]:
     """The versions the ledger at ``path`` lists, oldest first (none if it is missing, or
-    names another store than ``store_id``). A torn or damaged line is skipped."""
+    names another store than ``store_id``). A torn or damaged line is skipped; of lines
+    with the same id, the last counts (a version is listed again once found lost)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -178,6 +223,7 @@ def read_ledger(path: Path, store_id: str | None) -> list[Acked]:
                 str(row.get("role", "")),
                 tuple(str(t) for t in row["tiers"]),
                 float(row.get("time", 0.0)),
+                row.get("lost") is True,
             )
         except (ValueError, KeyError, TypeError):
             continue
@@ -206,7 +252,8 @@ class AckLedger:
     """The writer of one store's ack ledger (one per open writable store and rank).
 
     :meth:`note` is called for each committed version, before its save is acknowledged,
-    with the tiers it was committed in."""
+    with the tiers it was committed in. Made when the store opens, before any save of this
+    process: it records the losses found then (:meth:`record_losses`)."""
 
     def __init__(self, root: Path, tierset: TierSet, rank: int = 0) -> None:
         self.path = ledger_path(root, rank)
@@ -220,6 +267,40 @@ class AckLedger:
         self._lines: int | None = None  # lines in the file, once it was checked
         self._durable_id = -1  # the newest version this process committed in a durable tier
         self._warned = False
+        self.record_losses(tierset)
+
+    def record_losses(self, tierset: TierSet) -> None:
+        """Append, marked lost, the versions of the ledger that no tier of ``tierset``
+        holds and that are newer than every version they hold restorable
+        (:func:`lost_versions`): lost with their tiers, since, this process having
+        committed nothing yet, nothing newer can have superseded them. Once this process
+        commits a newer version, only the mark tells them from versions retention let go.
+
+        Costs a read of the logs of the memory tiers the ledger names (the tiers its
+        versions were acknowledged in), and of every tier's only when some version of the
+        ledger is held by none of its tiers, nor anything newer (then its tier was lost, or
+        dropped it for a newer version a more durable tier holds). Never raises: a loss
+        that cannot be recorded is warned about."""
+        try:
+            rows = [a for a in read_ledger(self.path, self.store_id) if not a.lost]
+            if not rows:
+                return
+            tiers = tierset.tiers()
+            named = {t: tiers[t] for a in rows for t in a.tiers if t in tiers}
+            newest = {n: max(tl.held(), default=-1) for n, tl in read_catalog(named).logs.items()}
+            if all(any(newest.get(t, -1) >= a.id for t in a.tiers) for a in rows):
+                return
+            lost = lost_versions(rows, read_catalog(tiers))
+            if lost:
+                with self._lock:
+                    self._append([replace(a, lost=True) for a in lost])
+        except (OSError, TiercheckError) as exc:
+            log.warning(
+                "could not record in %s which acknowledged versions were lost (%s): once a "
+                "newer version is committed, history no longer lists them as lost",
+                self.path,
+                exc,
+            )
 
     def note(self, info: VersionInfo, committed: Sequence[str]) -> None:
         """Record ``info`` if none of ``committed`` survives a reboot. Never raises: a
@@ -230,7 +311,7 @@ class AckLedger:
                 return
             row = Acked(info.id, info.step, info.role, tuple(committed), info.time)
             try:
-                self._append(row)
+                self._append([row])
             except OSError as exc:
                 if not self._warned:
                     self._warned = True
@@ -243,45 +324,31 @@ class AckLedger:
                         exc,
                     )
 
-    def _append(self, row: Acked) -> None:
-        line = json.dumps(
-            {
-                "id": row.id,
-                "step": row.step,
-                "role": row.role,
-                "tiers": list(row.tiers),
-                "time": row.time,
-            }
-        )
+    def _append(self, rows: Sequence[Acked]) -> None:
+        """Append ``rows``, one fsync for all. A ledger rewritten (the first append of a
+        process, or once it holds ``2 * KEEP`` lines) keeps its newest ``KEEP`` versions
+        of those a newer version this process committed in a durable tier has not
+        superseded, and of those recorded lost."""
         if self._lines is None or self._lines >= 2 * KEEP:
-            kept = [a for a in read_ledger(self.path, self.store_id) if a.id > self._durable_id][
-                -KEEP:
-            ]
+            kept = [
+                a
+                for a in read_ledger(self.path, self.store_id)
+                if a.id > self._durable_id or a.lost
+            ][-KEEP:]
             self._rewrite(kept)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+            f.write("".join(json.dumps(a.to_json()) + "\n" for a in rows))
             f.flush()
             os.fsync(f.fileno())
         assert self._lines is not None
-        self._lines += 1
+        self._lines += len(rows)
 
     def _rewrite(self, rows: Sequence[Acked]) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps({"store": self.store_id, "format": 1}) + "\n")
             for a in rows:
-                f.write(
-                    json.dumps(
-                        {
-                            "id": a.id,
-                            "step": a.step,
-                            "role": a.role,
-                            "tiers": list(a.tiers),
-                            "time": a.time,
-                        }
-                    )
-                    + "\n"
-                )
+                f.write(json.dumps(a.to_json()) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -291,9 +358,104 @@ class AckLedger:
 
 def lost_versions(acked: Sequence[Acked], catalog: Catalog) -> list[Acked]:
     """The acknowledged versions of ``acked`` newer than every restorable version of
-    ``catalog`` and held by none of its tiers."""
+    ``catalog`` and held by none of its tiers: lost now (what a restore reports)."""
     newest = max(catalog.restorable_versions(), default=-1)
     return [a for a in acked if a.id > newest and not catalog.holders(a.id)]
+
+
+def reported_losses(
+    acked: Sequence[Acked], catalog: Catalog, *, shared: Collection[str] | None = None
+) -> list[Acked]:
+    """The versions of ``acked`` that history lists as lost: lost now
+    (:func:`lost_versions`), or recorded lost and held by no tier of ``catalog`` while it
+    holds a version older than it (once retention has dropped every older version, it
+    would have dropped this one by now too).
+
+    ``shared``: ``acked`` is another rank's ledger; of its versions only those recorded
+    lost count, and only the tiers named (those shared by every rank, which hold every
+    rank's shard of a version they hold) can tell that one is held."""
+    oldest = min((v for tl in catalog.logs.values() for v in tl.held()), default=None)
+    if shared is None:
+        now = {a.id for a in lost_versions(acked, catalog)}
+        names: Collection[str] = catalog.logs
+    else:
+        now, names = set(), shared
+    logs = [catalog.logs[n] for n in names if n in catalog.logs]
+    return [
+        a
+        for a in acked
+        if a.id in now
+        or (
+            a.lost
+            and oldest is not None
+            and oldest < a.id
+            and not any(tl.holds(a.id) for tl in logs)
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class ListedLoss:
+    """A version history lists as lost: its id, step, role and time, the rank whose
+    ledger reports it, and ``gone``, why (``"lost with tier shm"``, ``"lost with tier shm
+    of rank 1"``)."""
+
+    id: int
+    step: int
+    role: str
+    time: float
+    rank: int
+    gone: str
+
+
+def listed_losses(
+    root: Path, rank: int, store_id: str | None, catalog: Catalog, shared: Collection[str]
+) -> dict[int, ListedLoss]:
+    """The versions the history of ``rank`` lists as lost (:func:`reported_losses`), by
+    id: its own ledger's, and those the ledgers of the other ranks under ``root`` recorded
+    lost (a loss of any rank is the job's: no restore can use the version) unless one of
+    the ``shared`` tiers of ``catalog`` holds them."""
+    return _by_version(
+        root,
+        rank,
+        store_id,
+        lambda acked, other: reported_losses(acked, catalog, shared=shared if other else None),
+    )
+
+
+def recorded_losses(root: Path, rank: int, store_id: str | None) -> dict[int, ListedLoss]:
+    """Every version the ack ledgers under ``root`` (of every rank) record as lost, by id,
+    whether history lists it still or not (it is no longer listed once the store keeps
+    no older version): what names a version no tier holds any more, when asked for."""
+    return _by_version(root, rank, store_id, lambda acked, other: [a for a in acked if a.lost])
+
+
+def _by_version(
+    root: Path,
+    rank: int,
+    store_id: str | None,
+    pick: Callable[[Sequence[Acked], bool], Sequence[Acked]],
+) -> dict[int, ListedLoss]:
+    """``pick(rows, other)`` of the ledger of ``rank`` (``other`` false), then of every
+    other rank's under ``root``, by version: a version ``rank`` lost is its own loss, else
+    that of every other rank that lost it."""
+    paths = ledgers(root)
+    paths.setdefault(rank, ledger_path(root, rank))
+    found: dict[int, dict[int, Acked]] = {}
+    for r in sorted(paths, key=lambda r: r != rank):
+        for a in pick(read_ledger(paths[r], store_id), r != rank):
+            found.setdefault(a.id, {})[r] = a
+    out: dict[int, ListedLoss] = {}
+    for vid, by_rank in sorted(found.items()):
+        mine = by_rank.get(rank)
+        if mine is not None:
+            by_rank = {rank: mine}
+        tiers = ", ".join(dict.fromkeys(t for a in by_rank.values() for t in a.tiers))
+        ranks = ", ".join(map(str, by_rank))
+        of = "" if mine is not None else f" of rank{'s' if len(by_rank) > 1 else ''} {ranks}"
+        first, a = next(iter(by_rank.items()))
+        out[vid] = ListedLoss(vid, a.step, a.role, a.time, first, f"lost with tier {tiers}{of}")
+    return out
 
 
 def find_losses(
@@ -331,10 +493,16 @@ def gone_reason(
     step: int | None = None,
 ) -> str | None:
     """Why the version ``version`` (or of ``step``) is not in ``catalog``: ``"lost with tier
-    T"`` (acknowledged, then lost with a memory tier) or ``"dropped by retention"`` (an id
-    older than a version the store keeps, that no log names as aborted); None if neither."""
-    for a in lost_versions(acked, catalog):
-        if a.id == version or (version is None and a.step == step):
+    T"`` (acknowledged, then lost with a memory tier: lost now, or recorded lost) or
+    ``"dropped by retention"`` (an id older than a version the store keeps, that no log
+    names as aborted); None if neither."""
+    now = {a.id for a in lost_versions(acked, catalog)}
+    for a in acked:
+        if (
+            (a.id in now or a.lost)
+            and not catalog.holders(a.id)
+            and (a.id == version or (version is None and a.step == step))
+        ):
             return f"lost with tier {', '.join(a.tiers)}"
     if version is None:
         ids = [a.id for a in acked if a.step == step and a.id not in catalog.versions]
