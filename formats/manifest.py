@@ -138,7 +138,7 @@ class ChunkRef:
     """A window ``[offset, offset + length)`` of the stream and the id of its content.
 
     ``check`` (schema 1.2): XXH3-128 of the same bytes, which the save took before their id
-    (:func:`~tiercheck.formats.ids.chunk_checks`); a restore verifies a copy read in place
+    (:func:`~tiercheck.formats.ids.chunk_ids_and_checks`); a restore verifies a copy read in place
     from a memory tier of this host against it instead of re-hashing BLAKE3 (SPEC.md
     section 7.2). None where the writer recorded none. Not part of equality: the id names
     the content."""

@@ -19,6 +19,7 @@ import xxhash
 import tiercheck
 from tiercheck import Policy, TierSpec
 from tiercheck.engine import placing
+from tiercheck.formats.ids import chunk_ids
 from tiercheck.formats.manifest import ShardManifest
 from tiercheck.store import fetch as fetch_module
 from tiercheck.store.fetch import ChunkFetcher
@@ -116,7 +117,11 @@ def test_a_store_written_without_checks_restores_in_place_by_blake3(
 ) -> None:
     """A 1.1 writer took no checks: its manifests have none, a restore verifies shm's copies
     by BLAKE3 where they lie, and a damaged one is still caught."""
-    monkeypatch.setattr(placing, "chunk_checks", lambda views, pool=None: [None] * len(views))
+
+    def ids_only(views: Any, threads: Any = None, pool: Any = None) -> Any:
+        return chunk_ids(views, threads, pool=pool), [None] * len(views)
+
+    monkeypatch.setattr(placing, "chunk_ids_and_checks", ids_only)
     with open_store(tmp_path) as ckpt:
         saved = state(4)
         ckpt.save(4, saved).wait()
@@ -175,3 +180,25 @@ def test_a_restore_staged_from_shm_verifies_by_the_checks_and_from_lmdb_by_blake
             assert info.chunks_from.get("lmdb") == 1 and lost in hashed
         finally:
             held.close()
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2])
+@pytest.mark.parametrize("sizes", [[3 << 20] * 3, [64 << 10] * 200, [5, 3 << 20, 70_000, 0]])
+def test_ids_and_checks_agree_with_each_hash_on_every_path(
+    threads: int | None, sizes: list[int]
+) -> None:
+    """Large chunks in lanes or by BLAKE3's tree, small ones in slices, serial: every path
+    gives each chunk its BLAKE3 id and its XXH3-128 check."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import blake3
+
+    from tiercheck.formats.ids import chunk_ids_and_checks
+
+    gen = torch.Generator().manual_seed(len(sizes))
+    chunks = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
+    views = [memoryview(c.numpy()) for c in chunks]
+    with ThreadPoolExecutor(2) as pool:
+        ids, checks = chunk_ids_and_checks(views, threads, pool=pool)
+    assert ids == [blake3.blake3(v).hexdigest() for v in views]
+    assert checks == [xxhash.xxh3_128_digest(v) for v in views]

@@ -81,15 +81,15 @@ def test_blobs_reach_the_tier_before_the_stream_is_hashed(
     put = threading.Event()
     plan.hook(lambda event: put.set(), "put")
     landed: list[bool] = []  # per window hashed: had a blob reached the tier before?
-    real = pipeline.chunk_ids
+    real = pipeline.chunk_ids_and_checks
 
-    def chunk_ids(chunks: Any, threads: int | None = None, *, pool: Any = None) -> list[str]:
+    def hashed(chunks: Any, threads: int | None = None, *, pool: Any = None) -> Any:
         # each window after the first waits (10 s at most) for a blob to reach the tier:
         # a pipeline that places nothing before the whole stream is hashed waits in vain
         landed.append(put.wait(10) if landed else put.is_set())
         return real(chunks, threads, pool=pool)
 
-    monkeypatch.setattr(pipeline, "chunk_ids", chunk_ids)
+    monkeypatch.setattr(pipeline, "chunk_ids_and_checks", hashed)
     ckpt.save(0, state_of(0)).wait()
     assert len(landed) == 5 and landed == [False, True, True, True, True]
     assert bit_mismatch(ckpt.restore(None).state, state_of(0)) is None

@@ -29,7 +29,7 @@ from tiercheck.core.chunking import Layout
 from tiercheck.engine.staging import ShardBytes
 from tiercheck.errors import NotFound, OverBudget, TierError
 from tiercheck.formats.codecs import Codec, delta_if_smaller, encode_blob, encode_blob_parts
-from tiercheck.formats.ids import Buffer, chunk_checks, chunk_id, chunk_ids
+from tiercheck.formats.ids import Buffer, chunk_id, chunk_ids_and_checks
 from tiercheck.formats.manifest import (
     ChunkRef,
     CommitRecord,
@@ -77,11 +77,9 @@ _Encoded = tuple[str, list[Buffer], str | None]
 
 def hash_stream(view: memoryview, layout: Layout, threads: int | None) -> tuple[ChunkRef, ...]:
     """Chunk ids of every window of the staged stream, hashed on ``threads`` cores, and
-    their checks (taken first: :func:`~tiercheck.formats.ids.chunk_checks`)."""
+    their checks (:func:`~tiercheck.formats.ids.chunk_ids_and_checks`)."""
     windows = layout.windows
-    views = [view[o : o + n] for o, n in windows]
-    checks = chunk_checks(views)
-    ids = chunk_ids(views, threads=threads)
+    ids, checks = chunk_ids_and_checks([view[o : o + n] for o, n in windows], threads=threads)
     return tuple(ChunkRef(cid, o, n, c) for cid, c, (o, n) in zip(ids, checks, windows))
 
 
@@ -188,10 +186,9 @@ class ShardStream:
                 part = windows[lo : lo + step]
                 with self._view.reading():
                     views = [self._view[o : o + n] for o, n in part]
-                    # the checks first: a byte changed between the two is caught by the
-                    # check at restore, never blessed by it (SPEC.md section 7.2)
-                    checks = chunk_checks(views, pool=hashing)
-                    ids = chunk_ids(views, threads=threads, pool=hashing)
+                    # each chunk's check just before its id: a byte changed between the
+                    # two is caught by the check at restore, never blessed by it
+                    ids, checks = chunk_ids_and_checks(views, threads=threads, pool=hashing)
                     del views
                 batch = [ChunkRef(cid, o, n, c) for cid, c, (o, n) in zip(ids, checks, part)]
                 if self._queues:
