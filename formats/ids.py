@@ -80,8 +80,15 @@ def chunk_check(data: Buffer) -> bytes:
     return xxhash.xxh3_128_digest(as_byte_view(data))
 
 
-def _hash_serial(views: Sequence[memoryview], checks: list[bytes] | None = None) -> list[str]:
-    return [_hash_one(views, i, checks) for i in range(len(views))]
+def _hash_serial(
+    views: Sequence[memoryview],
+    checks: list[bytes] | None = None,
+    indices: Sequence[int] | None = None,
+) -> list[str]:
+    """The ids of ``views`` (of those at ``indices``), one after the other on this thread."""
+    return [
+        _hash_one(views, i, checks) for i in (range(len(views)) if indices is None else indices)
+    ]
 
 
 def _hash_one(
@@ -150,11 +157,8 @@ def _ids(
     else:
         n_slices = min(workers, len(small))
         slices = [small[k::n_slices] for k in range(n_slices)]
-
-        def hash_slice(idx: Sequence[int]) -> list[str]:
-            return [_hash_one(views, i, checks) for i in idx]
-
-        for idx, hexes in zip(slices, pool.map(hash_slice, slices)):
+        hashed = pool.map(lambda idx: _hash_serial(views, checks, idx), slices)
+        for idx, hexes in zip(slices, hashed):
             for i, h in zip(idx, hexes):
                 ids[i] = h
     return ids

@@ -99,9 +99,9 @@ def test_a_saves_small_chunks_are_hashed_on_the_stores_hashing_pool(
     hashed_on: set[threading.Thread] = set()
     real = ids._hash_serial
 
-    def recording(views: Any) -> list[str]:
+    def recording(*args: Any) -> list[str]:
         hashed_on.add(threading.current_thread())
-        return real(views)
+        return real(*args)
 
     monkeypatch.setattr(ids, "_hash_serial", recording)
     monkeypatch.setattr(ids.os, "cpu_count", lambda: 2)  # the pool path, on any machine
