@@ -42,6 +42,25 @@ def _reboot(segment: str) -> None:
     shutil.rmtree(segment)
 
 
+def rebooted_ranks(root: Path, shm: Path, then: str) -> dict[int, dict[str, Any]]:
+    """Two gloo ranks (tests/dist_scripts/loss_worker.py) save steps 1 and 2; rank 1's shm
+    segment is lost (a reboot of its node); both ranks then run the phase ``then``. Returns
+    what each rank wrote of it, by rank."""
+    import json
+
+    from _dist import torchrun
+
+    name = f"loss{uuid.uuid4().hex[:8]}"
+    script = Path(__file__).parent / "dist_scripts" / "loss_worker.py"
+    for phase in ("save", then):
+        if phase == then:
+            (segment,) = [p for p in shm.iterdir() if p.name.endswith(f"{name}-1")]
+            _reboot(str(segment))
+        proc = torchrun(script, str(root), str(shm), name, phase, nproc=2, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r: json.loads(root.with_name(f"result-{then}-{r}.json").read_text()) for r in (0, 1)}
+
+
 def test_a_restore_after_a_reboot_says_which_steps_were_lost(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -152,24 +171,9 @@ def test_every_rank_reports_the_versions_another_rank_lost(tmp_path: Path) -> No
     the newest they can all read; rank 1 lost step 2, and rank 0, which holds it still,
     reports rank 1's loss as its own ``info.lost`` (naming the rank). Before, rank 0, the
     rank that usually logs, rolled back an acknowledged step without a word."""
-    import json
-    import uuid
-
-    from _dist import torchrun
-
     root, shm = tmp_path / "store", tmp_path / "shm"
-    name = f"loss{uuid.uuid4().hex[:8]}"
-    script = Path(__file__).parent / "dist_scripts" / "loss_worker.py"
     try:
-        for phase in ("save", "restore"):
-            if phase == "restore":
-                (segment,) = [p for p in shm.iterdir() if p.name.endswith(f"{name}-1")]
-                _reboot(str(segment))
-            proc = torchrun(script, str(root), str(shm), name, phase, nproc=2, timeout=180)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        rows = {
-            r: json.loads(root.with_name(f"result-restore-{r}.json").read_text()) for r in (0, 1)
-        }
+        rows = rebooted_ranks(root, shm, "restore")
         assert all(row["step"] == 1 and row["lost_steps"] == [2] for row in rows.values()), rows
         assert rows[1]["lost_rank"] is None and rows[0]["lost_rank"] == 1, rows
         assert "of rank 1" in rows[0]["text"], rows

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from _clirun import run_cli
-from test_losses import _reboot, _save_steps
+from test_losses import _reboot, _save_steps, rebooted_ranks
 
 from tiercheck import Checkpointer, Policy, TierPolicy, TierSpec
 from tiercheck.errors import NoRestorableVersion
@@ -165,21 +165,9 @@ def test_a_loss_on_another_rank_shows_in_rank_0s_view(
     holds its shard of version 1, but no restore can use it: its history (before and after
     the new save) and ``tiercheck ls`` (rank 0's view) list version 1 as lost with rank 1's
     shm; rank 1 lists it as lost with its own."""
-    from _dist import torchrun
-
     root, shm = tmp_path / "store", tmp_path / "shm"
-    name = f"rows{uuid.uuid4().hex[:8]}"
-    script = Path(__file__).parent / "dist_scripts" / "lost_rows_worker.py"
     try:
-        for phase in ("save", "resume"):
-            if phase == "resume":
-                (segment,) = [p for p in shm.iterdir() if p.name.endswith(f"{name}-1")]
-                _reboot(str(segment))
-            proc = torchrun(script, str(root), str(shm), name, phase, nproc=2, timeout=180)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        rows = {
-            r: json.loads(root.with_name(f"result-resume-{r}.json").read_text()) for r in (0, 1)
-        }
+        rows = rebooted_ranks(root, shm, "resume")
         assert all(row["restored"] == 1 for row in rows.values()), rows
         for when in ("before", "after"):
             by_id = {v["id"]: v for v in rows[0][when]}
