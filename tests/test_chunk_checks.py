@@ -8,7 +8,9 @@ Real /dev/shm segments (under the test's directory) and a real LMDB environment.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +29,23 @@ from tiercheck.store.fetch import ChunkFetcher
 CHUNK = 64 * 1024
 
 
-def open_store(tmp_path: Path) -> tiercheck.Checkpointer:
+@contextlib.contextmanager
+def saved_store(
+    tmp_path: Path, seed: int
+) -> Iterator[tuple[tiercheck.Checkpointer, dict[str, Any], ShardManifest]]:
+    """A store of shm and LMDB that saved :func:`state` ``(seed)`` as its one version:
+    the store, the state saved and its manifest."""
     tiers = [
         TierSpec("shm", f"shm://ck{uuid.uuid4().hex[:10]}", {"root": str(tmp_path / "shm")}),
         TierSpec("lmdb", f"lmdb://{tmp_path / 'lmdb'}"),
     ]
-    return tiercheck.Checkpointer(
+    with tiercheck.Checkpointer(
         tmp_path / "store", tiers=tiers, policy=Policy(chunk_size=CHUNK, gc_grace_seconds=0)
-    )
+    ) as ckpt:
+        saved = state(seed)
+        ckpt.save(seed, saved).wait()
+        ckpt.flush()
+        yield ckpt, saved, manifest_of(ckpt)
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -57,9 +68,7 @@ def damage_in_shm(ckpt: tiercheck.Checkpointer, chunk_id: str) -> None:
 
 
 def test_every_saved_chunk_records_xxh3_128_of_its_bytes(tmp_path: Path) -> None:
-    with open_store(tmp_path) as ckpt:
-        ckpt.save(1, state(1)).wait()
-        manifest = manifest_of(ckpt)
+    with saved_store(tmp_path, 1) as (ckpt, _, manifest):
         assert len(manifest.chunks) > 2
         lmdb = ChunkFetcher([ckpt.tierset.get("lmdb")])
         for ref in manifest.chunks:
@@ -72,11 +81,7 @@ def test_a_chunk_that_fails_its_check_in_shm_is_read_from_lmdb_and_repaired(
 ) -> None:
     """The check, not BLAKE3, decides in place: a flipped bit in shm's copy fails it, and
     the restore takes LMDB's copy (verified by BLAKE3), exact, and rewrites shm's."""
-    with open_store(tmp_path) as ckpt:
-        saved = state(2)
-        ckpt.save(2, saved).wait()
-        ckpt.flush()
-        manifest = manifest_of(ckpt)
+    with saved_store(tmp_path, 2) as (ckpt, saved, manifest):
         bad = manifest.chunks[1]
         assert bad.check is not None
         damage_in_shm(ckpt, bad.id)
@@ -93,9 +98,8 @@ def test_in_place_a_wrong_check_defers_to_blake3_and_no_check_means_blake3(
 ) -> None:
     """``fetch_in_place``: the bytes where their check matches; None (read them the long
     way, verified by BLAKE3) where it does not; by BLAKE3 where the manifest has none."""
-    with open_store(tmp_path) as ckpt:
-        ckpt.save(1, state(1)).wait()
-        ref = manifest_of(ckpt).chunks[0]
+    with saved_store(tmp_path, 1) as (ckpt, _, manifest):
+        ref = manifest.chunks[0]
         slot = ckpt.tierset.get("shm")
         assert slot.tier is not None and ref.check is not None
         fetcher = ChunkFetcher(ckpt.tierset.by_speed())
@@ -122,11 +126,7 @@ def test_a_store_written_without_checks_restores_in_place_by_blake3(
         return chunk_ids(views, threads, pool=pool), [None] * len(views)
 
     monkeypatch.setattr(placing, "chunk_ids_and_checks", ids_only)
-    with open_store(tmp_path) as ckpt:
-        saved = state(4)
-        ckpt.save(4, saved).wait()
-        ckpt.flush()
-        manifest = manifest_of(ckpt)
+    with saved_store(tmp_path, 4) as (ckpt, saved, manifest):
         assert all(ref.check is None for ref in manifest.chunks)
         target = state(5)
         info = ckpt.restore(target)
@@ -154,11 +154,7 @@ def test_a_restore_staged_from_shm_verifies_by_the_checks_and_from_lmdb_by_blake
         verify(raw, chunk_id)
 
     monkeypatch.setattr(fetch_module, "_verify", counting)
-    with open_store(tmp_path) as ckpt:
-        saved = state(6)
-        ckpt.save(6, saved).wait()
-        ckpt.flush()
-        manifest = manifest_of(ckpt)
+    with saved_store(tmp_path, 6) as (ckpt, saved, manifest):
         shm = ckpt.tierset.get("shm").tier
         assert shm is not None
         held = shm.pin()
