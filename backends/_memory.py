@@ -57,7 +57,7 @@ class MemoryTier(Tier):
 
     scheme: ClassVar[str] = "memory"
     CAPABILITIES: ClassVar[Capabilities] = Capabilities(
-        survives=FailureDomain.NONE, shared=False, persistent=False, speed_rank=0
+        survives=FailureDomain.NONE, shared=False, persistent=False, speed_rank=0, host_memory=True
     )
 
     def __init__(

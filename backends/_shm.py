@@ -199,6 +199,7 @@ class ShmTier(Tier):
         persistent=False,
         speed_rank=10,
         blob_times=True,
+        host_memory=True,
     )
 
     def __init__(

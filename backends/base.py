@@ -246,6 +246,11 @@ class Capabilities:
     header, a record is a msgpack map.
     ``blob_times`` says that :meth:`Tier.written_at` reports when each blob was written
     (GC's grace period then runs from the blob's own age, across processes).
+    ``host_memory`` says that the tier's copies lie in this host's memory and never leave
+    it (shm, ``memory://``): a restore verifies a copy read from it against its chunk's
+    check (XXH3-128) where the manifest records one, not by BLAKE3 (SPEC.md section 7.2).
+    Only a tier whose bytes cross no disk, no network and no other process's hands may
+    say so: a non-persistent disk tier does not.
     """
 
     survives: FailureDomain
@@ -256,18 +261,7 @@ class Capabilities:
     compress: bool = True
     empty_objects: bool = True
     blob_times: bool = False
-
-    @property
-    def host_memory(self) -> bool:
-        """Whether the tier's copies lie in this host's memory (shm, ``memory://``): lost
-        with the node, not shared, not persistent. A copy read from such a tier never left
-        the host, so a restore verifies it against its chunk's check (XXH3-128) where the
-        manifest records one, not by BLAKE3 (SPEC.md section 7.2)."""
-        return (
-            not self.persistent
-            and not self.shared
-            and self.survives.order <= FailureDomain.PROCESS.order
-        )
+    host_memory: bool = False
 
 
 @dataclass(frozen=True)

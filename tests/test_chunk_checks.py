@@ -198,3 +198,31 @@ def test_ids_and_checks_agree_with_each_hash_on_every_path(
         ids, checks = chunk_ids_and_checks(views, threads, pool=pool)
     assert ids == [blake3.blake3(v).hexdigest() for v in views]
     assert checks == [xxhash.xxh3_128_digest(v) for v in views]
+
+
+def test_a_disk_tier_that_is_not_persistent_is_verified_by_blake3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a tier that says its copies lie in this host's memory (shm, ``memory://``) is
+    verified against the checks: a ``file://`` tier declared ``persistent = false`` (a
+    directory on a tmpfs, say) is a disk tier all the same, verified by BLAKE3."""
+    hashed: list[str] = []
+    verify = fetch_module._verify
+
+    def counting(raw: memoryview, chunk_id: str) -> None:
+        hashed.append(chunk_id)
+        verify(raw, chunk_id)
+
+    monkeypatch.setattr(fetch_module, "_verify", counting)
+    tiers = [TierSpec("files", f"file://{tmp_path / 'files'}", {"persistent": False})]
+    with tiercheck.Checkpointer(tmp_path / "store", tiers=tiers) as ckpt:
+        saved = state(8)
+        ckpt.save(8, saved).wait()
+        slot = ckpt.tierset.get("files")
+        assert slot.tier is not None and not slot.tier.capabilities.persistent
+        assert not slot.tier.capabilities.host_memory
+        manifest = manifest_of(ckpt)
+        target = state(9)
+        ckpt.restore(target)
+        assert torch.equal(target["w"]["w1"], saved["w"]["w1"])
+        assert {ref.id for ref in manifest.chunks} <= set(hashed)

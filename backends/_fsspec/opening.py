@@ -77,6 +77,7 @@ def default_capabilities(*, local: bool, memory: bool, shared: bool | None) -> C
             persistent=False,
             speed_rank=5,
             compress=False,
+            host_memory=True,  # fsspec's memory://: this process's own
         )
     if local:
         return Capabilities(
