@@ -156,7 +156,10 @@ class ChunkFetcher:
                 blob = self._read(tier, chunk_id)
         else:
             blob = self._read(tier, chunk_id)
-        raw = decode_blob(blob, chunk_id, base_lookup=self._base, out=out)
+        try:
+            raw = decode_blob(blob, chunk_id, base_lookup=self._base, out=out)
+        except ValueError as exc:  # a copy of another length than the chunk its id names
+            raise BlobCorrupt(f"not this chunk: {exc}", key=chunk_id) from None
         buf = getattr(self._local, "buf", None)
         if buf is not None and raw.obj is buf.obj:
             raw = memoryview(bytes(raw))  # the scratch buffer is reused by the next read
@@ -167,11 +170,16 @@ class ChunkFetcher:
             cached = self._bases.get(base_id)
         if cached is not None:
             return cached
+        resolving: set[str] = getattr(self._local, "resolving", set())
+        if base_id in resolving:  # a delta whose bases lead back to a chunk being decoded
+            raise BlobCorrupt("its chain of delta bases loops back to itself", key=base_id)
+        self._local.resolving = resolving | {base_id}
         self._local.in_base = getattr(self._local, "in_base", 0) + 1
         try:
             data = bytes(self.fetch(base_id)[0])
         finally:
             self._local.in_base -= 1
+            self._local.resolving = resolving
         with self._lock:
             if len(self._bases) > 64:
                 self._bases.clear()
