@@ -20,12 +20,17 @@ Options: ``ranks_per_node`` (default ``LOCAL_WORLD_SIZE``), ``partners``, ``stor
 group's operations). Every rank must open the tier, in the
 same order relative to other process-group creation (the registry does this when each
 rank's ``Checkpointer`` opens its tiers). With one rank, or a partner equal to the rank
-itself, the store is local and nothing crosses the network.
+itself, the store is local and nothing crosses the network. A partner on the rank's own
+node (one node, or such ``partners``) keeps its copies in memory that a lost node takes
+with it: the tier then declares it survives a crashed process only, and versions
+acknowledged in such memory tiers alone are recorded as the ack ledger's
+(:mod:`tiercheck.restore.losses`), reported if a reboot loses them.
 """
 
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import datetime
 import logging
 import os
@@ -135,6 +140,21 @@ class CollectivePeerTier(Tier):
             raise invalid_url(url, f"partners {partners} is not a permutation of the ranks")
         self.partner = partners[self.rank]
         self.source = partners.index(self.rank)
+        if self.partner // per_node == self.rank // per_node:
+            # the partner's memory is this node's (one node, or a permutation that keeps a
+            # rank on its node): lost with the node, so no survivor of a node loss, and
+            # versions acknowledged there alone go to the ack ledger as memory-only ones
+            self.capabilities = dataclasses.replace(
+                COLLECTIVE_CAPABILITIES, survives=FailureDomain.PROCESS
+            )
+            log.warning(
+                "%s: rank %d's partner, rank %d, is on its own node (%d ranks per node): "
+                "its copies do not survive losing the node",
+                url,
+                self.rank,
+                self.partner,
+                per_node,
+            )
         template = store or f"shm://{self.name}-from-{{src}}"
         options: dict[str, Any] = {"root": shm_root} if shm_root else {}
         self.budget = parse_budget(budget, url)
