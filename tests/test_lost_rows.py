@@ -11,6 +11,8 @@ as a reboot does it: the shm segment is gone (``test_losses._reboot``).
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import uuid
 from pathlib import Path
 
@@ -184,4 +186,56 @@ def test_a_loss_on_another_rank_shows_in_rank_0s_view(
         _, err = run_cli(capsys, "show", root, "1", ok=2)
         assert f"{LOST} of rank 1" in err, err
     finally:
+        destroy_store(root)
+
+
+def test_the_ledgers_rewrite_keeps_the_losses_it_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger is rewritten once it holds ``2 * KEEP`` lines and kept its newest
+    ``KEEP`` rows: after a loss, ``KEEP`` newer memory-only saves pushed the lost rows out,
+    and ``show`` called the lost versions "dropped by retention" while the store still kept
+    an older one. Lost rows are kept apart from the others now."""
+    from tiercheck.restore import losses
+
+    monkeypatch.setattr(losses, "KEEP", 4)
+    root = tmp_path / "ckpt"
+    try:
+        _reboot(_save_steps(root, range(1, 4)))  # version 0 in LMDB, 1 and 2 in shm only
+        model = torch.nn.Linear(64, 64)
+        with Checkpointer(root, policy=Policy(base_every=1000)) as ckpt:
+            for step in range(10, 22):  # memory-only diffs: 12 rows past the lost ones
+                ckpt.save(step, {"model": model}).wait()
+            store_id = ckpt.tierset.store_id
+            assert _gone(ckpt.history()) == {1: LOST, 2: LOST}
+        rows = read_ledger(ledger_path(root), store_id)
+        assert [a.id for a in rows if a.lost] == [1, 2]
+    finally:
+        destroy_store(root)
+
+
+def test_no_loss_is_recorded_while_a_tier_that_may_have_superseded_it_is_down(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Versions a memory tier let go for a newer base that only an unreachable tier holds
+    look lost at an open after a reboot: none is recorded lost then (they were listed as
+    lost for good once the tier came back), and the open says why."""
+    root = tmp_path / "ckpt"
+    try:
+        _reboot(_save_steps(root, range(1, 4)))
+        shutil.move(root / "remote", tmp_path / "away")
+        (root / "remote").write_text("not a directory: the remote cannot be opened")
+        with (
+            caplog.at_level(logging.WARNING, logger="tiercheck.restore.losses"),
+            Checkpointer(root) as ckpt,
+        ):
+            down = [s.name for s in ckpt.tierset.slots if s.tier is None]
+            store_id = ckpt.tierset.store_id
+        assert down, "the remote was expected to be unreachable"
+        assert "not recording which acknowledged versions were lost" in caplog.text
+        assert not [a for a in read_ledger(ledger_path(root), store_id) if a.lost]
+    finally:
+        if (tmp_path / "away").exists():
+            (root / "remote").unlink()
+            shutil.move(tmp_path / "away", root / "remote")
         destroy_store(root)

@@ -290,6 +290,15 @@ class AckLedger:
             newest = {n: max(tl.held(), default=-1) for n, tl in read_catalog(named).logs.items()}
             if all(any(newest.get(t, -1) >= a.id for t in a.tiers) for a in rows):
                 return
+            down = [s.name for s in tierset.slots if s.tier is None]
+            if down:  # it may hold a newer version that superseded them: no judging now
+                log.warning(
+                    "not recording which acknowledged versions were lost while tier(s) %s "
+                    "cannot be reached (a newer version there may have superseded them): "
+                    "once a newer version is committed, history no longer lists them as lost",
+                    ", ".join(down),
+                )
+                return
             lost = lost_versions(rows, read_catalog(tiers))
             if lost:
                 with self._lock:
@@ -328,14 +337,12 @@ class AckLedger:
         """Append ``rows``, one fsync for all. A ledger rewritten (the first append of a
         process, or once it holds ``2 * KEEP`` lines) keeps its newest ``KEEP`` versions
         of those a newer version this process committed in a durable tier has not
-        superseded, and of those recorded lost."""
+        superseded, and its newest ``KEEP`` of those recorded lost."""
         if self._lines is None or self._lines >= 2 * KEEP:
-            kept = [
-                a
-                for a in read_ledger(self.path, self.store_id)
-                if a.id > self._durable_id or a.lost
-            ][-KEEP:]
-            self._rewrite(kept)
+            held = read_ledger(self.path, self.store_id)
+            lost = [a for a in held if a.lost][-KEEP:]  # not pushed out by newer saves
+            live = [a for a in held if not a.lost and a.id > self._durable_id][-KEEP:]
+            self._rewrite(sorted(lost + live, key=lambda a: a.id))
         with open(self.path, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(a.to_json()) + "\n" for a in rows))
             f.flush()
