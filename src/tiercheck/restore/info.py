@@ -22,9 +22,13 @@ class RestoreInfo:
     metadata: Mapping[str, Any]
     source: str
     chunks_from: Mapping[str, int]
+    """Blobs read from each tier by name: the version's chunks and its shard manifests."""
     bytes_read: Mapping[str, int]
     repaired: tuple[tuple[str, str], ...]
+    """``(tier, id)`` of each copy rewritten after a read found it damaged or missing."""
     corrupt: tuple[tuple[str, str], ...]
+    """``(tier, id)`` of each damaged copy found. Both are this version's reads: what a
+    newer version that could not be restored met is in :attr:`fallback`."""
     seconds: float
     state: Any = field(repr=False, default=None)
     replayed_steps: int = 0
