@@ -239,3 +239,19 @@ def test_no_loss_is_recorded_while_a_tier_that_may_have_superseded_it_is_down(
             (root / "remote").unlink()
             shutil.move(tmp_path / "away", root / "remote")
         destroy_store(root)
+
+
+def test_verify_after_a_reboot_says_the_store_starts_shm_afresh(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``verify`` of a store whose shm segment a reboot emptied told the user to move the
+    damaged tier aside and let the store rebuild it; nothing is damaged, and the store's
+    next writable open starts the segment afresh."""
+    root = tmp_path / "ckpt"
+    try:
+        _reboot(_save_steps(root, range(1, 4)))
+        out, _ = run_cli(capsys, "verify", root, ok=1)
+        assert "tier shm cannot be read now" in out and "started afresh" in out, out
+        assert "move the damaged tier aside" not in out, out
+    finally:
+        destroy_store(root)

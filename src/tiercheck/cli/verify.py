@@ -108,6 +108,15 @@ def _verify_one(root: str, args: argparse.Namespace) -> history_verify.VerifyRep
                     "them from"
                 )
             others = [p for p in left if p not in fixable and p.kind != "newer-format"]
+            down = sorted({p.tier for p in others if p.kind == "unreadable" and not p.id})
+            others = [p for p in others if p.tier not in down]
+            if down:  # the tier itself could not be opened or its log read
+                console.print(
+                    f"tier {plain(', '.join(down))} cannot be read now: a remote that is down "
+                    "or a file system not mounted is reopened by the store once it is back; "
+                    "a shm segment a reboot emptied is started afresh by the store's next "
+                    "writable open (`tiercheck ls` lists the versions lost with it)"
+                )
             if others:
                 where = plain(", ".join(sorted({p.tier for p in others})))
                 console.print(
