@@ -144,3 +144,28 @@ def test_hold_keeps_versions_from_retention_until_replaced(tmp_path: Path) -> No
         ckpt.hold([])
         newest = save(3)
         assert {v.id for v in ckpt.history() if v.restorable} == {newest - 1, newest}
+
+
+def test_a_held_diff_keeps_its_base_in_the_tier_that_holds_only_the_base(
+    tmp_path: Path,
+) -> None:
+    """A held diff that a memory tier holds keeps its base in the disk tier too (found by
+    new-user testing with the default stores: shm let the base go under its budget, LMDB,
+    which holds no diffs, dropped it for a newer base, and the held diff, the rank's shard
+    of the newest finished checkpoint, could not be restored). The engine's pinned
+    versions name their bases, whatever tier holds what."""
+    fast = TierPolicy(versions="all", mode="sync", codec="raw", keep_bases=1)
+    disk = TierPolicy(versions="base", mode="sync", codec="raw", keep_bases=1)
+    with Checkpointer(
+        tmp_path / "store",
+        tiers=[("fast", f"memory://{tmp_path.name}-hold"), ("disk", f"lmdb://{tmp_path}/lmdb")],
+        policy=Policy(base_every=2, tiers={"fast": fast, "disk": disk}),
+    ) as ckpt:
+        base = ckpt.save(0, {"w": torch.full((8,), 0.0)}).wait().version
+        held = ckpt.save(1, {"w": torch.full((8,), 1.0)}).wait().version
+        ckpt.hold([held])
+        assert base in ckpt._engine.pinned()
+        ckpt.save(2, {"w": torch.full((8,), 2.0)}).wait()  # a base: disk keeps one base
+        ckpt.flush()
+        tiers = {v.id: dict(v.tiers) for v in ckpt.history()}
+        assert tiers[base]["disk"] == "committed", tiers

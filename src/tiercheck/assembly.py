@@ -251,12 +251,21 @@ class Engine:
 
     def pinned(self) -> set[int]:
         """The versions saves and migrations in flight still need, and those held
-        (:meth:`hold`): retention keeps them."""
+        (:meth:`hold`), with the bases each needs: retention keeps them. The bases are
+        named here, not left to each tier's retention: a tier keeps the base of a version it
+        holds, but a held diff in shm alone needs its base kept in LMDB too."""
         out: set[int] = set(self.held)
         if self.saves is not None:
             out |= self.saves.pinned()
         if self.migrations is not None:
             out |= self.migrations.pinned()
+        versions = self.catalog.snapshot().versions
+        todo = list(out)
+        while todo:
+            info = versions.get(todo.pop())
+            if info is not None and info.base is not None and info.base not in out:
+                out.add(info.base)
+                todo.append(info.base)
         return out
 
     def check_open(self) -> None:
