@@ -169,3 +169,20 @@ def test_a_held_diff_keeps_its_base_in_the_tier_that_holds_only_the_base(
         ckpt.flush()
         tiers = {v.id: dict(v.tiers) for v in ckpt.history()}
         assert tiers[base]["disk"] == "committed", tiers
+
+
+@pytest.mark.slow
+def test_a_failed_saves_checkpoint_id_does_not_name_the_next_save(root: Path) -> None:
+    """DCP resets a writer only for a save given a ``checkpoint_id``: the id of a save
+    that failed before ``finish`` (step 4 named 100) stayed, and the next two saves,
+    given none, were recorded as steps 100 and 101 (found by new-user testing)."""
+    logs = ["--log-dir", str(root.parent / "torchrun-logs")]
+    proc = _dist.torchrun(
+        SCRIPTS / "dcp_failed_id_worker.py",
+        str(root),
+        rendezvous=["--master-addr", "127.0.0.1", "--master-port", str(free_port()), *logs],
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "steps [1, 2, 3, 4, 5]" in proc.stdout, proc.stdout[-3000:]

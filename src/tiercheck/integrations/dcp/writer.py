@@ -133,6 +133,7 @@ class TierWriter(StorageWriter):
         self._policy = policy
         self._ref = parse_checkpoint_id(checkpoint_id)
         self.checkpoint_id: str | int | None = checkpoint_id
+        self._named = checkpoint_id is not None  # the next save's id was given (reset)
         self._lock = threading.Lock()
         self._rank = 0
         self._is_coordinator = True
@@ -259,6 +260,7 @@ class TierWriter(StorageWriter):
                 "name it by step ('step:N')"
             )
         self.checkpoint_id = checkpoint_id
+        self._named = True  # for the save set up next (set_up_storage_writer)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
@@ -270,6 +272,11 @@ class TierWriter(StorageWriter):
         self._rank = int(rank) if isinstance(rank, int) else _dist_rank()
         self._is_coordinator = is_coordinator
         self._pending = None
+        self._step = self._planned = None
+        if not self._named:  # DCP resets only for a save given a checkpoint_id: this one
+            self._ref = CheckpointRef()  # was not, whatever an earlier failed save named
+            self.checkpoint_id = None
+        self._named = False
         self._open(self._rank, fresh=True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
