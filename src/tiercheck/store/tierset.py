@@ -19,7 +19,14 @@ from tiercheck.backends.base import StoreOwner, Tier
 from tiercheck.backends.registry import open_tier
 from tiercheck.backends.resilience import open_wrapped, split_options, wrapping
 from tiercheck.core.sizes import format_size
-from tiercheck.errors import ConfigError, ForeignTier, InvalidURL, TierError, TierUnavailable
+from tiercheck.errors import (
+    ConfigError,
+    ForeignTier,
+    InvalidURL,
+    TierError,
+    TierLost,
+    TierUnavailable,
+)
 from tiercheck.store import identity
 from tiercheck.store.config import StoreConfig, TierSpec, resolve_references, without_userinfo
 from tiercheck.store.policy import Policy, TierPolicy
@@ -32,13 +39,16 @@ log = logging.getLogger(__name__)
 @dataclass
 class TierSlot:
     """One configured tier. ``tier`` is None when it could not be opened (``error`` says
-    why; ``unreachable``: because it could not be reached, ``TierUnavailable``)."""
+    why; ``unreachable``: because it could not be reached, ``TierUnavailable``: it may
+    hold what it held; ``lost``: because its content is gone, ``TierLost``, as a shm
+    segment after a reboot: it holds nothing)."""
 
     spec: TierSpec
     tier: Tier | None
     policy: TierPolicy | None
     error: str | None = None
     unreachable: bool = False
+    lost: bool = False
 
     @property
     def name(self) -> str:
@@ -128,8 +138,8 @@ class TierSet:
                 log.warning(
                     "tier %s (%s) is unavailable: %s", spec.name, without_userinfo(spec.url), exc
                 )
-                down = isinstance(exc, TierUnavailable)
-                self.slots.append(TierSlot(spec, None, None, str(exc), unreachable=down))
+                down, gone = isinstance(exc, TierUnavailable), isinstance(exc, TierLost)
+                self.slots.append(TierSlot(spec, None, None, str(exc), down, gone))
                 continue
             self.slots.append(TierSlot(spec, tier, policy.for_tier(spec.name, tier.capabilities)))
 

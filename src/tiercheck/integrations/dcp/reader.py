@@ -246,8 +246,9 @@ class TierReader(StorageReader):
         """Why a rank's shard of the checkpoint whose stores are ``ranks`` cannot be
         restored (None: every rank's can, or cannot be judged here). The coordinator's own
         shard is in its version, which was found restorable. ``seen``: the catalogs of the
-        stores read so far; None for one with a tier this process cannot read (another
-        node's memory): what it holds there is not known here, so it is not judged."""
+        stores read so far; None for one with a tier this process cannot reach (another
+        node's memory, a remote that is down): what it holds there is not known here, so it
+        is not judged. A tier whose content is gone (``TierSlot.lost``) holds nothing."""
         for rank, (vid, recorded) in sorted(ranks.items()):
             if rank == self._coordinator_rank or vid is None:
                 continue  # in the coordinator's version, or the rank wrote no items
@@ -255,8 +256,10 @@ class TierReader(StorageReader):
                 try:
                     with self._opened(rank, ranks) as ckpt:
                         catalog = ckpt.refresh()
+                        # a tier whose content is gone (shm after a reboot) holds nothing:
+                        # judged; one that cannot be reached may hold the shard
                         whole = not catalog.unreachable and all(
-                            s.tier is not None for s in ckpt.tierset.slots
+                            s.tier is not None or s.lost for s in ckpt.tierset.slots
                         )
                         seen[(rank, recorded)] = (catalog, ckpt.root) if whole else None
                 except NoRestorableVersion as exc:
