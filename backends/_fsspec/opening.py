@@ -7,7 +7,7 @@ import os
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from tiercheck.backends._fsspec.errors import is_unavailable
+from tiercheck.backends._fsspec.errors import is_unavailable, missing_credentials
 from tiercheck.backends._fsspec.local import LocalStore
 from tiercheck.backends._fsspec.remote import FsspecStore
 from tiercheck.backends._fsspec.store import Store
@@ -164,4 +164,17 @@ def _check_bucket(url: str, store: FsspecStore, bucket: str) -> None:
             raise TierUnavailable(
                 f"cannot reach the store to open bucket {bucket!r}: {exc}", url=url
             ) from exc
+        missing = missing_credentials(exc, url, f"open of bucket {bucket!r}")
+        if missing is not None:
+            _forget(store.fs)
+            raise missing from exc  # this tier is unavailable; the store's others open
         raise
+
+
+def _forget(fs: Any) -> None:
+    """Drop ``fs`` from fsspec's instance cache. Its client looked for credentials once,
+    when it was made: without this, every later open with the same options in this
+    process would get it back, and find none even once the environment has them."""
+    cache = getattr(type(fs), "_cache", None)
+    if isinstance(cache, dict):
+        cache.pop(getattr(fs, "_fs_token", None), None)

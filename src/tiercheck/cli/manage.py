@@ -62,6 +62,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 "freed_bytes": report.freed,
                 "lmdb": list(report.lmdb),
                 "kept": list(report.kept),
+                "failed_open": report.failed_open,
             }
             for report in reports
         ]
@@ -78,7 +79,13 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def _print_removal(report: DestroyReport) -> None:
     verb = "would delete" if report.dry_run else "deleted"
-    print(f"{verb} {report.root}")
+    if report.failed_open:
+        print(
+            f"{verb} {report.root}: no store, what a failed open left (its lock file, "
+            "no tiercheck.toml)"
+        )
+    else:
+        print(f"{verb} {report.root}")
     for seg in report.segments:
         print(f"{verb} shm segment {seg}")
     for env in report.lmdb:

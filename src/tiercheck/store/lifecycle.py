@@ -98,7 +98,8 @@ class DestroyReport:
     ``segments``: paths of the shm segments; ``freed``: their bytes; ``lmdb``: LMDB
     environments outside the root; ``kept``: tiers it does not delete (remote stores,
     peer daemons, and segments or environments another store owns), each with its URL or
-    path and why, so the user can decide.
+    path and why, so the user can decide; ``failed_open``: the root was no store but what
+    an open that failed left (its writer lock alone, see :func:`destroy_store`).
     """
 
     root: str
@@ -107,6 +108,7 @@ class DestroyReport:
     lmdb: tuple[str, ...]
     kept: tuple[str, ...]
     dry_run: bool
+    failed_open: bool = False
 
 
 def _this_host() -> str:
@@ -408,6 +410,23 @@ def destroy_segment(url: str, *, dry_run: bool = False) -> DestroyReport:
     return DestroyReport(url, (seg.path,), freed, (), (), dry_run)
 
 
+_LOCK_FILE_RE = re.compile(r"^\.lock(\.rank[0-9]+)?$")
+
+
+def _left_by_a_failed_open(path: Path) -> bool:
+    """Whether the directory ``path`` holds the writer lock files an open takes before it
+    writes ``tiercheck.toml`` (``.lock``, and ``.lock.rankN`` for the ranks of a job) and
+    nothing else: what an open that failed before it made the store leaves behind."""
+    try:
+        with os.scandir(path) as it:
+            entries = list(it)
+    except OSError:
+        return False
+    return any(e.name == ".lock" for e in entries) and all(
+        _LOCK_FILE_RE.match(e.name) and e.is_file(follow_symlinks=False) for e in entries
+    )
+
+
 def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> DestroyReport:
     """Delete the store at ``root``: its shm segments, its LMDB environments and the root.
 
@@ -422,14 +441,30 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
     left as they are and listed in ``kept``, as are segments and environments of other
     stores. ``dry_run`` reports and deletes nothing. ``FileNotFoundError`` if there is
     neither a store at ``root`` nor a segment it owns.
+
+    A directory without ``tiercheck.toml`` is refused (``ConfigError``), unless it holds
+    nothing but tiercheck's writer lock files (``.lock``, ``.lock.rankN``): that is what an
+    open that failed (a bad tier URL, say) left, and it is deleted as a store with no
+    tiers (with any segment recorded at the root), ``failed_open`` in the report.
     """
     path = Path(root).expanduser().resolve()
     config: StoreConfig | None = None
     config_path = path / CONFIG_NAME
+    failed_open = False
     if path.exists() and not config_path.is_file():
-        raise ConfigError(f"{path} is not a tiercheck store (no {CONFIG_NAME}); not deleting it")
+        if not _left_by_a_failed_open(path):
+            raise ConfigError(
+                f"{path} is not a tiercheck store (no {CONFIG_NAME}); not deleting it"
+            )
+        failed_open = True
     lock = _writer_locks(path) if path.exists() else contextlib.nullcontext()
     with lock:
+        if failed_open and not _left_by_a_failed_open(path):
+            # an open made the store (or someone put a file there) before the lock was ours
+            raise ConfigError(
+                f"{path} changed while rm looked at it: no longer only the lock of an open "
+                "that failed; nothing was deleted, look at it and run rm again"
+            )
         if config_path.is_file():
             try:
                 config = load_config(config_path)
@@ -504,6 +539,7 @@ def destroy_store(root: str | os.PathLike[str], *, dry_run: bool = False) -> Des
         lmdb=tuple(lmdb),
         kept=tuple(kept),
         dry_run=dry_run,
+        failed_open=failed_open,
     )
     if not dry_run:
         log.info("deleted store %s (%d shm segments, %d bytes)", path, len(segments), freed)
