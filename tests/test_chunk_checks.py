@@ -67,6 +67,20 @@ def damage_in_shm(ckpt: tiercheck.Checkpointer, chunk_id: str) -> None:
     shm.put(chunk_id, bytes(blob), overwrite=True)
 
 
+def blake3_verified(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of the chunks a read verifies by BLAKE3 from now on (``fetch._verify``
+    still runs: this only records its calls)."""
+    hashed: list[str] = []
+    verify = fetch_module._verify
+
+    def counting(raw: memoryview, chunk_id: str) -> None:
+        hashed.append(chunk_id)
+        verify(raw, chunk_id)
+
+    monkeypatch.setattr(fetch_module, "_verify", counting)
+    return hashed
+
+
 def test_every_saved_chunk_records_xxh3_128_of_its_bytes(tmp_path: Path) -> None:
     with saved_store(tmp_path, 1) as (ckpt, _, manifest):
         assert len(manifest.chunks) > 2
@@ -146,14 +160,7 @@ def test_a_restore_staged_from_shm_verifies_by_the_checks_and_from_lmdb_by_blake
     """While shm cannot be pinned (another reader pins it), a restore reads shm's copies
     into its staging buffer: those are verified against their checks (no BLAKE3 of a
     chunk), and a chunk shm lost comes from LMDB, verified by BLAKE3."""
-    hashed: list[str] = []
-    verify = fetch_module._verify
-
-    def counting(raw: memoryview, chunk_id: str) -> None:
-        hashed.append(chunk_id)
-        verify(raw, chunk_id)
-
-    monkeypatch.setattr(fetch_module, "_verify", counting)
+    hashed = blake3_verified(monkeypatch)
     with saved_store(tmp_path, 6) as (ckpt, saved, manifest):
         shm = ckpt.tierset.get("shm").tier
         assert shm is not None
@@ -206,14 +213,7 @@ def test_a_disk_tier_that_is_not_persistent_is_verified_by_blake3(
     """Only a tier that says its copies lie in this host's memory (shm, ``memory://``) is
     verified against the checks: a ``file://`` tier declared ``persistent = false`` (a
     directory on a tmpfs, say) is a disk tier all the same, verified by BLAKE3."""
-    hashed: list[str] = []
-    verify = fetch_module._verify
-
-    def counting(raw: memoryview, chunk_id: str) -> None:
-        hashed.append(chunk_id)
-        verify(raw, chunk_id)
-
-    monkeypatch.setattr(fetch_module, "_verify", counting)
+    hashed = blake3_verified(monkeypatch)
     tiers = [TierSpec("files", f"file://{tmp_path / 'files'}", {"persistent": False})]
     with tiercheck.Checkpointer(tmp_path / "store", tiers=tiers) as ckpt:
         saved = state(8)
